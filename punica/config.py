@@ -1,0 +1,147 @@
+"""Frozen configuration dataclasses; every invariant is asserted once, in __post_init__."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+
+
+@dataclass(frozen=True)
+class RopeConfig:
+    theta: float = 10000.0
+    rope_type: str = "default"
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+    def __post_init__(self):
+        if self.rope_type not in SUPPORTED_ROPE_TYPES:
+            raise ValueError(
+                f"rope scaling type {self.rope_type!r} is not supported "
+                f"(supported: {', '.join(SUPPORTED_ROPE_TYPES)})"
+            )
+        if self.theta <= 0 or self.factor <= 0:
+            raise ValueError("rope theta and scaling factor must be positive")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-5
+    rope: RopeConfig = field(default_factory=RopeConfig)
+    max_position_embeddings: int = 4096
+    tie_word_embeddings: bool = False
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+
+    def __post_init__(self):
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers",
+                     "num_heads", "num_kv_heads", "head_dim", "max_position_embeddings"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"model config: {name} must be positive, got {getattr(self, name)}")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"model config: num_heads ({self.num_heads}) must be a multiple of "
+                f"num_kv_heads ({self.num_kv_heads})"
+            )
+
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    def projection_shapes(self) -> dict[str, tuple[int, int]]:
+        """(h_in, h_out) of each of the 7 LoRA-able projections of one layer."""
+        h, i = self.hidden_size, self.intermediate_size
+        return {
+            "q": (h, self.q_size), "k": (h, self.kv_size), "v": (h, self.kv_size),
+            "o": (self.q_size, h), "gate": (h, i), "up": (h, i), "down": (i, h),
+        }
+
+    @classmethod
+    def from_hf_dict(cls, d: dict[str, Any]) -> "ModelConfig":
+        archs = d.get("architectures") or ["LlamaForCausalLM"]
+        if not any(a in SUPPORTED_ARCHITECTURES for a in archs) and d.get("model_type") not in ("llama", "mistral"):
+            raise ValueError(f"unsupported architecture {archs}; punica serves Llama-family models")
+        for flag in ("attention_bias", "mlp_bias"):
+            if d.get(flag):
+                raise ValueError(f"model config: {flag}=true is not supported")
+        if d.get("hidden_act", "silu") != "silu":
+            raise ValueError(f"model config: hidden_act {d['hidden_act']!r} is not supported (only silu)")
+        num_heads = d["num_attention_heads"]
+        rope_params = dict(d.get("rope_parameters") or {})
+        scaling = dict(d.get("rope_scaling") or {})
+        rope_params.update(scaling)
+        theta = rope_params.get("rope_theta", d.get("rope_theta", 10000.0))
+        rope_type = rope_params.get("rope_type", rope_params.get("type", "default"))
+        rope = RopeConfig(
+            theta=float(theta),
+            rope_type=rope_type,
+            factor=float(rope_params.get("factor", 1.0)),
+            low_freq_factor=float(rope_params.get("low_freq_factor", 1.0)),
+            high_freq_factor=float(rope_params.get("high_freq_factor", 4.0)),
+            original_max_position_embeddings=int(rope_params.get("original_max_position_embeddings", 8192)),
+        )
+        eos = d.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
+        return cls(
+            vocab_size=d["vocab_size"],
+            hidden_size=d["hidden_size"],
+            intermediate_size=d["intermediate_size"],
+            num_layers=d["num_hidden_layers"],
+            num_heads=num_heads,
+            num_kv_heads=d.get("num_key_value_heads") or num_heads,
+            head_dim=d.get("head_dim") or d["hidden_size"] // num_heads,
+            rms_norm_eps=float(d.get("rms_norm_eps", 1e-5)),
+            rope=rope,
+            max_position_embeddings=d.get("max_position_embeddings", 4096),
+            tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+            bos_token_id=d.get("bos_token_id"),
+            eos_token_ids=eos_ids,
+        )
+
+    @classmethod
+    def from_dir(cls, path: str | Path) -> "ModelConfig":
+        p = Path(path) / "config.json"
+        if not p.is_file():
+            raise FileNotFoundError(f"no config.json in model directory {path}")
+        return cls.from_hf_dict(json.loads(p.read_text()))
+
+
+PRESETS = {
+    # name: (hidden, intermediate, layers, heads, kv_heads, vocab)
+    "llama-2-7b": (4096, 11008, 32, 32, 32, 32000),
+    "llama-2-13b": (5120, 13824, 40, 40, 40, 32000),
+    "llama-2-70b": (8192, 28672, 80, 64, 8, 32000),
+    "llama-3-8b": (4096, 14336, 32, 32, 8, 128256),
+}
+
+
+def preset_config(name: str) -> ModelConfig:
+    """Config of a well-known model shape, for random-weight ("dummy") benchmarks."""
+    if name not in PRESETS:
+        raise ValueError(f"unknown model preset {name!r}; known: {', '.join(PRESETS)}")
+    h, i, n, heads, kv, vocab = PRESETS[name]
+    return ModelConfig(vocab_size=vocab, hidden_size=h, intermediate_size=i, num_layers=n,
+                       num_heads=heads, num_kv_heads=kv, head_dim=h // heads,
+                       max_position_embeddings=4096)
+
+
+def ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+

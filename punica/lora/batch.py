@@ -1,0 +1,47 @@
+"""LoraBatch: the per-step LoRA index metadata, built once per step and passed explicitly."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class LoraBatch:
+    seg_indptr: torch.Tensor   # [num_segments + 1] int32: token offsets of runs of equal slots
+    seg_slots: torch.Tensor    # [num_segments] int32: slot of each run (-1: no LoRA)
+    token_slots: torch.Tensor  # [num_tokens] int32: slot of each token
+    use_bgmv: bool             # run BGMV (per token) instead of SGMV (per segment)
+    any_lora: bool             # False when every token has slot -1: the model skips LoRA
+
+    def __post_init__(self):
+        assert self.seg_indptr.numel() == self.seg_slots.numel() + 1
+        assert self.seg_indptr.dtype == self.seg_slots.dtype == self.token_slots.dtype == torch.int32
+
+    @classmethod
+    def build(cls, request_slots: list[int], request_num_tokens: list[int],
+              device: torch.device | str = "cpu", use_bgmv: bool = False) -> "LoraBatch":
+        """From each request's slot and token count, in the batch's token order.
+
+        Neighbouring requests with the same slot merge into one segment; order requests by
+        slot (within prefill and within decode) to get fewer, longer segments.
+        """
+        assert len(request_slots) == len(request_num_tokens)
+        indptr, slots = [0], []
+        for slot, n in zip(request_slots, request_num_tokens):
+            if n == 0:
+                continue
+            if slots and slots[-1] == slot:
+                indptr[-1] += n
+            else:
+                slots.append(slot)
+                indptr.append(indptr[-1] + n)
+        token_slots = [s for s, n in zip(request_slots, request_num_tokens) for _ in range(n)]
+        return cls(
+            seg_indptr=torch.tensor(indptr, dtype=torch.int32, device=device),
+            seg_slots=torch.tensor(slots, dtype=torch.int32, device=device),
+            token_slots=torch.tensor(token_slots, dtype=torch.int32, device=device),
+            use_bgmv=use_bgmv,
+            any_lora=any(s >= 0 for s in slots),
+        )

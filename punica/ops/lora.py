@@ -1,0 +1,122 @@
+"""The Punica LoRA operators: SGMV (segments) and BGMV (one slot per token).
+
+Canonical weight layout (one per projection of one layer, shared by every op here):
+
+    lora_a : [num_slots, max_rank, h_in]    shrink weights, rows >= an adapter's rank are zero
+    lora_b : [num_slots, h_out, max_rank]   expand weights, columns >= its rank are zero
+    scales : [num_slots] float32            lora_alpha / r (or / sqrt(r) with rsLoRA)
+
+A slot is an index into the GPU adapter pool; slot -1 means "no LoRA" and its rows are left
+untouched (shrink writes zeros for them). The intermediate `v` is float32 whatever the input
+dtype. The PyTorch references (`*_ref`) are the spec; each public function runs one.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+
+class LoraIndices(Protocol):
+    """The per-step index metadata `add_lora` needs (see punica.lora.batch.LoraBatch)."""
+
+    seg_indptr: torch.Tensor   # [num_segments + 1] int32, token offsets of the segments
+    seg_slots: torch.Tensor    # [num_segments] int32, slot of each segment (-1: no LoRA)
+    token_slots: torch.Tensor  # [num_tokens] int32, slot of each token (-1: no LoRA)
+    use_bgmv: bool             # which kernel family this batch runs
+
+
+def sgmv_shrink_ref(x, lora_a, seg_indptr, seg_slots):
+    num_tokens, max_rank = x.shape[0], lora_a.shape[1]
+    v = torch.zeros(num_tokens, max_rank, dtype=torch.float32, device=x.device)
+    bounds = seg_indptr.tolist()
+    for i, slot in enumerate(seg_slots.tolist()):
+        if slot >= 0:
+            lo, hi = bounds[i], bounds[i + 1]
+            v[lo:hi] = x[lo:hi].float() @ lora_a[slot].float().T
+    return v
+
+
+def sgmv_expand_ref(y, v, lora_b, seg_indptr, seg_slots, scales):
+    bounds = seg_indptr.tolist()
+    for i, slot in enumerate(seg_slots.tolist()):
+        if slot >= 0:
+            lo, hi = bounds[i], bounds[i + 1]
+            delta = (v[lo:hi] @ lora_b[slot].float().T) * scales[slot].float()
+            y[lo:hi] = (y[lo:hi].float() + delta).to(y.dtype)
+
+
+def bgmv_shrink_ref(x, lora_a, token_slots):
+    v = torch.zeros(x.shape[0], lora_a.shape[1], dtype=torch.float32, device=x.device)
+    for slot in torch.unique(token_slots).tolist():
+        if slot >= 0:
+            rows = token_slots == slot
+            v[rows] = x[rows].float() @ lora_a[slot].float().T
+    return v
+
+
+def bgmv_expand_ref(y, v, lora_b, token_slots, scales):
+    for slot in torch.unique(token_slots).tolist():
+        if slot >= 0:
+            rows = (token_slots == slot).nonzero().squeeze(1)
+            delta = (v[rows] @ lora_b[slot].float().T) * scales[slot].float()
+            y[rows] = (y[rows].float() + delta).to(y.dtype)
+
+
+def sgmv_shrink(x: torch.Tensor, lora_a: torch.Tensor, seg_indptr: torch.Tensor,
+                seg_slots: torch.Tensor) -> torch.Tensor:
+    """Segmented shrink.
+
+        x: [T, h_in], lora_a: [S, R, h_in], seg_indptr: [n+1], seg_slots: [n]  ->  v: [T, R] fp32
+        for i in range(n):
+            rows = seg_indptr[i] : seg_indptr[i+1]
+            v[rows] = x[rows] @ lora_a[seg_slots[i]].T   if seg_slots[i] >= 0 else 0
+    """
+    return sgmv_shrink_ref(x, lora_a, seg_indptr, seg_slots)
+
+
+def sgmv_expand(y: torch.Tensor, v: torch.Tensor, lora_b: torch.Tensor, seg_indptr: torch.Tensor,
+                seg_slots: torch.Tensor, scales: torch.Tensor) -> None:
+    """Segmented expand, accumulating into y in place (y may be a column slice of a wider tensor).
+
+        y: [T, h_out], v: [T, R] fp32, lora_b: [S, h_out, R], scales: [S]
+        for i in range(n):
+            s = seg_slots[i]; rows = seg_indptr[i] : seg_indptr[i+1]
+            y[rows] += scales[s] * v[rows] @ lora_b[s].T   if s >= 0
+    """
+    return sgmv_expand_ref(y, v, lora_b, seg_indptr, seg_slots, scales)
+
+
+def bgmv_shrink(x: torch.Tensor, lora_a: torch.Tensor, token_slots: torch.Tensor) -> torch.Tensor:
+    """Batched-gather shrink, one slot per token.
+
+        x: [T, h_in], lora_a: [S, R, h_in], token_slots: [T]  ->  v: [T, R] fp32
+        v[t] = x[t] @ lora_a[token_slots[t]].T   if token_slots[t] >= 0 else 0
+    """
+    return bgmv_shrink_ref(x, lora_a, token_slots)
+
+
+def bgmv_expand(y: torch.Tensor, v: torch.Tensor, lora_b: torch.Tensor, token_slots: torch.Tensor,
+                scales: torch.Tensor) -> None:
+    """Batched-gather expand, accumulating into y in place.
+
+        y: [T, h_out], v: [T, R] fp32, lora_b: [S, h_out, R], token_slots: [T], scales: [S]
+        y[t] += scales[s] * v[t] @ lora_b[s].T   where s = token_slots[t], if s >= 0
+    """
+    return bgmv_expand_ref(y, v, lora_b, token_slots, scales)
+
+
+def add_lora(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,
+             scales: torch.Tensor, indices: LoraIndices) -> None:
+    """Add every token's adapter delta to the base projection's output, in place.
+
+        y: [T, h_out], x: [T, h_in]; per segment (or per token with BGMV) of slot s >= 0:
+        y[rows] += (x[rows] @ lora_a[s].T) @ lora_b[s].T * scales[s]
+    """
+    if indices.use_bgmv:
+        v = bgmv_shrink(x, lora_a, indices.token_slots)
+        bgmv_expand(y, v, lora_b, indices.token_slots, scales)
+    else:
+        v = sgmv_shrink(x, lora_a, indices.seg_indptr, indices.seg_slots)
+        sgmv_expand(y, v, lora_b, indices.seg_indptr, indices.seg_slots, scales)

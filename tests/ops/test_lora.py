@@ -1,0 +1,92 @@
+import random
+
+import pytest
+import torch
+
+from punica.lora.batch import LoraBatch
+from punica.ops import lora as ops
+from punica.workloads import WORKLOADS, adapter_ids
+
+
+def make_pool(num_slots, ranks, h_in, h_out, dtype, gen):
+    """Random pool weights with per-slot ranks, zero-padded to the largest rank."""
+    max_rank = max(ranks)
+    a = torch.zeros(num_slots, max_rank, h_in, dtype=dtype)
+    b = torch.zeros(num_slots, h_out, max_rank, dtype=dtype)
+    for s, r in enumerate(ranks):
+        a[s, :r] = torch.randn(r, h_in, generator=gen).to(dtype) / h_in**0.5
+        b[s, :, :r] = torch.randn(h_out, r, generator=gen).to(dtype)
+    scales = torch.rand(num_slots, generator=gen) + 0.5
+    return a, b, scales
+
+
+def naive(y, x, a, b, scales, req_slots, req_lens):
+    """Per-request loop in float64: the plain meaning of add_lora."""
+    out = y.double().clone()
+    lo = 0
+    for slot, n in zip(req_slots, req_lens):
+        if slot >= 0:
+            out[lo:lo + n] += (x[lo:lo + n].double() @ a[slot].double().T) @ b[slot].double().T * float(scales[slot])
+        lo += n
+    return out
+
+
+@pytest.mark.parametrize("workload", WORKLOADS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_sgmv_equals_bgmv_equals_loop(workload, dtype):
+    gen = torch.Generator().manual_seed(hash((workload, str(dtype))) % 2**31)
+    rng = random.Random(7)
+    num_requests, h_in, h_out = 12, 72, 40
+    ids = adapter_ids(workload, num_requests, rng)
+    num_slots = max(ids) + 2
+    ranks = [rng.choice([1, 3, 8, 16]) for _ in range(num_slots)]
+    a, b, scales = make_pool(num_slots, ranks, h_in, h_out, dtype, gen)
+    # one request without LoRA, sorted so that equal slots are neighbours
+    req_slots = sorted(ids[:-1]) + [-1]
+    req_lens = [rng.randint(1, 9) for _ in req_slots]
+    x = torch.randn(sum(req_lens), h_in, generator=gen).to(dtype)
+    y0 = torch.randn(sum(req_lens), h_out, generator=gen).to(dtype)
+    expect = naive(y0, x, a, b, scales, req_slots, req_lens)
+    tol = 1e-5 if dtype == torch.float32 else 3e-2
+    for use_bgmv in (False, True):
+        batch = LoraBatch.build(req_slots, req_lens, use_bgmv=use_bgmv)
+        y = y0.clone()
+        ops.add_lora(y, x, a, b, scales, batch)
+        torch.testing.assert_close(y.double(), expect, rtol=tol, atol=tol)
+    # rows of slot -1 are untouched
+    n_last = req_lens[-1]
+    assert torch.equal(y[-n_last:], y0[-n_last:])
+
+
+def test_shrink_then_expand_on_column_slice():
+    gen = torch.Generator().manual_seed(0)
+    a, b, scales = make_pool(3, [4, 8, 2], 16, 24, torch.float32, gen)
+    x = torch.randn(6, 16, generator=gen)
+    wide = torch.randn(6, 60, generator=gen)
+    before = wide.clone()
+    batch = LoraBatch.build([2, 0, -1], [1, 3, 2])
+    ops.add_lora(wide[:, 10:34], x, a, b, scales, batch)
+    expect = naive(before[:, 10:34], x, a, b, scales, [2, 0, -1], [1, 3, 2])
+    torch.testing.assert_close(wide[:, 10:34].double(), expect, rtol=1e-5, atol=1e-5)
+    assert torch.equal(wide[:, :10], before[:, :10]) and torch.equal(wide[:, 34:], before[:, 34:])
+
+
+def test_shrink_writes_zeros_for_no_lora_rows():
+    gen = torch.Generator().manual_seed(1)
+    a, _, _ = make_pool(2, [8, 8], 16, 8, torch.float32, gen)
+    x = torch.randn(5, 16, generator=gen)
+    batch = LoraBatch.build([-1, 1], [2, 3])
+    v_seg = ops.sgmv_shrink(x, a, batch.seg_indptr, batch.seg_slots)
+    v_tok = ops.bgmv_shrink(x, a, batch.token_slots)
+    assert torch.equal(v_seg[:2], torch.zeros(2, 8)) and torch.equal(v_tok[:2], torch.zeros(2, 8))
+    torch.testing.assert_close(v_seg, v_tok)
+    torch.testing.assert_close(v_seg[2:], x[2:] @ a[1].T)
+
+
+def test_lora_batch_merges_neighbouring_equal_slots():
+    batch = LoraBatch.build([3, 3, -1, 0, 0, 3], [2, 1, 4, 1, 1, 2])
+    assert batch.seg_indptr.tolist() == [0, 3, 7, 9, 11]
+    assert batch.seg_slots.tolist() == [3, -1, 0, 3]
+    assert batch.token_slots.tolist() == [3, 3, 3, -1, -1, -1, -1, 0, 0, 3, 3]
+    assert batch.any_lora
+    assert not LoraBatch.build([-1, -1], [2, 2]).any_lora
