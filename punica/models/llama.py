@@ -1,0 +1,158 @@
+"""One Llama-family model whose 7 projections per layer add each token's LoRA delta.
+
+The forward pass takes one fused batch (prefill tokens first, decode tokens after) with its
+per-step metadata as explicit frozen dataclasses: `AttnBatch` (positions, pages, lengths)
+and `LoraBatch` (which adapter slot each token uses). LoRA weights live in a `LoraWeights`
+source (the GPU adapter pool) attached once with `set_lora`; the model never copies them.
+q/k/v and gate/up run as one fused base GEMM each; their LoRA deltas land on column slices.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from punica.config import ModelConfig, RopeConfig
+from punica.lora.batch import LoraBatch
+from punica.ops.attention import AttnBatch, paged_attention_ref, write_kv_ref
+from punica.ops.lora import add_lora
+
+
+class LoraWeights(Protocol):
+    """Where the model reads LoRA weights: punica.lora.pool.LoraPool provides this."""
+
+    scales: torch.Tensor  # [num_slots] float32
+
+    def weights(self, layer: int, projection: str) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(lora_a [S, R, h_in], lora_b [S, h_out, R]) of one layer's projection, or None."""
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float, **factory):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size, **factory), requires_grad=False)
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+def rope_inv_freq(rope: RopeConfig, head_dim: int) -> torch.Tensor:
+    """Inverse frequencies [head_dim / 2] in float32, with linear or llama3 scaling applied."""
+    inv_freq = 1.0 / (rope.theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+    if rope.rope_type == "linear":
+        return inv_freq / rope.factor
+    if rope.rope_type == "llama3":
+        low_wavelen = rope.original_max_position_embeddings / rope.low_freq_factor
+        high_wavelen = rope.original_max_position_embeddings / rope.high_freq_factor
+        wavelen = 2 * math.pi / inv_freq
+        smooth = (rope.original_max_position_embeddings / wavelen - rope.low_freq_factor) / (
+            rope.high_freq_factor - rope.low_freq_factor)
+        smoothed = (1 - smooth) * inv_freq / rope.factor + smooth * inv_freq
+        return torch.where(wavelen > low_wavelen, inv_freq / rope.factor,
+                           torch.where(wavelen < high_wavelen, inv_freq, smoothed))
+    return inv_freq
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [T, H, D]; cos, sin: [T, D/2] float32. Rotates the two halves (HF's rotate_half)."""
+    x1, x2 = x.float().chunk(2, dim=-1)
+    cos, sin = cos[:, None, :], sin[:, None, :]
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
+
+
+class LlamaLayer(nn.Module):
+    def __init__(self, config: ModelConfig, index: int, **factory):
+        super().__init__()
+        c = config
+        self.index = index
+        self.num_heads, self.num_kv_heads, self.head_dim = c.num_heads, c.num_kv_heads, c.head_dim
+        self.input_norm = RMSNorm(c.hidden_size, c.rms_norm_eps, **factory)
+        self.qkv_proj = nn.Linear(c.hidden_size, c.q_size + 2 * c.kv_size, bias=False, **factory)
+        self.o_proj = nn.Linear(c.q_size, c.hidden_size, bias=False, **factory)
+        self.post_norm = RMSNorm(c.hidden_size, c.rms_norm_eps, **factory)
+        self.gate_up_proj = nn.Linear(c.hidden_size, 2 * c.intermediate_size, bias=False, **factory)
+        self.down_proj = nn.Linear(c.intermediate_size, c.hidden_size, bias=False, **factory)
+        q, kv, inter = c.q_size, c.kv_size, c.intermediate_size
+        self.qkv_slices = {"q": (0, q), "k": (q, q + kv), "v": (q + kv, q + 2 * kv)}
+        self.gate_up_slices = {"gate": (0, inter), "up": (inter, 2 * inter)}
+
+    def _project(self, linear: nn.Linear, x: torch.Tensor, slices: dict[str, tuple[int, int]],
+                 lora: LoraBatch, lora_weights: LoraWeights | None) -> torch.Tensor:
+        y = linear(x)
+        if lora_weights is not None and lora.any_lora:
+            for projection, (lo, hi) in slices.items():
+                w = lora_weights.weights(self.index, projection)
+                if w is not None:
+                    add_lora(y[:, lo:hi], x, w[0], w[1], lora_weights.scales, lora)
+        return y
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttnBatch,
+                lora: LoraBatch, kv_layer: torch.Tensor, lora_weights: LoraWeights | None) -> torch.Tensor:
+        num_tokens = x.shape[0]
+        h = self.input_norm(x)
+        qkv = self._project(self.qkv_proj, h, self.qkv_slices, lora, lora_weights)
+        q_end, k_end = self.qkv_slices["k"][0], self.qkv_slices["v"][0]
+        q = qkv[:, :q_end].reshape(num_tokens, self.num_heads, self.head_dim)
+        k = qkv[:, q_end:k_end].reshape(num_tokens, self.num_kv_heads, self.head_dim)
+        v = qkv[:, k_end:].reshape(num_tokens, self.num_kv_heads, self.head_dim)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        write_kv_ref(kv_layer, k, v, attn.slot_mapping)
+        o = paged_attention_ref(q, kv_layer, attn, self.head_dim ** -0.5).reshape(num_tokens, -1)
+        x = x + self._project(self.o_proj, o, {"o": (0, x.shape[1])}, lora, lora_weights)
+        h = self.post_norm(x)
+        gate_up = self._project(self.gate_up_proj, h, self.gate_up_slices, lora, lora_weights)
+        gate, up = gate_up.chunk(2, dim=-1)
+        act = F.silu(gate) * up
+        return x + self._project(self.down_proj, act, {"down": (0, x.shape[1])}, lora, lora_weights)
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, config: ModelConfig, dtype: torch.dtype = torch.float32,
+                 device: torch.device | str = "cpu"):
+        super().__init__()
+        factory = {"dtype": dtype, "device": device}
+        self.config = config
+        self.embed = nn.Embedding(config.vocab_size, config.hidden_size, **factory)
+        self.layers = nn.ModuleList(LlamaLayer(config, i, **factory) for i in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, **factory)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False, **factory)
+        self.tie_weights()
+        self.requires_grad_(False)
+        self.lora_weights: LoraWeights | None = None
+        self._inv_freq: torch.Tensor | None = None
+
+    def tie_weights(self) -> None:
+        if self.config.tie_word_embeddings:
+            self.lm_head.weight = self.embed.weight
+
+    def new_kv_cache(self, num_pages: int, page_size: int) -> torch.Tensor:
+        """An empty paged KV cache [L, num_pages, 2, page_size, Hkv, D] in the model's dtype."""
+        c, w = self.config, self.embed.weight
+        return torch.zeros(c.num_layers, num_pages, 2, page_size, c.num_kv_heads, c.head_dim,
+                           dtype=w.dtype, device=w.device)
+
+    def set_lora(self, lora_weights: LoraWeights | None) -> None:
+        self.lora_weights = lora_weights
+
+    def rope_cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._inv_freq is None or self._inv_freq.device != positions.device:
+            self._inv_freq = rope_inv_freq(self.config.rope, self.config.head_dim).to(positions.device)
+        freqs = positions.float()[:, None] * self._inv_freq[None, :]
+        return freqs.cos(), freqs.sin()
+
+    def forward(self, input_ids: torch.Tensor, attn: AttnBatch, lora: LoraBatch,
+                kv_cache: torch.Tensor) -> torch.Tensor:
+        """input_ids: [T]; kv_cache: [L, P, 2, page_size, Hkv, D]  ->  logits [num_logits, V] float32."""
+        x = self.embed(input_ids)
+        cos, sin = self.rope_cos_sin(attn.positions)
+        for layer, kv_layer in zip(self.layers, kv_cache):
+            x = layer(x, cos, sin, attn, lora, kv_layer, self.lora_weights)
+        x = self.norm(x[attn.logits_indices])
+        return self.lm_head(x).float()

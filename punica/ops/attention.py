@@ -1,0 +1,110 @@
+"""Attention over the paged KV cache for one fused batch of prefill and decode requests.
+
+KV cache layout, per layer: [num_pages, 2, page_size, num_kv_heads, head_dim] (page outermost,
+as in the paper: any request's pages can be anywhere, so requests join and leave freely).
+The whole cache is one tensor [num_layers, num_pages, 2, page_size, num_kv_heads, head_dim].
+
+Batch order: prefill requests first, then decode requests. A request's queries are the last
+`query_len` of its `context_len` tokens (a prefill of a fresh prompt has query_len ==
+context_len; a decode has query_len == 1; a recomputed prefill after preemption is a prefill).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from punica.config import ceil_div
+
+
+@dataclass(frozen=True)
+class AttnBatch:
+    positions: torch.Tensor       # [T] int64: position of each token in its sequence
+    slot_mapping: torch.Tensor    # [T] int64: page * page_size + offset where its K/V is written
+    page_table: torch.Tensor      # [B, max_pages] int32: pages of each request, in order
+    query_start: torch.Tensor     # [B + 1] int32: token offset of each request's queries
+    context_lens: torch.Tensor    # [B] int32: tokens in cache for each request after this step
+    logits_indices: torch.Tensor  # [num_logits] int64: token rows whose logits are computed
+    num_prefills: int
+    num_prefill_tokens: int
+    query_lens_host: tuple[int, ...]
+    context_lens_host: tuple[int, ...]
+
+    def __post_init__(self):
+        assert len(self.query_lens_host) == len(self.context_lens_host) == self.page_table.shape[0]
+        assert all(0 < q <= c for q, c in zip(self.query_lens_host, self.context_lens_host))
+        assert all(q == 1 for q in self.query_lens_host[self.num_prefills:])
+
+    @property
+    def num_tokens(self) -> int:
+        return self.positions.shape[0]
+
+    @classmethod
+    def build(cls, query_lens: list[int], context_lens: list[int], page_tables: list[list[int]],
+              page_size: int, num_prefills: int, device: torch.device | str = "cpu",
+              all_logits: bool = False) -> "AttnBatch":
+        """From per-request query lengths, context lengths and page lists (host lists)."""
+        positions, slots, starts = [], [], [0]
+        for q, c, pages in zip(query_lens, context_lens, page_tables):
+            if len(pages) < ceil_div(c, page_size):
+                raise ValueError(f"request needs {ceil_div(c, page_size)} pages for {c} tokens, has {len(pages)}")
+            for pos in range(c - q, c):
+                positions.append(pos)
+                slots.append(pages[pos // page_size] * page_size + pos % page_size)
+            starts.append(starts[-1] + q)
+        max_pages = max((len(p) for p in page_tables), default=0)
+        table = [p + [0] * (max_pages - len(p)) for p in page_tables]
+        logits_rows = list(range(starts[-1])) if all_logits else [s - 1 for s in starts[1:]]
+
+        def tensor(xs, dtype):
+            return torch.tensor(xs, dtype=dtype, device=device)
+
+        return cls(
+            positions=tensor(positions, torch.int64),
+            slot_mapping=tensor(slots, torch.int64),
+            page_table=tensor(table, torch.int32).reshape(len(page_tables), max_pages),
+            query_start=tensor(starts, torch.int32),
+            context_lens=tensor(context_lens, torch.int32),
+            logits_indices=tensor(logits_rows, torch.int64),
+            num_prefills=num_prefills,
+            num_prefill_tokens=starts[num_prefills],
+            query_lens_host=tuple(query_lens),
+            context_lens_host=tuple(context_lens),
+        )
+
+
+def write_kv_ref(kv_layer: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """kv_layer[page, 0|1, offset] = k|v for each token's slot = page * page_size + offset."""
+    page_size = kv_layer.shape[2]
+    pages, offsets = slot_mapping // page_size, slot_mapping % page_size
+    kv_layer[pages, 0, offsets] = k.to(kv_layer.dtype)
+    kv_layer[pages, 1, offsets] = v.to(kv_layer.dtype)
+
+
+def paged_attention_ref(q: torch.Tensor, kv_layer: torch.Tensor, batch: AttnBatch, scale: float) -> torch.Tensor:
+    """Causal GQA attention of each request's queries over its cached keys and values.
+
+        q: [T, Hq, D], kv_layer: [P, 2, page_size, Hkv, D]  ->  out: [T, Hq, D]
+        for request i with queries rows[i] and context c_i over pages page_table[i]:
+            K, V = cached tokens 0..c_i-1;  query j sits at position c_i - q_i + j
+            out[rows[i]][j] = softmax(scale * q_j K^T, keys at positions <= its own) V
+    """
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    page_size, num_kv_heads = kv_layer.shape[2], kv_layer.shape[3]
+    group = num_heads // num_kv_heads
+    out = torch.empty_like(q)
+    start = 0
+    for i, (q_len, ctx) in enumerate(zip(batch.query_lens_host, batch.context_lens_host)):
+        pages = batch.page_table[i, : ceil_div(ctx, page_size)].long()
+        k = kv_layer[pages, 0].reshape(-1, num_kv_heads, head_dim)[:ctx].float()
+        v = kv_layer[pages, 1].reshape(-1, num_kv_heads, head_dim)[:ctx].float()
+        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+        qi = q[start:start + q_len].float()
+        scores = torch.einsum("qhd,khd->hqk", qi, k) * scale
+        query_pos = torch.arange(ctx - q_len, ctx, device=q.device)[:, None]
+        mask = torch.arange(ctx, device=q.device)[None, :] > query_pos
+        scores.masked_fill_(mask, float("-inf"))
+        out[start:start + q_len] = torch.einsum("hqk,khd->qhd", scores.softmax(-1), v).to(q.dtype)
+        start += q_len
+    return out
