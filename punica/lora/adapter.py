@@ -1,0 +1,213 @@
+"""Load a PEFT LoRA adapter directory into the canonical layout of punica.ops.lora.
+
+    lora_a[proj] : [num_layers, rank, h_in]    (PEFT's lora_A.weight of every layer, stacked)
+    lora_b[proj] : [num_layers, h_out, rank]   (PEFT's lora_B.weight)
+    delta_y      = scale * (x @ lora_a[proj][layer].T) @ lora_b[proj][layer].T
+
+Only targeted projections are keys; layers the adapter does not touch are zeros. Anything the
+canonical layout cannot express exactly is rejected with an AdapterError, never dropped.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+from safetensors.torch import load_file
+
+from punica.config import ModelConfig
+
+PROJECTIONS = ("q", "k", "v", "o", "gate", "up", "down")
+
+# PEFT module path inside one decoder layer -> projection
+MODULES = {
+    "self_attn.q_proj": "q", "self_attn.k_proj": "k", "self_attn.v_proj": "v",
+    "self_attn.o_proj": "o", "mlp.gate_proj": "gate", "mlp.up_proj": "up", "mlp.down_proj": "down",
+}
+SUFFIXES = {module.split(".")[1]: proj for module, proj in MODULES.items()}  # "q_proj" -> "q"
+# base_model.model.model.layers.3.self_attn.q_proj.lora_A[.adapter_name].weight
+TENSOR_NAME = re.compile(
+    r"^(?:base_model\.model\.)?(?:model\.)?layers\.(\d+)\.(\w+\.\w+)\.lora_([AB])(?:\.[^.]+)?\.weight$"
+)
+# config options that change the math in ways the canonical layout cannot express
+UNSUPPORTED_OPTIONS = {
+    "use_dora": "DoRA (use_dora)",
+    "lora_bias": "a bias on lora_B (lora_bias)",
+    "use_qalora": "QA-LoRA (use_qalora)",
+    "alora_invocation_tokens": "activated LoRA (alora_invocation_tokens)",
+    "layer_replication": "layer_replication",
+    "trainable_token_indices": "trainable token embeddings (trainable_token_indices)",
+    "modules_to_save": "modules_to_save (fully trained copies of base modules)",
+    "rank_pattern": "rank_pattern (per-module ranks)",
+    "alpha_pattern": "alpha_pattern (per-module lora_alpha)",
+}
+
+
+class AdapterError(ValueError):
+    """An adapter directory that cannot be served; the message names the path and the problem."""
+
+
+Fail = Callable[[str], AdapterError]  # builds the error for one adapter from a problem description
+
+
+@dataclass(frozen=True)
+class LoraAdapter:
+    name: str
+    rank: int
+    scale: float                       # lora_alpha / r, or lora_alpha / sqrt(r) with use_rslora
+    lora_a: dict[str, torch.Tensor]    # projection -> [num_layers, rank, h_in]
+    lora_b: dict[str, torch.Tensor]    # projection -> [num_layers, h_out, rank]
+
+    def __post_init__(self):
+        assert self.lora_a.keys() == self.lora_b.keys() <= set(PROJECTIONS)
+        for proj, a in self.lora_a.items():
+            b = self.lora_b[proj]
+            assert a.shape[:2] == (b.shape[0], self.rank) and b.shape[2] == self.rank, proj
+
+    @property
+    def num_bytes(self) -> int:
+        tensors = [*self.lora_a.values(), *self.lora_b.values()]
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def load_adapter(path: str | Path, config: ModelConfig, name: str | None = None,
+                 dtype: torch.dtype = torch.float32) -> LoraAdapter:
+    """Read adapter_config.json and adapter_model.safetensors (or .bin) from a PEFT directory."""
+    path = Path(path)
+
+    def fail(problem: str) -> AdapterError:
+        return AdapterError(f"LoRA adapter {path}: {problem}")
+
+    cfg = _read_config(path, fail)
+    rank, scale = _check_config(cfg, fail)
+    pairs = _pair_tensors(_read_weights(path, fail), config.num_layers,
+                          cfg.get("layers_to_transform"), fail)
+    shapes = config.projection_shapes()
+    lora_a: dict[str, torch.Tensor] = {}
+    lora_b: dict[str, torch.Tensor] = {}
+    for (proj, layer), sides in sorted(pairs.items(), key=lambda kv: PROJECTIONS.index(kv[0][0])):
+        h_in, h_out = shapes[proj]
+        if proj not in lora_a:
+            lora_a[proj] = torch.zeros(config.num_layers, rank, h_in, dtype=dtype)
+            lora_b[proj] = torch.zeros(config.num_layers, h_out, rank, dtype=dtype)
+        lora_a[proj][layer] = _checked(*sides["A"], (rank, h_in), 0, proj, dtype, fail)
+        lora_b[proj][layer] = _checked(*sides["B"], (h_out, rank), 1, proj, dtype, fail)
+
+    if not lora_a:
+        raise fail("the weights file holds no LoRA tensors")
+    targets = cfg.get("target_modules")
+    for target in targets if isinstance(targets, list) else []:
+        proj = SUFFIXES.get(target.rsplit(".", 1)[-1])
+        if proj is not None and proj not in lora_a:
+            raise fail(f"target_modules names {target} but the weights have no {proj} tensors")
+    return LoraAdapter(name=name or path.resolve().name, rank=rank, scale=scale,
+                       lora_a=lora_a, lora_b=lora_b)
+
+
+def _pair_tensors(weights: dict[str, torch.Tensor], num_layers: int,
+                  layers_to_transform: int | list[int] | None, fail: Fail,
+                  ) -> dict[tuple[str, int], dict[str, tuple[str, torch.Tensor]]]:
+    """(projection, layer) -> {"A": (name, tensor), "B": (name, tensor)}; every name must parse."""
+    if isinstance(layers_to_transform, int):
+        layers_to_transform = [layers_to_transform]
+    pairs: dict[tuple[str, int], dict[str, tuple[str, torch.Tensor]]] = {}
+    for key, tensor in weights.items():
+        if "lora_embedding_" in key:
+            raise fail(f"LoRA on embeddings is not supported (tensor {key})")
+        match = TENSOR_NAME.match(key)
+        if match is None or match[2] not in MODULES:
+            if "lm_head" in key or "embed_tokens" in key:
+                raise fail(f"LoRA on lm_head/embed_tokens is not supported (tensor {key})")
+            raise fail(f"unrecognized tensor {key} (punica adapts only q/k/v/o/gate/up/down "
+                       "projections of decoder layers)")
+        layer, proj, side = int(match[1]), MODULES[match[2]], match[3]
+        if layer >= num_layers:
+            raise fail(f"tensor {key} is for layer {layer}, but the base model has {num_layers} layers")
+        if layers_to_transform is not None and layer not in layers_to_transform:
+            raise fail(f"tensor {key} is for layer {layer}, outside layers_to_transform="
+                       f"{layers_to_transform}")
+        if side in pairs.setdefault((proj, layer), {}):
+            raise fail(f"tensors {pairs[proj, layer][side][0]} and {key} are both lora_{side} "
+                       f"of layer {layer} {proj}")
+        pairs[proj, layer][side] = (key, tensor)
+    for (proj, layer), sides in pairs.items():
+        for side, other in (("A", "B"), ("B", "A")):
+            if side not in sides:
+                raise fail(f"layer {layer} {proj} projection has lora_{other} "
+                           f"({sides[other][0]}) but no lora_{side}")
+    return pairs
+
+
+def _read_config(path: Path, fail: Fail) -> dict[str, Any]:
+    if not path.is_dir():
+        raise fail("directory not found")
+    config_file = path / "adapter_config.json"
+    if not config_file.is_file():
+        raise fail("no adapter_config.json")
+    try:
+        cfg = json.loads(config_file.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise fail(f"adapter_config.json is unreadable: {e}") from e
+    if not isinstance(cfg, dict):
+        raise fail("adapter_config.json is not a JSON object")
+    return cfg
+
+
+def _check_config(cfg: dict[str, Any], fail: Fail) -> tuple[int, float]:
+    """Reject what the canonical layout cannot express; return (rank, scale)."""
+    if cfg.get("peft_type") != "LORA":
+        raise fail(f"peft_type {cfg.get('peft_type')!r} is not supported (only LORA)")
+    for option, what in UNSUPPORTED_OPTIONS.items():
+        if cfg.get(option):
+            raise fail(f"{what} is not supported (adapter_config.json: {option}={cfg[option]!r})")
+    if cfg.get("bias", "none") != "none":
+        raise fail(f"bias={cfg['bias']!r} is not supported (only 'none')")
+    targets = cfg.get("target_modules") or []
+    for module in ("embed_tokens", "lm_head"):
+        if module in (targets if isinstance(targets, str) else " ".join(targets)):
+            raise fail(f"LoRA on {module} is not supported (target_modules={targets!r})")
+    rank, alpha = cfg.get("r", 8), cfg.get("lora_alpha", 8)
+    if not isinstance(rank, int) or rank <= 0 or not isinstance(alpha, (int, float)):
+        raise fail(f"r={rank!r} must be a positive integer and lora_alpha={alpha!r} a number")
+    return rank, alpha / (math.sqrt(rank) if cfg.get("use_rslora") else rank)
+
+
+def _read_weights(path: Path, fail: Fail) -> dict[str, torch.Tensor]:
+    for file in (path / "adapter_model.safetensors", path / "adapter_model.bin"):
+        if file.is_file():
+            break
+    else:
+        raise fail("no weights file (adapter_model.safetensors or adapter_model.bin)")
+    try:
+        weights = (load_file(file) if file.suffix == ".safetensors"
+                   else torch.load(file, map_location="cpu", weights_only=True))
+    except Exception as e:  # safetensors and torch.load raise many types for corrupt files
+        raise fail(f"{file.name} is unreadable: {e}") from e
+    if not isinstance(weights, dict) or not all(
+            isinstance(k, str) and torch.is_tensor(v) for k, v in weights.items()):
+        raise fail(f"{file.name} does not hold a dict of named tensors")
+    return weights
+
+
+def _checked(key: str, tensor: torch.Tensor, expected: tuple[int, int], rank_dim: int, proj: str,
+             dtype: torch.dtype, fail: Fail) -> torch.Tensor:
+    """The tensor in `dtype`, after checking its rank, its shape against the base model and
+    that its values are finite. PEFT stores lora_A as [r, h_in] and lora_B as [h_out, r]
+    whatever fan_in_fan_out says (that flag describes the base layer's layout, not LoRA's)."""
+    if not tensor.is_floating_point():
+        raise fail(f"tensor {key} has dtype {tensor.dtype}, not a floating-point type")
+    if tensor.dim() == 2 and tensor.shape[rank_dim] != expected[rank_dim]:
+        raise fail(f"tensor {key} has rank {tensor.shape[rank_dim]}, "
+                   f"but adapter_config.json says r={expected[rank_dim]}")
+    if tuple(tensor.shape) != expected:
+        raise fail(f"tensor {key} has shape {tuple(tensor.shape)}, but the base model's "
+                   f"{proj} projection needs {expected}")
+    converted = tensor.to(dtype)
+    if not torch.isfinite(converted).all():
+        raise fail(f"tensor {key} has non-finite values (NaN or inf) in {dtype}")
+    return converted

@@ -1,0 +1,242 @@
+import json
+import re
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import load_peft_model, make_peft_adapter, punica_config, tiny_llama
+from safetensors.torch import load_file, save_file
+
+from punica.lora.adapter import PROJECTIONS, UNSUPPORTED_OPTIONS, AdapterError, load_adapter
+
+LAYER_MODULE = re.compile(r"layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)_proj$")
+
+
+@pytest.fixture(scope="module")
+def base():
+    return tiny_llama(seed=0)
+
+
+@pytest.fixture(scope="module")
+def valid_dir(base, tmp_path_factory):
+    """r=8, alpha=16 on q, k and down of both layers; tests copy it before breaking it."""
+    return make_peft_adapter(base, tmp_path_factory.mktemp("valid") / "ad", r=8, alpha=16,
+                             targets=("q_proj", "k_proj", "down_proj"), seed=1)
+
+
+def assert_matches_peft(adapter, peft_model, adapter_name, num_layers):
+    """Every LoRA module PEFT built holds exactly our slice; everything else is zero or absent."""
+    seen = set()
+    for module_name, module in peft_model.named_modules():
+        match = LAYER_MODULE.search(module_name)
+        if match is None or adapter_name not in getattr(module, "lora_A", {}):
+            continue
+        layer, proj = int(match[1]), match[2]
+        seen.add((proj, layer))
+        a, b = module.lora_A[adapter_name].weight, module.lora_B[adapter_name].weight
+        assert a.abs().sum() > 0 and b.abs().sum() > 0
+        assert torch.equal(adapter.lora_a[proj][layer], a.detach().to(adapter.lora_a[proj].dtype))
+        assert torch.equal(adapter.lora_b[proj][layer], b.detach().to(adapter.lora_b[proj].dtype))
+        assert adapter.scale == pytest.approx(module.scaling[adapter_name], rel=1e-12)
+    assert set(adapter.lora_a) == {proj for proj, _ in seen}
+    for proj in adapter.lora_a:
+        for layer in range(num_layers):
+            if (proj, layer) not in seen:
+                assert not adapter.lora_a[proj][layer].any() and not adapter.lora_b[proj][layer].any()
+
+
+@pytest.mark.parametrize("r,alpha,targets,kw", [
+    (8, 16, ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"), {}),
+    (4, 8, ("q_proj", "v_proj"), {"use_rslora": True}),
+    (16, 7, ("o_proj", "gate_proj", "down_proj"), {}),
+    (2, 2, ("k_proj", "up_proj"), {"layers_to_transform": [1]}),
+    (3, 5, ("v_proj", "down_proj"), {"safe_serialization": False}),
+], ids=["all-7", "rslora", "alpha!=r", "layers_to_transform", "bin"])
+def test_loads_what_peft_loads(base, tmp_path, r, alpha, targets, kw):
+    path = make_peft_adapter(base, tmp_path / "my-adapter", r=r, alpha=alpha, targets=targets,
+                             seed=r, **kw)
+    weights_file = "adapter_model.bin" if "safe_serialization" in kw else "adapter_model.safetensors"
+    assert (path / weights_file).exists()
+    config = punica_config(base)
+    adapter = load_adapter(path, config)
+    assert adapter.name == "my-adapter" and adapter.rank == r
+    expected_scale = alpha / (r**0.5 if kw.get("use_rslora") else r)
+    assert adapter.scale == pytest.approx(expected_scale)
+    shapes = config.projection_shapes()
+    for proj in adapter.lora_a:
+        h_in, h_out = shapes[proj]
+        assert adapter.lora_a[proj].shape == (config.num_layers, r, h_in)
+        assert adapter.lora_b[proj].shape == (config.num_layers, h_out, r)
+    assert list(adapter.lora_a) == [p for p in PROJECTIONS if p in adapter.lora_a]
+    assert adapter.num_bytes == 4 * sum(r * sum(shapes[p]) * config.num_layers for p in adapter.lora_a)
+    assert_matches_peft(adapter, load_peft_model(base, {"x": path}), "x", config.num_layers)
+
+
+def test_dtype_conversion_and_name(base, valid_dir):
+    adapter = load_adapter(valid_dir, punica_config(base), name="tenant-7", dtype=torch.bfloat16)
+    assert adapter.name == "tenant-7"
+    assert all(t.dtype == torch.bfloat16 for t in [*adapter.lora_a.values(), *adapter.lora_b.values()])
+    assert adapter.num_bytes == load_adapter(valid_dir, punica_config(base)).num_bytes // 2
+    assert_matches_peft(adapter, load_peft_model(base, {"y": valid_dir}), "y", 2)
+
+
+def copy_of(valid_dir: Path, tmp_path: Path) -> Path:
+    return Path(shutil.copytree(valid_dir, tmp_path / "ad"))
+
+
+def edit_config(path: Path, **changes) -> None:
+    file = path / "adapter_config.json"
+    file.write_text(json.dumps(json.loads(file.read_text()) | changes))
+
+
+def edit_weights(path: Path, edit) -> None:
+    file = path / "adapter_model.safetensors"
+    weights = load_file(file)
+    edit(weights)
+    save_file(weights, file)
+
+
+Q_A = "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"
+Q_B = "base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight"
+
+
+def test_adapter_name_infix(base, valid_dir, tmp_path):
+    path = copy_of(valid_dir, tmp_path)
+    edit_weights(path, lambda w: w.update(
+        {k.replace(".weight", ".default.weight"): w.pop(k) for k in list(w)}))
+    assert ".lora_A.default.weight" in next(iter(load_file(path / "adapter_model.safetensors")))
+    assert_matches_peft(load_adapter(path, punica_config(base)),
+                        load_peft_model(base, {"default": valid_dir}), "default", 2)
+
+
+def test_fan_in_fan_out_does_not_transpose_lora(base, valid_dir, tmp_path):
+    """PEFT keeps lora_A [r, h_in] / lora_B [h_out, r] whatever fan_in_fan_out says (the flag
+    describes the base layer, and PEFT resets it for nn.Linear): load exactly what PEFT loads."""
+    path = copy_of(valid_dir, tmp_path)
+    edit_config(path, fan_in_fan_out=True)
+    with pytest.warns(UserWarning, match="fan_in_fan_out"):
+        peft_model = load_peft_model(base, {"f": path})
+    assert_matches_peft(load_adapter(path, punica_config(base)), peft_model, "f", 2)
+    # weights saved transposed do not fit, and say so
+    edit_weights(path, lambda w: w.update({Q_A: w[Q_A].T.contiguous(), Q_B: w[Q_B].T.contiguous()}))
+    with pytest.raises(AdapterError, match=r"q_proj\.lora_A\.weight has rank 64, but .* r=8"):
+        load_adapter(path, punica_config(base))
+
+
+def remove(name):
+    return lambda path: (path / name).unlink()
+
+
+def write(name, data: bytes):
+    return lambda path: (path / name).write_bytes(data)
+
+
+def with_config(**changes):
+    return lambda path: edit_config(path, **changes)
+
+
+def with_weights(edit):
+    return lambda path: edit_weights(path, edit)
+
+
+def to_bin(path: Path) -> None:
+    torch.save(load_file(path / "adapter_model.safetensors"), path / "adapter_model.bin")
+    (path / "adapter_model.safetensors").unlink()
+
+
+def set_tensor(key, value):
+    return with_weights(lambda w: w.__setitem__(key, value))
+
+
+def set_first_q_a_value(value):
+    return with_weights(lambda w: w[Q_A].__setitem__((0, 0), value))
+
+
+def rename(old: str, new: str):
+    return with_weights(lambda w: w.update({k.replace(old, new): w.pop(k) for k in list(w) if old in k}))
+
+
+LM_HEAD_A = "base_model.model.lm_head.lora_A.weight"
+EMBED_A = "base_model.model.model.embed_tokens.lora_embedding_A"
+NORM = "base_model.model.model.norm.weight"
+ALL_TARGETS_AND_V = ["q_proj", "k_proj", "down_proj", "v_proj"]
+
+REJECTIONS = {  # case -> (how to break the valid adapter, expected message)
+    "no-dir": (shutil.rmtree, "directory not found"),
+    "no-config": (remove("adapter_config.json"), "no adapter_config.json"),
+    "no-weights": (remove("adapter_model.safetensors"), "no weights file"),
+    "corrupt-config": (write("adapter_config.json", b'{"r": 8,'), "adapter_config.json is unreadable"),
+    "config-not-object": (write("adapter_config.json", b"[8]"), "not a JSON object"),
+    "corrupt-safetensors": (write("adapter_model.safetensors", b"\x00garbage" * 9),
+                            "adapter_model.safetensors is unreadable"),
+    "corrupt-bin": (lambda p: (to_bin(p), write("adapter_model.bin", b"garbage")(p)),
+                    "adapter_model.bin is unreadable"),
+    "bin-not-dict": (lambda p: (to_bin(p), torch.save([1], p / "adapter_model.bin")),
+                     "adapter_model.bin does not hold a dict of named tensors"),
+    "peft-type": (with_config(peft_type="IA3"), "peft_type 'IA3' is not supported"),
+    "dora": (with_config(use_dora=True), r"DoRA \(use_dora\) is not supported"),
+    "target-embed": (with_config(target_modules=["q_proj", "embed_tokens"]),
+                     "LoRA on embed_tokens is not supported"),
+    "target-lm-head": (with_config(target_modules=".*(q_proj|lm_head)"), "LoRA on lm_head is not supported"),
+    "modules-to-save": (with_config(modules_to_save=["lm_head"]), "modules_to_save .* is not supported"),
+    "bias": (with_config(bias="lora_only"), "bias='lora_only' is not supported"),
+    "rank-pattern": (with_config(rank_pattern={"q_proj": 4}),
+                     r"rank_pattern \(per-module ranks\) is not supported"),
+    "alpha-pattern": (with_config(alpha_pattern={"q_proj": 4}), r"alpha_pattern .* is not supported"),
+    "bad-r": (with_config(r=0), "r=0 must be a positive integer"),
+    "rank-differs": (with_config(r=4), r"q_proj\.lora_A\.weight has rank 8, but adapter_config.json says r=4"),
+    "wrong-h-in": (set_tensor(Q_A, torch.ones(8, 65)),
+                   r"shape \(8, 65\), but the base model's q projection needs \(8, 64\)"),
+    "wrong-h-out": (set_tensor(Q_B, torch.ones(63, 8)),
+                    r"shape \(63, 8\), but the base model's q projection needs \(64, 8\)"),
+    "not-2d": (set_tensor(Q_B, torch.ones(64, 8, 1)), r"shape \(64, 8, 1\)"),
+    "layer-out-of-range": (rename("layers.1.", "layers.2."),
+                           "is for layer 2, but the base model has 2 layers"),
+    "outside-layers-to-transform": (with_config(layers_to_transform=[1]),
+                                    r"is for layer 0, outside layers_to_transform=\[1\]"),
+    "a-without-b": (with_weights(lambda w: w.pop(Q_B)), r"layer 0 q projection has lora_A \(.*\) but no lora_B"),
+    "b-without-a": (with_weights(lambda w: w.pop(Q_A)), r"layer 0 q projection has lora_B \(.*\) but no lora_A"),
+    "duplicate": (set_tensor(Q_A.replace(".weight", ".default.weight"), torch.ones(8, 64)),
+                  "are both lora_A of layer 0 q"),
+    "unrecognized": (set_tensor(NORM, torch.ones(64)), f"unrecognized tensor {NORM}"),
+    "unrecognized-module": (rename("self_attn.q_proj", "mlp.q_proj"), r"unrecognized tensor .*mlp\.q_proj"),
+    "embedding-tensor": (set_tensor(EMBED_A, torch.ones(8, 128)), "LoRA on embeddings is not supported"),
+    "lm-head-tensor": (set_tensor(LM_HEAD_A, torch.ones(8, 64)),
+                       rf"LoRA on lm_head/embed_tokens is not supported \(tensor {LM_HEAD_A}\)"),
+    "nan": (set_first_q_a_value(float("nan")), r"q_proj\.lora_A\.weight has non-finite values"),
+    "inf": (set_first_q_a_value(float("-inf")), r"q_proj\.lora_A\.weight has non-finite values"),
+    "integer": (set_tensor(Q_A, torch.ones(8, 64, dtype=torch.int32)),
+                "has dtype torch.int32, not a floating-point type"),
+    "target-without-weights": (with_config(target_modules=ALL_TARGETS_AND_V),
+                               "target_modules names v_proj but the weights have no v tensors"),
+    "no-lora-tensors": (with_weights(lambda w: w.clear()), "holds no LoRA tensors"),
+}
+
+
+@pytest.mark.parametrize("case", list(REJECTIONS))
+def test_rejects(base, valid_dir, tmp_path, case):
+    path = copy_of(valid_dir, tmp_path)
+    load_adapter(path, punica_config(base))  # valid before the edit
+    breaks, message = REJECTIONS[case]
+    breaks(path)
+    with pytest.raises(AdapterError, match=message) as info:
+        load_adapter(path, punica_config(base))
+    assert str(info.value).startswith(f"LoRA adapter {path}: ")
+
+
+@pytest.mark.parametrize("option", list(UNSUPPORTED_OPTIONS))
+def test_rejects_unsupported_options(base, valid_dir, tmp_path, option):
+    path = copy_of(valid_dir, tmp_path)
+    edit_config(path, **{option: [1]})
+    message = rf"{re.escape(UNSUPPORTED_OPTIONS[option])} is not supported .*{option}=\[1\]"
+    with pytest.raises(AdapterError, match=message):
+        load_adapter(path, punica_config(base))
+
+
+def test_rejects_overflow_on_conversion(base, valid_dir, tmp_path):
+    path = copy_of(valid_dir, tmp_path)
+    set_first_q_a_value(1e6)(path)
+    load_adapter(path, punica_config(base))  # finite in float32
+    with pytest.raises(AdapterError, match=r"non-finite values .* in torch.float16"):
+        load_adapter(path, punica_config(base), dtype=torch.float16)
