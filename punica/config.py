@@ -145,3 +145,26 @@ def preset_config(name: str) -> ModelConfig:
 def ceil_div(a: int, b: int) -> int:
     return -(-a // b)
 
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    max_batch_size: int = 32
+    page_size: int = 16
+    kv_cache_tokens: int | None = None      # exact cache size in tokens; else the byte budget
+    kv_cache_bytes: int | None = None       # else a fraction of free GPU memory, or 1 GiB on CPU
+    kv_cache_memory_fraction: float = 0.85
+    max_prefill_tokens: int = 4096          # prompt tokens admitted per step (one longer prompt runs alone)
+    max_model_len: int | None = None        # defaults to the model's max_position_embeddings
+    max_lora_rank: int = 64
+
+    def __post_init__(self):
+        for name in ("max_batch_size", "page_size", "max_prefill_tokens", "max_lora_rank"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("kv_cache_tokens", "kv_cache_bytes", "max_model_len"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"{name} must be >= 1, got {value}")
+        if not 0 < self.kv_cache_memory_fraction <= 1:
+            raise ValueError(f"kv_cache_memory_fraction must be in (0, 1], got {self.kv_cache_memory_fraction}")

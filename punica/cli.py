@@ -1,0 +1,61 @@
+"""`punica generate ...`: the command line."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def parse_adapters(items: list[str]) -> dict[str, str]:
+    adapters = {}
+    for item in items:
+        name, sep, path = item.partition("=")
+        if not sep or not name or not path:
+            raise SystemExit(f"--adapter expects NAME=PATH, got {item!r}")
+        adapters[name] = path
+    return adapters
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from punica import LLM, SamplingParams
+
+    adapters = parse_adapters(args.adapter)
+    if args.use is not None and args.use not in adapters:
+        raise SystemExit(f"--use {args.use!r} names no --adapter (given: {', '.join(adapters) or 'none'})")
+    llm = LLM(model=args.model, adapters=adapters, dtype=args.dtype, device=args.device)
+    prompt = args.prompt if args.raw else llm.chat_prompt(args.prompt)
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed)
+    out = llm.generate(prompt, params, adapter=args.use)[0]
+    print(out.text)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="punica", description="Multi-tenant LoRA serving")
+    sub = parser.add_subparsers(dest="command", required=True)
+    gen = sub.add_parser("generate", help="complete one prompt")
+    gen.add_argument("--prompt", required=True)
+    gen.add_argument("--model", default=None, help="HF model directory or .gguf file (default: embedded SmolLM2-135M-Instruct)")
+    gen.add_argument("--adapter", action="append", default=[], metavar="NAME=PATH", help="a PEFT LoRA adapter directory")
+    gen.add_argument("--use", default=None, metavar="NAME", help="the adapter to generate with (default: base model)")
+    gen.add_argument("--max-tokens", type=int, default=128)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
+    gen.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
+    gen.add_argument("--raw", action="store_true", help="do not apply the chat template")
+    gen.set_defaults(func=cmd_generate)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"punica: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

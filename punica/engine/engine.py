@@ -1,0 +1,197 @@
+"""Engine: the synchronous step loop, schedule -> run -> postprocess.
+
+`add_request` validates one request (a ValueError names what is wrong with it and nothing
+else is disturbed), `step` runs one fused prefill+decode batch and returns what each request
+produced, `abort` drops a request and frees its pages.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from operator import attrgetter
+from dataclasses import dataclass, field
+
+import torch
+
+from punica.config import EngineConfig, ceil_div
+from punica.engine.detokenizer import IncrementalDetokenizer
+from punica.engine.kv_cache import PageAllocator
+from punica.engine.request import Request
+from punica.engine.runner import ModelRunner, kv_bytes_per_token
+from punica.engine.sampler import sample
+from punica.engine.sampling_params import SamplingParams
+from punica.engine.scheduler import Scheduler
+from punica.lora.adapter import load_adapter
+from punica.lora.pool import LoraPool
+from punica.models.llama import LlamaForCausalLM
+
+CPU_KV_CACHE_BYTES = 1 << 30
+by_slot = attrgetter("slot")
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    adapter: str | None
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] | None = None
+    new_text: str = ""                 # since the previous output of this request
+    new_token_ids: list[int] = field(default_factory=list)
+    finished: bool = False
+    finish_reason: str | None = None   # "stop", "length" or "abort"
+    time_to_first_token: float | None = None
+    time_per_output_token: float | None = None
+    num_preemptions: int = 0
+
+
+def kv_cache_pages(model: LlamaForCausalLM, config: EngineConfig) -> int:
+    """Pages from kv_cache_tokens, kv_cache_bytes, or the free-memory fraction (CUDA) / 1 GiB (CPU)."""
+    if config.kv_cache_tokens is not None:
+        return ceil_div(config.kv_cache_tokens, config.page_size)
+    budget = config.kv_cache_bytes
+    if budget is None:
+        device = model.embed.weight.device
+        if device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(device)
+            budget = int(free * config.kv_cache_memory_fraction)
+        else:
+            budget = CPU_KV_CACHE_BYTES
+    return max(1, budget // (kv_bytes_per_token(model) * config.page_size))
+
+
+class Engine:
+    def __init__(self, model: LlamaForCausalLM, tokenizer, config: EngineConfig = EngineConfig(),
+                 adapters: dict[str, str] | None = None, eos_token_ids: tuple[int, ...] = ()):
+        self.model, self.tokenizer, self.config = model, tokenizer, config
+        num_pages = kv_cache_pages(model, config)
+        self.allocator = PageAllocator(num_pages, config.page_size)
+        self.scheduler = Scheduler(self.allocator, config.max_batch_size, config.max_prefill_tokens)
+        self.runner = ModelRunner(model, num_pages, config.page_size)
+        self.max_model_len = min(config.max_model_len or model.config.max_position_embeddings,
+                                 model.config.max_position_embeddings, num_pages * config.page_size)
+        self.eos_token_ids = set(eos_token_ids) | set(model.config.eos_token_ids)
+        if tokenizer is not None and tokenizer.eos_token_id is not None:
+            self.eos_token_ids.add(tokenizer.eos_token_id)
+        self.adapter_slots: dict[str, int] = {}
+        self._load_adapters(adapters or {})
+        self.requests: dict[str, Request] = {}
+        self._detokenizers: dict[str, IncrementalDetokenizer] = {}
+        self._ids = itertools.count()
+
+    def _load_adapters(self, adapters: dict[str, str]) -> None:
+        if not adapters:
+            return
+        weight = self.model.embed.weight
+        loaded = {name: load_adapter(path, self.model.config, name=name, dtype=weight.dtype)
+                  for name, path in adapters.items()}
+        max_rank = max(a.rank for a in loaded.values())
+        if max_rank > self.config.max_lora_rank:
+            raise ValueError(f"adapter rank {max_rank} is over max_lora_rank {self.config.max_lora_rank}")
+        pool = LoraPool(self.model.config, len(loaded), max_rank, weight.dtype, weight.device)
+        for slot, (name, adapter) in enumerate(loaded.items()):
+            pool.write(slot, adapter)
+            self.adapter_slots[name] = slot
+        self.model.set_lora(pool)
+
+    def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
+                    adapter: str | None = None, request_id: str | None = None) -> str:
+        params = params or SamplingParams()
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("this engine has no tokenizer: pass prompt token ids")
+            text, token_ids = prompt, self.tokenizer.encode(prompt)
+        else:
+            text, token_ids = None, list(prompt)
+        if not token_ids:
+            raise ValueError("the prompt is empty")
+        vocab = self.model.config.vocab_size
+        if any(not isinstance(t, int) or not 0 <= t < vocab for t in token_ids):
+            raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
+        if len(token_ids) >= self.max_model_len:
+            raise ValueError(f"the prompt has {len(token_ids)} tokens; this model's context is "
+                             f"{self.max_model_len} tokens, including at least one generated token")
+        if adapter is not None and adapter not in self.adapter_slots:
+            known = ", ".join(sorted(self.adapter_slots)) or "none"
+            raise ValueError(f"unknown adapter {adapter!r} (known adapters: {known})")
+        request_id = request_id or f"req-{next(self._ids)}"
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        request = Request(request_id, token_ids, params, adapter=adapter, prompt=text)
+        request.slot = -1 if adapter is None else self.adapter_slots[adapter]
+        self.requests[request_id] = request
+        if self.tokenizer is not None:
+            self._detokenizers[request_id] = IncrementalDetokenizer(
+                self.tokenizer, token_ids, params.stop, params.include_stop_str_in_output)
+        self.scheduler.add(request)
+        return request_id
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        request = self.requests.get(request_id)
+        if request is None:
+            return None
+        self.scheduler.finish(request, "abort")
+        return self._output(request)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    @property
+    def num_preemptions(self) -> int:
+        return self.scheduler.num_preemptions
+
+    def step(self) -> list[RequestOutput]:
+        batch = self.scheduler.schedule()
+        if not batch:
+            return []
+        # requests of one adapter side by side form one LoRA segment
+        prefills, decodes = sorted(batch.prefills, key=by_slot), sorted(batch.decodes, key=by_slot)
+        logits = self.runner.run(prefills, decodes)
+        requests = prefills + decodes
+        tokens, logprobs = sample(logits, requests)
+        now = time.monotonic()
+        return [self._append(r, t, lp, now) for r, t, lp in zip(requests, tokens, logprobs)]
+
+    def _append(self, request: Request, token: int, logprob: float, now: float) -> RequestOutput:
+        request.num_cached = request.num_tokens
+        request.output_token_ids.append(token)
+        if request.params.logprobs:
+            request.output_logprobs.append(logprob)
+        if request.first_token_time is None:
+            request.first_token_time = now
+        p = request.params
+        detok = self._detokenizers.get(request.request_id)
+        stopped_by_string = detok.add_token(token) if detok is not None else False
+        reason = None
+        if stopped_by_string or token in p.stop_token_ids or (token in self.eos_token_ids and not p.ignore_eos):
+            reason = "stop"
+        elif len(request.output_token_ids) >= p.max_tokens or request.num_tokens >= self.max_model_len:
+            reason = "length"
+        if reason is not None:
+            request.finish_time = now
+            self.scheduler.finish(request, reason)
+        return self._output(request, [token])
+
+    def _output(self, request: Request, new_token_ids: list[int] = ()) -> RequestOutput:
+        detok = self._detokenizers.get(request.request_id)
+        finished = request.finished
+        if finished:
+            self.requests.pop(request.request_id, None)
+            self._detokenizers.pop(request.request_id, None)
+        num_out = len(request.output_token_ids)
+        ttft = tpot = None
+        if request.first_token_time is not None:
+            ttft = request.first_token_time - request.arrival_time
+            if finished and num_out > 1 and request.finish_time is not None:
+                tpot = (request.finish_time - request.first_token_time) / (num_out - 1)
+        return RequestOutput(
+            request_id=request.request_id, prompt=request.prompt, prompt_token_ids=request.prompt_token_ids,
+            adapter=request.adapter, text=detok.text if detok else "", token_ids=list(request.output_token_ids),
+            logprobs=list(request.output_logprobs) if request.params.logprobs else None,
+            new_text=detok.take_new_text(finished) if detok else "", new_token_ids=list(new_token_ids),
+            finished=finished, finish_reason=request.finish_reason,
+            time_to_first_token=ttft, time_per_output_token=tpot, num_preemptions=request.num_preemptions,
+        )

@@ -1,0 +1,47 @@
+"""Request: one prompt's state as it moves through the queue, the batch and the cache."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from punica.engine.sampling_params import SamplingParams
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    adapter: str | None = None
+    prompt: str | None = None
+    arrival_time: float = field(default_factory=time.monotonic)
+    slot: int = -1                       # GPU adapter-pool slot while admitted (-1: base model)
+    status: Status = Status.WAITING
+    output_token_ids: list[int] = field(default_factory=list)
+    output_logprobs: list[float] = field(default_factory=list)
+    pages: list[int] = field(default_factory=list)
+    num_cached: int = 0                  # tokens whose K/V are in the cache
+    num_preemptions: int = 0
+    finish_reason: str | None = None
+    first_token_time: float | None = None
+    finish_time: float | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def finished(self) -> bool:
+        return self.status is Status.FINISHED

@@ -1,0 +1,64 @@
+"""Per-request sampling inside one batch: penalties, temperature, top-k/top-p/min-p, seeds."""
+
+from __future__ import annotations
+
+import torch
+
+from punica.engine.request import Request
+
+SEED_STRIDE = 1_000_003
+
+
+def apply_penalties(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+    """Repetition penalty (HF: over prompt and output), frequency and presence (OpenAI: output)."""
+    for row, request in enumerate(requests):
+        p = request.params
+        if not p.uses_penalties:
+            continue
+        if p.repetition_penalty != 1:
+            seen = torch.tensor(sorted(set(request.token_ids)), device=logits.device)
+            vals = logits[row, seen]
+            logits[row, seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
+        if (p.frequency_penalty or p.presence_penalty) and request.output_token_ids:
+            counts = torch.bincount(torch.tensor(request.output_token_ids, device=logits.device),
+                                    minlength=logits.shape[1]).to(logits.dtype)
+            logits[row] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(logits.dtype)
+    return logits
+
+
+def filter_probs(logits: torch.Tensor, temperature: float, top_k: int, top_p: float, min_p: float) -> torch.Tensor:
+    """Probabilities [V] after temperature, top-k, top-p (nucleus) and min-p."""
+    logits = logits / temperature
+    if top_k > 0 and top_k < logits.shape[-1]:
+        kth = torch.topk(logits, top_k).values[-1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = logits.softmax(-1)
+    if top_p < 1:
+        sorted_probs, order = probs.sort(descending=True)
+        mass_before = sorted_probs.cumsum(-1) - sorted_probs
+        drop = torch.zeros_like(probs, dtype=torch.bool).scatter(0, order, mass_before >= top_p)
+        probs = probs.masked_fill(drop, 0)
+    if min_p > 0:
+        probs = probs.masked_fill(probs < min_p * probs.max(), 0)
+    return probs / probs.sum()
+
+
+def sample(logits: torch.Tensor, requests: list[Request]) -> tuple[list[int], list[float]]:
+    """One token per row of logits [N, V] float32, and its log-probability under the model."""
+    logprobs_all = logits.log_softmax(-1)
+    logits = apply_penalties(logits.clone(), requests)
+    greedy = logits.argmax(-1)
+    tokens = greedy.tolist()
+    for row, request in enumerate(requests):
+        p = request.params
+        if p.greedy:
+            continue
+        probs = filter_probs(logits[row], p.temperature, p.top_k, p.top_p, p.min_p)
+        generator = None
+        if p.seed is not None:
+            # seeded by position: the same tokens whatever the batch, even after a preemption
+            generator = torch.Generator(device=logits.device)
+            generator.manual_seed(p.seed * SEED_STRIDE + len(request.output_token_ids))
+        tokens[row] = int(torch.multinomial(probs, 1, generator=generator))
+    chosen = logprobs_all.gather(1, torch.tensor(tokens, device=logits.device)[:, None])[:, 0].tolist()
+    return tokens, chosen
