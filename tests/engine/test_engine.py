@@ -1,0 +1,152 @@
+"""The engine against transformers+PEFT per request, with preemption, sampling and bad input."""
+
+import random
+
+import pytest
+import torch
+
+from helpers import load_peft_model, make_peft_adapter, tiny_llama
+from punica.config import EngineConfig
+from punica.engine.engine import Engine
+from punica.engine.sampling_params import SamplingParams
+from punica.models.loader import load_hf_dir
+
+ADAPTERS = {"a": (8, 16, ("q_proj", "v_proj", "down_proj")), "b": (4, 4, ("k_proj", "o_proj", "up_proj")),
+            "c": (16, 32, ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"))}
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("engine")
+    hf = tiny_llama(seed=5)
+    hf.save_pretrained(tmp / "base")
+    paths = {n: str(make_peft_adapter(hf, tmp / n, r=r, alpha=a, targets=t, seed=i))
+             for i, (n, (r, a, t)) in enumerate(ADAPTERS.items())}
+    return tmp / "base", paths, load_peft_model(hf, paths)
+
+
+def make_engine(setup, **config):
+    base, paths, _ = setup
+    model = load_hf_dir(base, dtype=torch.float32)
+    return Engine(model, None, EngineConfig(**config), adapters=paths)
+
+
+def workload(n, seed):
+    rng = random.Random(seed)
+    names = [None, "a", "b", "c"]
+    return [([rng.randrange(3, 128) for _ in range(rng.randint(1, 40))], names[i % 4], rng.randint(1, 24))
+            for i in range(n)]
+
+
+def run_all(engine, requests, params_for):
+    ids = [engine.add_request(prompt, params_for(max_tokens), adapter) for prompt, adapter, max_tokens in requests]
+    outs = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.finished:
+                outs[out.request_id] = out
+    return [outs[i] for i in ids]
+
+
+def greedy(max_tokens):
+    return SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+
+
+def hf_greedy(peft_model, prompt, adapter, steps):
+    tokens = list(prompt)
+    with torch.no_grad():
+        for _ in range(steps):
+            logits = peft_model(torch.tensor([tokens]), adapter_names=[adapter or "__base__"]).logits[0, -1]
+            tokens.append(int(logits.argmax()))
+    return tokens[len(prompt):]
+
+
+def test_mixed_adapters_join_and_leave_match_transformers_peft(setup):
+    engine = make_engine(setup, max_batch_size=6, page_size=4)
+    requests = workload(44, seed=0)
+    outs = run_all(engine, requests, greedy)
+    peft_model = setup[2]
+    for (prompt, adapter, max_tokens), out in zip(requests, outs):
+        assert out.finish_reason == "length" and len(out.token_ids) == max_tokens
+        assert out.token_ids == hf_greedy(peft_model, prompt, adapter, max_tokens), (adapter, prompt)
+    assert engine.allocator.num_used == 0
+
+
+def test_preemption_loses_and_repeats_nothing(setup):
+    requests = workload(24, seed=1)
+    ample = run_all(make_engine(setup, max_batch_size=8, page_size=4), requests, greedy)
+    tight = make_engine(setup, max_batch_size=8, page_size=4, kv_cache_tokens=96)
+    outs = run_all(tight, requests, greedy)
+    assert tight.num_preemptions > 0
+    assert [o.token_ids for o in outs] == [o.token_ids for o in ample]
+    assert tight.allocator.num_free == tight.allocator.num_pages
+
+
+def test_seeded_sampling_is_reproducible_across_batches_and_preemption(setup):
+    requests = workload(16, seed=2)
+
+    def sampled(max_tokens):
+        return SamplingParams(max_tokens=max_tokens, temperature=0.9, top_k=50, top_p=0.9, min_p=0.01,
+                              repetition_penalty=1.2, frequency_penalty=0.5, presence_penalty=0.3,
+                              seed=1234, ignore_eos=True)
+
+    first = run_all(make_engine(setup, max_batch_size=8, page_size=4), requests, sampled)
+    tight = make_engine(setup, max_batch_size=3, page_size=4, kv_cache_tokens=64)
+    second = run_all(tight, requests, sampled)
+    assert tight.num_preemptions > 0
+    assert [o.token_ids for o in first] == [o.token_ids for o in second]
+    assert any(o.token_ids != hf_greedy(setup[2], p, a, m) for o, (p, a, m) in zip(first, requests))
+
+
+def test_logprobs_and_stop_token_ids(setup):
+    engine = make_engine(setup)
+    prompt = [5, 6, 7, 8]
+    out = run_all(engine, [(prompt, "a", 12)], lambda m: SamplingParams(max_tokens=m, temperature=0, logprobs=True, ignore_eos=True))[0]
+    assert len(out.logprobs) == 12 and all(lp <= 0 for lp in out.logprobs)
+    stop_at = out.token_ids[3]
+    first = out.token_ids.index(stop_at)
+    stopped = run_all(engine, [(prompt, "a", 12)], lambda m: SamplingParams(max_tokens=m, temperature=0, stop_token_ids=[stop_at], ignore_eos=True))[0]
+    assert stopped.finish_reason == "stop" and stopped.token_ids == out.token_ids[:first + 1]
+
+
+@pytest.mark.parametrize("bad, message", [
+    (dict(prompt=[]), "empty"),
+    (dict(prompt=[5] * 300), "context"),
+    (dict(adapter="nope"), "unknown adapter 'nope'"),
+    (dict(prompt=[1, 999]), "token ids"),
+])
+def test_bad_request_fails_alone(setup, bad, message):
+    engine = make_engine(setup, max_batch_size=4)
+    good = engine.add_request([1, 2, 3], greedy(5), "a")
+    engine.step()
+    kwargs = dict(prompt=[4, 5, 6], params=greedy(3), adapter=None) | bad
+    with pytest.raises(ValueError, match=message):
+        engine.add_request(**kwargs)
+    outs = []
+    while engine.has_unfinished():
+        outs += [o for o in engine.step() if o.finished]
+    assert [o.request_id for o in outs] == [good] and len(outs[0].token_ids) == 5
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(temperature=-1), "temperature"), (dict(top_p=0), "top_p"), (dict(top_k=-3), "top_k"),
+    (dict(max_tokens=0), "max_tokens"), (dict(min_p=2), "min_p"), (dict(repetition_penalty=0), "repetition_penalty"),
+    (dict(frequency_penalty=3), "frequency_penalty"), (dict(presence_penalty=-3), "presence_penalty"),
+    (dict(stop=[""]), "stop"), (dict(stop_token_ids=[-1]), "stop_token_ids"),
+])
+def test_invalid_sampling_params(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        SamplingParams(**kwargs)
+
+
+def test_abort_frees_pages(setup):
+    engine = make_engine(setup, max_batch_size=4, page_size=4)
+    rid = engine.add_request(list(range(1, 30)), greedy(20), "b")
+    other = engine.add_request([1, 2], greedy(4), None)
+    engine.step()
+    assert engine.allocator.num_used > 0
+    out = engine.abort(rid)
+    assert out.finished and out.finish_reason == "abort"
+    while engine.has_unfinished():
+        engine.step()
+    assert engine.allocator.num_used == 0 and engine.abort(other) is None
