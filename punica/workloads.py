@@ -25,3 +25,19 @@ def adapter_ids(workload: str, num_requests: int, rng: random.Random, zipf_alpha
     if workload == "identical":
         return [0] * num_requests
     raise ValueError(f"unknown workload {workload!r}; known: {', '.join(WORKLOADS)}")
+
+
+def textgen_lengths(num_requests: int, rng: random.Random, max_total: int = 2048,
+                    min_prompt: int = 1) -> list[tuple[int, int]]:
+    """(prompt_len, output_len) pairs after the paper's generator.
+
+    prompt_len ~ lognorm(s=0.8, loc=-1, scale=18), clipped to [min_prompt, max_total - 1];
+    total length ~ uniform up to max_total, at least prompt_len + 1.
+    """
+    pairs = []
+    for _ in range(num_requests):
+        prompt = int(-1 + 18 * rng.lognormvariate(0.0, 0.8))
+        prompt = min(max(prompt, min_prompt), max_total - 1)
+        total = rng.randint(prompt + 1, max_total)
+        pairs.append((prompt, total - prompt))
+    return pairs
