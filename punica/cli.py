@@ -30,6 +30,21 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_simulate(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from punica.cluster.policy import PolicyConfig
+    from punica.cluster.report import simulate, table
+    from punica.cluster.step_time import CPU_SMOLLM2, StepTimeModel
+
+    step_time = StepTimeModel.from_json(args.step_time) if args.step_time else CPU_SMOLLM2
+    policy_config = PolicyConfig(args.max_batch_size, args.light_load_batch, args.idle_release_s)
+    results = simulate(args.gpus, args.requests, args.duration, args.kv_tokens, args.policy, Path(args.out),
+                       step_time, policy_config, args.gpu_startup_s, args.max_total, args.seed)
+    print(table(results))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="punica", description="Multi-tenant LoRA serving")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -45,6 +60,21 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
     gen.add_argument("--raw", action="store_true", help="do not apply the chat template")
     gen.set_defaults(func=cmd_generate)
+    sim = sub.add_parser("simulate", help="simulate the cluster scheduler on the paper's Fig. 13 workload")
+    sim.add_argument("--gpus", type=int, required=True, help="GPUs the cluster may hold")
+    sim.add_argument("--requests", type=int, default=10_000)
+    sim.add_argument("--duration", type=float, default=3600.0, help="seconds over which requests arrive")
+    sim.add_argument("--kv-tokens", type=int, default=65_536, help="KV cache of one GPU, in tokens")
+    sim.add_argument("--max-total", type=int, default=2048, help="longest prompt + output, in tokens")
+    sim.add_argument("--policy", nargs="+", default=["punica", "round-robin", "least-loaded"])
+    sim.add_argument("--max-batch-size", type=int, default=32)
+    sim.add_argument("--light-load-batch", type=int, default=16, help="ask for a GPU when every batch is this large")
+    sim.add_argument("--idle-release-s", type=float, default=60.0)
+    sim.add_argument("--gpu-startup-s", type=float, default=30.0)
+    sim.add_argument("--step-time", default=None, metavar="JSON", help="step-time coefficients (default: CPU-measured)")
+    sim.add_argument("--seed", type=int, default=0)
+    sim.add_argument("--out", required=True, help="directory for simulate.json and the PNGs")
+    sim.set_defaults(func=cmd_simulate)
     return parser
 
 

@@ -1,0 +1,1 @@
+"""Multi-GPU serving: placement policy, Ray workers, and a discrete-event simulator."""

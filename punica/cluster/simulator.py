@@ -1,0 +1,253 @@
+"""Discrete-event simulation of a GPU cluster running a placement policy (torch-free).
+
+The policy objects are the ones the Ray backend uses. Each GPU runs continuous-batching steps
+whose duration comes from a `StepTimeModel`. Between changes of its batch, a GPU's steps form
+a *segment* whose step times are known in closed form (context grows by one token per request
+per step), so the simulator schedules only the segment's end: the next finish or the step
+that runs out of KV cache (evicting the newest request). A request placed on a busy GPU joins
+the step in flight (its prefill is charged to that step). Arrivals, segment ends, GPU start-ups
+and samples for the time series run through one heap, so 1M requests on 1,000 GPUs take
+minutes in one process.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from punica.cluster.policy import POLICIES, ClusterPolicy, PolicyConfig
+from punica.cluster.step_time import StepTimeModel
+from punica.cluster.trace import Trace
+
+GPU_EVENT, GPU_READY, SAMPLE = 0, 1, 2
+
+
+@dataclass(frozen=True)
+class SimConfig:
+    num_gpus: int
+    kv_tokens: int                  # KV capacity of one GPU, in tokens
+    step_time: StepTimeModel
+    policy: str = "punica"
+    policy_config: PolicyConfig = PolicyConfig()
+    gpu_startup_s: float = 30.0     # from asking for a GPU to it taking requests
+    num_samples: int = 120          # points of the time series over the trace's duration
+
+
+@dataclass(eq=False)
+class GpuSegment:
+    start: float = 0.0          # time of the step boundary the segment starts at
+    start_step: int = 0
+    first_step_s: float = 0.0   # duration of its first step (with prefill), then + growth per step
+    growth_s: float = 0.0       # extra seconds per later step (context grows by batch tokens)
+    batch_size: int = 0
+    prefill_tokens: int = 0
+    num_steps: int = 0          # steps until the segment's end event
+    version: int = 0
+    finishes: list = field(default_factory=list)          # heap of (step, request, epoch)
+    first_tokens: deque = field(default_factory=deque)   # (step, request, epoch), ascending
+
+    def seconds(self, num_steps: int, step_base: float) -> float:
+        """Seconds for the segment's first `num_steps` steps."""
+        if num_steps <= 0:
+            return 0.0
+        return self.first_step_s + (num_steps - 1) * step_base + self.growth_s * num_steps * (num_steps - 1) / 2
+
+
+class Simulator:
+    def __init__(self, config: SimConfig, trace: Trace):
+        self.config, self.trace, self.model = config, trace, config.step_time
+        self.policy: ClusterPolicy = POLICIES[config.policy](config.policy_config, sync=self._sync)
+        n = len(trace)
+        self.generated = [0] * n           # tokens generated before the current placement
+        self.epoch = [0] * n
+        self.first_token = [math.nan] * n
+        self.finish = [math.nan] * n
+        self.segments: dict[int, GpuSegment] = {}
+        self.events: list = []
+        self.free_ids = list(range(config.num_gpus))
+        self.num_starting = 0
+        self.now = 0.0
+        self.num_finished = 0
+        self.held_since: dict[int, float] = {}
+        self.gpu_seconds = 0.0
+        self.bin_s = trace.duration_s / config.num_samples
+        self.series: dict[str, list] = {"arrivals": [], "tokens": [], "held_gpus": [], "batch_sizes": []}
+
+    # ---- driving --------------------------------------------------------------------------
+    def run(self) -> dict:
+        start = time.perf_counter()
+        for _ in range(self.config.num_gpus):
+            self._add_gpu()
+        heapq.heappush(self.events, (0.0, SAMPLE, 0, 0))
+        arrivals, i = self.trace.arrivals, 0
+        while i < len(arrivals) or self.num_finished < len(arrivals):
+            if i < len(arrivals) and (not self.events or arrivals[i] <= self.events[0][0]):
+                self.now = arrivals[i]
+                self._arrive(i)
+                i += 1
+            else:
+                self.now, kind, key, version = heapq.heappop(self.events)
+                if kind == GPU_EVENT:
+                    if key in self.segments and self.segments[key].version == version:
+                        self._segment_end(key)
+                elif kind == GPU_READY:
+                    self.num_starting -= 1
+                    self._add_gpu()
+                else:
+                    self._sample(key)
+            self._scale()
+        for gpu_id in list(self.held_since):
+            self._release(gpu_id)
+        return self._report(time.perf_counter() - start)
+
+    def _arrive(self, i: int) -> None:
+        self._count("arrivals", 1)
+        self.policy.submit(i, self.trace.prompt_lens[i])
+        self._place()
+
+    def _place(self) -> None:
+        for request, gpu_id in self.policy.schedule(self.now):
+            self._join(request, gpu_id)
+
+    def _scale(self) -> None:
+        for gpu_id in self.policy.release_idle(self.now):
+            self._release(gpu_id)
+        if self.free_ids and self.policy.needs_gpu():
+            wanted = math.ceil(self.policy.num_waiting / self.config.policy_config.max_batch_size)
+            while self.num_starting < min(wanted, len(self.free_ids)):
+                self.num_starting += 1
+                heapq.heappush(self.events, (self.now + self.config.gpu_startup_s, GPU_READY, 0, 0))
+
+    # ---- GPUs -----------------------------------------------------------------------------
+    def _add_gpu(self) -> None:
+        gpu_id = heapq.heappop(self.free_ids)
+        self.policy.add_gpu(gpu_id, self.config.kv_tokens, self.now)
+        self.segments[gpu_id] = GpuSegment(start=self.now)
+        self.held_since[gpu_id] = self.now
+        self._place()
+
+    def _release(self, gpu_id: int) -> None:
+        if gpu_id in self.policy.gpus:
+            self.policy.remove_gpu(gpu_id)
+        del self.segments[gpu_id]
+        self.gpu_seconds += self.now - self.held_since.pop(gpu_id)
+        heapq.heappush(self.free_ids, gpu_id)
+
+    def _sync(self, gpu_id: int) -> None:
+        """Report the segment's steps completed by now to the policy; restart from there."""
+        seg = self.segments[gpu_id]
+        done = self._completed_steps(seg)
+        if done:
+            self._record(seg, done)
+            self.policy.step(gpu_id, done, self.now)
+            self._restart(gpu_id, seg, seg.start + seg.seconds(done, self._step_base(seg)), 0)
+
+    def _join(self, request: int, gpu_id: int) -> None:
+        """`request` was just placed on a GPU synced to now: it joins the step in flight."""
+        seg, gpu = self.segments[gpu_id], self.policy.gpus[gpu_id]
+        self.epoch[request] += 1
+        remaining = self.trace.output_lens[request] - self.generated[request]
+        heapq.heappush(seg.finishes, (gpu.num_steps + remaining, request, self.epoch[request]))
+        if self.generated[request] == 0:
+            seg.first_tokens.append((gpu.num_steps + 1, request, self.epoch[request]))
+        if seg.batch_size:
+            self._restart(gpu_id, seg, seg.start, seg.prefill_tokens + self.policy.num_tokens(request))
+        else:
+            self._restart(gpu_id, seg, self.now, self.policy.num_tokens(request))
+
+    def _segment_end(self, gpu_id: int) -> None:
+        seg = self.segments[gpu_id]
+        gpu = self.policy.gpus[gpu_id]
+        steps = seg.num_steps
+        self._record(seg, steps)
+        for request in self.policy.step(gpu_id, steps, self.now):
+            self.generated[request] = self.policy.num_tokens(request) - self.trace.prompt_lens[request]
+        while seg.finishes and seg.finishes[0][0] <= gpu.num_steps:
+            _, request, epoch = heapq.heappop(seg.finishes)
+            if epoch == self.epoch[request] and request in gpu.running:
+                self.finish[request] = self.now
+                self.num_finished += 1
+                self.policy.finish(request, self.now)
+        self._restart(gpu_id, seg, self.now, 0)
+        self._place()
+
+    def _record(self, seg: GpuSegment, steps: int) -> None:
+        """First tokens and throughput of the segment's first `steps` steps."""
+        base = self._step_base(seg)
+        last = seg.start_step + steps
+        while seg.first_tokens and seg.first_tokens[0][0] <= last:
+            step, request, epoch = seg.first_tokens.popleft()
+            if epoch == self.epoch[request]:
+                self.first_token[request] = seg.start + seg.seconds(step - seg.start_step, base)
+        self._count("tokens", steps * seg.batch_size)
+
+    def _restart(self, gpu_id: int, seg: GpuSegment, start: float, prefill: int) -> None:
+        """A new segment from a step boundary; schedule its end (next finish or KV exhaustion)."""
+        gpu = self.policy.gpus[gpu_id]
+        m, batch = self.model, gpu.batch_size
+        seg.start, seg.start_step, seg.batch_size, seg.version = start, gpu.num_steps, batch, seg.version + 1
+        seg.prefill_tokens = prefill
+        if not batch:
+            return
+        seg.growth_s = m.per_context_token * batch
+        seg.first_step_s = m.seconds(batch, gpu.kv_used + batch, prefill)
+        while seg.finishes[0][1] not in gpu.running or seg.finishes[0][2] != self.epoch[seg.finishes[0][1]]:
+            heapq.heappop(seg.finishes)
+        steps = min(seg.finishes[0][0] - gpu.num_steps, gpu.kv_free // batch + 1)
+        seg.num_steps = steps
+        heapq.heappush(self.events, (start + seg.seconds(steps, self._step_base(seg)), GPU_EVENT, gpu_id, seg.version))
+
+    def _step_base(self, seg: GpuSegment) -> float:
+        """Duration of the segment's first step without its prefill."""
+        return seg.first_step_s - self.model.per_prefill_token * seg.prefill_tokens
+
+    def _completed_steps(self, seg: GpuSegment) -> int:
+        """Steps of the segment finished by now (fewer than the one that ends it)."""
+        if not seg.batch_size:
+            return 0
+        base, elapsed = self._step_base(seg), self.now - seg.start
+        if elapsed < seg.first_step_s:
+            return 0
+        a, b = seg.growth_s / 2, base - seg.growth_s / 2
+        c = seg.first_step_s - base - elapsed
+        k = int((-b + math.sqrt(b * b - 4 * a * c)) / (2 * a)) if a > 0 else int(-c / b)
+        while k > 0 and seg.seconds(k, base) > elapsed:
+            k -= 1
+        while seg.seconds(k + 1, base) <= elapsed:
+            k += 1
+        return min(k, seg.num_steps - 1)
+
+    # ---- output ---------------------------------------------------------------------------
+    def _count(self, name: str, value: int) -> None:
+        series, index = self.series[name], int(self.now / self.bin_s)
+        series.extend([0] * (index + 1 - len(series)))
+        series[index] += value
+
+    def _sample(self, index: int) -> None:
+        gpus = self.policy.gpus
+        self.series["held_gpus"].append(len(gpus))
+        self.series["batch_sizes"].append(
+            [gpus[g].batch_size if g in gpus else -1 for g in range(self.config.num_gpus)])
+        if self.num_finished < len(self.trace):
+            heapq.heappush(self.events, ((index + 1) * self.bin_s, SAMPLE, index + 1, 0))
+
+    def _report(self, wall_s: float) -> dict:
+        latency = sorted(f - a for f, a in zip(self.finish, self.trace.arrivals))
+        ttft = sorted(f - a for f, a in zip(self.first_token, self.trace.arrivals))
+        makespan = max(self.finish)
+        tokens = sum(self.trace.output_lens)
+        return {
+            "policy": self.config.policy, "num_gpus": self.config.num_gpus, "num_requests": len(self.trace),
+            "gpu_hours": self.gpu_seconds / 3600, "makespan_s": makespan, "output_tokens": tokens,
+            "throughput_tokens_per_s": tokens / makespan, "num_evictions": self.policy.num_evictions,
+            "latency_p50_s": percentile(latency, 50), "latency_p99_s": percentile(latency, 99),
+            "ttft_p50_s": percentile(ttft, 50), "ttft_p99_s": percentile(ttft, 99),
+            "sim_wall_s": wall_s, "bin_s": self.bin_s, "series": self.series,
+        }
+
+
+def percentile(sorted_values: list[float], q: float) -> float:
+    return sorted_values[min(len(sorted_values) - 1, int(q / 100 * len(sorted_values)))]

