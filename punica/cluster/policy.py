@@ -147,6 +147,17 @@ class ClusterPolicy:
         self.num_evictions += len(evicted)
         return evicted
 
+    def evict(self, request_id: RequestId, num_tokens: int, now: float = 0.0) -> None:
+        """The GPU evicted a request itself (its engine ran out of KV cache first): it waits
+        to be placed again with `num_tokens` tokens (prompt + generated)."""
+        request = self.requests[request_id]
+        gpu = self.gpus[request.gpu_id]
+        self._leave(gpu)
+        self._requeue(gpu, request_id)
+        self._enter(gpu, now)
+        request.num_tokens = num_tokens
+        self.num_evictions += 1
+
     def finish(self, request_id: RequestId, now: float = 0.0) -> None:
         """A request finished or was aborted, running or waiting."""
         request = self.requests.pop(request_id)

@@ -1,0 +1,255 @@
+"""Serving on several GPUs through Ray: one `EngineWorker` actor per GPU, driven by the
+cluster policy from the driver's asyncio loop.
+
+The driver keeps every request's prompt, parameters and streamed tokens. It places requests
+with the policy (`PunicaPolicy` by default) and sends them to workers; one task per worker
+calls `step` over and over while the worker has requests, streams each output to its request,
+and places again what the worker handed back (its engine ran out of KV cache: the newest
+request) or what the policy evicted. A placed-again request resumes from prompt + generated
+tokens. A worker that dies has its requests placed again. Workers are added while
+`needs_gpu` holds (up to `max_workers`) and released when idle (down to `min_workers`).
+Ray is the only distributed machinery.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field, replace
+
+import ray
+from ray.exceptions import RayActorError
+
+from punica.cluster.policy import ClusterPolicy, PolicyConfig, PunicaPolicy
+from punica.cluster.worker import EngineWorker, StepResult, WorkerInfo, load_tokenizer
+from punica.engine.engine import RequestOutput
+from punica.engine.sampling_params import SamplingParams
+
+
+@dataclass(eq=False)
+class Tracked:
+    """The driver's copy of one request: enough to resume it anywhere."""
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    adapter: str | None
+    output_token_ids: list[int] = field(default_factory=list)
+    outputs: asyncio.Queue = field(default_factory=asyncio.Queue)
+    gpu_id: int | None = None
+    num_migrations: int = 0
+
+
+class ClusterEngine:
+    """The async front the OpenAI server calls: `generate` streams RequestOutput deltas."""
+
+    def __init__(self, make_worker: Callable[[], ray.actor.ActorHandle], min_workers: int, max_workers: int,
+                 policy: ClusterPolicy | None = None, tokenizer=None, adapters: tuple[str, ...] = ()):
+        if not 1 <= min_workers <= max_workers:
+            raise ValueError(f"need 1 <= min_workers <= max_workers, got {min_workers} and {max_workers}")
+        self.make_worker, self.min_workers, self.max_workers = make_worker, min_workers, max_workers
+        self.policy = policy or PunicaPolicy(PolicyConfig(min_gpus=min_workers))
+        self.tokenizer, self.adapters = tokenizer, set(adapters)
+        self.workers: dict[int, ray.actor.ActorHandle] = {}
+        self.requests: dict[str, Tracked] = {}
+        self.num_migrations = 0
+        self._wake: dict[int, asyncio.Event] = {}
+        self._tasks: set[asyncio.Task] = set()
+        self._next_id = 0
+        self._num_starting = 0
+        self.max_model_len: int | None = None
+
+    async def start(self) -> None:
+        await asyncio.gather(*(self._add_worker() for _ in range(self.min_workers)))
+
+    async def shutdown(self) -> None:
+        for task in list(self._tasks):
+            task.cancel()
+        for actor in self.workers.values():
+            ray.kill(actor)
+        self.workers.clear()
+
+    # ---- the server's API ---------------------------------------------------------------
+    async def generate(self, prompt: str | list[int], params: SamplingParams, adapter: str | None,
+                       request_id: str) -> AsyncIterator[RequestOutput]:
+        """Stream one request's outputs; the last has finished=True. ValueError on bad input."""
+        tracked = self._track(prompt, params, adapter, request_id)
+        self.policy.submit(request_id, len(tracked.prompt_token_ids))
+        self._place()
+        finished = False
+        try:
+            while not finished:
+                out = await tracked.outputs.get()
+                finished = out.finished
+                yield out
+        finally:
+            if not finished:
+                await self.abort(request_id)
+
+    async def abort(self, request_id: str) -> None:
+        tracked = self.requests.pop(request_id, None)
+        if tracked is None:
+            return
+        self.policy.finish(request_id)
+        if tracked.gpu_id in self.workers:
+            self.workers[tracked.gpu_id].abort.remote(request_id)
+        tracked.outputs.put_nowait(self._output(tracked, finished=True, finish_reason="abort"))
+        self._place()
+
+    # ---- requests -----------------------------------------------------------------------
+    def _track(self, prompt, params: SamplingParams, adapter: str | None, request_id: str) -> Tracked:
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        if adapter is not None and adapter not in self.adapters:
+            raise ValueError(f"unknown adapter {adapter!r} ({len(self.adapters)} adapters are registered)")
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("this model has no tokenizer: pass prompt token ids")
+            text, token_ids = prompt, self.tokenizer.encode(prompt)
+        else:
+            text, token_ids = None, list(prompt)
+        if not token_ids:
+            raise ValueError("the prompt is empty")
+        if self.max_model_len is not None and len(token_ids) >= self.max_model_len:
+            raise ValueError(f"the prompt has {len(token_ids)} tokens; this model's context is "
+                             f"{self.max_model_len} tokens, including at least one generated token")
+        tracked = self.requests[request_id] = Tracked(request_id, text, token_ids, params, adapter)
+        return tracked
+
+    def _output(self, tracked: Tracked, **fields) -> RequestOutput:
+        return RequestOutput(request_id=tracked.request_id, prompt=tracked.prompt,
+                             prompt_token_ids=tracked.prompt_token_ids, adapter=tracked.adapter,
+                             token_ids=list(tracked.output_token_ids), **fields)
+
+    def _place(self) -> None:
+        for request_id, gpu_id in self.policy.schedule(time.monotonic()):
+            tracked = self.requests[request_id]
+            tracked.gpu_id = gpu_id
+            ref = self.workers[gpu_id].add.remote(request_id, tracked.prompt_token_ids, tracked.params,
+                                                  tracked.adapter, list(tracked.output_token_ids))
+            self._spawn(self._check_add(tracked, ref))
+            self._wake[gpu_id].set()
+        self._scale()
+
+    async def _check_add(self, tracked: Tracked, ref: ray.ObjectRef) -> None:
+        """A worker refusing a request ends its stream with the error."""
+        try:
+            await ref
+        except RayActorError:
+            return  # the worker died; its drive loop places the request again
+        except Exception as e:  # the worker's ValueError, wrapped by Ray
+            if self.requests.pop(tracked.request_id, None) is not None:
+                self.policy.finish(tracked.request_id)
+                tracked.outputs.put_nowait(self._output(tracked, finished=True, finish_reason="error",
+                                                        error=str(e.__cause__ or e)))
+
+    def _requeue(self, gpu_id: int, evicted: list[tuple[str, list[int]]]) -> None:
+        """Requests a worker handed back wait to be placed again, with the tokens they have."""
+        for request_id, output_token_ids in evicted:
+            tracked = self.requests.get(request_id)
+            if tracked is None or tracked.gpu_id != gpu_id:
+                continue
+            assert output_token_ids == tracked.output_token_ids, "a worker lost or repeated tokens"
+            self._moved(tracked)
+            self.policy.evict(request_id, len(tracked.prompt_token_ids) + len(output_token_ids), time.monotonic())
+
+    # ---- workers ------------------------------------------------------------------------
+    async def _add_worker(self) -> None:
+        actor = self.make_worker()
+        try:
+            info: WorkerInfo = await actor.info.remote()
+        except BaseException:
+            ray.kill(actor)  # cancelled by shutdown, or the worker failed to start
+            raise
+        gpu_id, self._next_id = self._next_id, self._next_id + 1
+        self.max_model_len = min(self.max_model_len or info.max_model_len, info.max_model_len)
+        self.workers[gpu_id] = actor
+        self._wake[gpu_id] = asyncio.Event()
+        self.policy.add_gpu(gpu_id, info.kv_tokens, time.monotonic())
+        self._spawn(self._drive(gpu_id, actor))
+        self._place()
+
+    async def _drive(self, gpu_id: int, actor: ray.actor.ActorHandle) -> None:
+        """Step one worker while it has requests; stream, finish, migrate."""
+        wake = self._wake[gpu_id]
+        while gpu_id in self.workers:
+            if not self.policy.gpus[gpu_id].running:
+                wake.clear()
+                await wake.wait()
+                continue
+            try:
+                result: StepResult = await actor.step.remote()
+            except RayActorError:
+                self._worker_died(gpu_id)
+                return
+            if gpu_id in self.workers:
+                self._apply(gpu_id, actor, result)
+
+    def _apply(self, gpu_id: int, actor: ray.actor.ActorHandle, result: StepResult) -> None:
+        now = time.monotonic()
+        for out in result.outputs:
+            tracked = self.requests.get(out.request_id)
+            if tracked is None or tracked.gpu_id != gpu_id:
+                continue  # aborted, or handed back meanwhile
+            tracked.output_token_ids.extend(out.new_token_ids)
+            tracked.outputs.put_nowait(replace(out, prompt=tracked.prompt, prompt_token_ids=tracked.prompt_token_ids))
+            if out.finished:
+                del self.requests[out.request_id]
+                self.policy.finish(out.request_id, now)
+        self._requeue(gpu_id, result.evicted)
+        evicted = self.policy.step(gpu_id, 1, now)  # the policy's view ran out of KV before the engine
+        for request_id in evicted:
+            self._moved(self.requests[request_id])
+        if evicted:
+            actor.release.remote(evicted)  # before any later placement on this worker
+        self._place()
+
+    def _worker_died(self, gpu_id: int) -> None:
+        del self.workers[gpu_id]
+        for request_id in self.policy.remove_gpu(gpu_id):
+            self._moved(self.requests[request_id])
+        self._place()
+
+    def _moved(self, tracked: Tracked) -> None:
+        tracked.gpu_id = None
+        tracked.num_migrations += 1
+        self.num_migrations += 1
+
+    def _scale(self) -> None:
+        for gpu_id in self.policy.release_idle(time.monotonic()):
+            ray.kill(self.workers.pop(gpu_id))
+            self._wake.pop(gpu_id).set()
+        if self.policy.needs_gpu() and len(self.workers) + self._num_starting < self.max_workers:
+            self._num_starting += 1
+            self._spawn(self._start_one())
+
+    async def _start_one(self) -> None:
+        try:
+            await self._add_worker()
+        finally:
+            self._num_starting -= 1
+
+    def _spawn(self, coroutine) -> None:
+        task = asyncio.get_running_loop().create_task(coroutine)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+
+def build_cluster_engine(model: str | None, adapters: dict[str, str] | None, engine_kwargs: dict,
+                         num_workers: int, max_workers: int | None = None, device: str | None = None,
+                         dtype: str | None = None, policy_config: PolicyConfig | None = None) -> ClusterEngine:
+    """A ClusterEngine over `num_workers` Ray actors (one GPU each where there are GPUs; CPU
+    workers otherwise), growing to `max_workers`. Call `await engine.start()` in the server's
+    loop; Ray must be initialised (ray.init) first."""
+    from punica.models.loader import resolve_model_dir
+
+    use_gpu = bool(ray.cluster_resources().get("GPU"))
+    actor_class = ray.remote(num_gpus=1 if use_gpu else 0, num_cpus=0 if use_gpu else 1)(EngineWorker)
+    max_workers = max_workers or num_workers
+    config = policy_config or PolicyConfig(max_batch_size=engine_kwargs.get("max_batch_size", 32),
+                                           light_load_batch=max(1, engine_kwargs.get("max_batch_size", 32) // 2),
+                                           min_gpus=num_workers)
+    return ClusterEngine(lambda: actor_class.remote(model, adapters, engine_kwargs, device, dtype),
+                         num_workers, max_workers, PunicaPolicy(config),
+                         load_tokenizer(resolve_model_dir(model)), tuple(adapters or ()))

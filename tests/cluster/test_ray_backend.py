@@ -1,0 +1,109 @@
+"""The Ray backend on CPU workers with a tiny model: migration on KV exhaustion and after a
+worker dies, with every greedy output equal to a single engine's."""
+
+import asyncio
+import os
+import random
+
+os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+
+import pytest  # noqa: E402
+import ray  # noqa: E402
+import torch  # noqa: E402
+
+from helpers import make_peft_adapter, tiny_llama  # noqa: E402
+from punica.cluster.ray_backend import build_cluster_engine  # noqa: E402
+from punica.config import EngineConfig  # noqa: E402
+from punica.engine.engine import Engine  # noqa: E402
+from punica.engine.sampling_params import SamplingParams  # noqa: E402
+from punica.models.loader import load_hf_dir  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def ray_cluster():
+    ray.init(num_cpus=3, include_dashboard=False, log_to_driver=False, configure_logging=False)
+    yield
+    ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("ray")
+    hf = tiny_llama(seed=7)
+    hf.save_pretrained(tmp / "base")
+    adapters = {name: str(make_peft_adapter(hf, tmp / name, r=8, alpha=16, seed=i)) for i, name in enumerate("ab")}
+    return str(tmp / "base"), adapters
+
+
+def workload(n, seed):
+    rng = random.Random(seed)
+    return [([rng.randrange(3, 128) for _ in range(rng.randint(4, 12))], [None, "a", "b"][i % 3]) for i in range(n)]
+
+
+def single_engine(model, requests, max_tokens):
+    base, adapters = model
+    engine = Engine(load_hf_dir(base, dtype=torch.float32), None, EngineConfig(page_size=4), adapters)
+    ids = [engine.add_request(p, greedy(max_tokens), a) for p, a in requests]
+    outs = {}
+    while engine.has_unfinished():
+        outs.update((o.request_id, o.token_ids) for o in engine.step() if o.finished)
+    return [outs[i] for i in ids]
+
+
+def greedy(max_tokens):
+    return SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+
+
+async def collect(cluster, request_id, prompt, adapter, max_tokens, progress):
+    tokens = []
+    async for out in cluster.generate(prompt, greedy(max_tokens), adapter, request_id):
+        tokens.extend(out.new_token_ids)
+        assert out.token_ids == tokens  # deltas add up, across migrations too
+        progress[request_id] = len(tokens)
+    assert out.finished and out.finish_reason == "length"
+    return tokens
+
+
+def test_kv_exhaustion_migrates_requests_and_outputs_match(ray_cluster, model):
+    requests = workload(12, seed=0)
+    expected = single_engine(model, requests, max_tokens=24)
+
+    async def main():
+        cluster = build_cluster_engine(model[0], model[1], dict(page_size=4, kv_cache_tokens=64, max_batch_size=6),
+                                       num_workers=2)
+        await cluster.start()
+        try:
+            outs = await asyncio.gather(*(collect(cluster, f"r{i}", p, a, 24, {}) for i, (p, a) in enumerate(requests)))
+            return outs, cluster.num_migrations, len(cluster.workers)
+        finally:
+            await cluster.shutdown()
+
+    outs, num_migrations, num_workers = asyncio.run(asyncio.wait_for(main(), 90))
+    assert num_migrations > 0 and num_workers == 2
+    assert outs == expected
+
+
+def test_killed_worker_requests_are_placed_again_and_complete(ray_cluster, model):
+    requests = workload(8, seed=1)
+    expected = single_engine(model, requests, max_tokens=40)
+
+    async def main():
+        cluster = build_cluster_engine(model[0], model[1], dict(page_size=4, max_batch_size=4), num_workers=2)
+        await cluster.start()
+        progress = {}
+        try:
+            tasks = [asyncio.ensure_future(collect(cluster, f"r{i}", p, a, 40, progress))
+                     for i, (p, a) in enumerate(requests)]
+            victim = 0
+            while not any(progress.get(r, 0) >= 3 for r in cluster.policy.gpus[victim].running):
+                await asyncio.sleep(0.01)
+            on_victim = set(cluster.policy.gpus[victim].running)
+            ray.kill(cluster.workers[victim])
+            outs = await asyncio.gather(*tasks)
+            return outs, on_victim, cluster.num_migrations
+        finally:
+            await cluster.shutdown()
+
+    outs, on_victim, num_migrations = asyncio.run(asyncio.wait_for(main(), 90))
+    assert on_victim and num_migrations >= len(on_victim)
+    assert outs == expected
