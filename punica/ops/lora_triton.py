@@ -1,0 +1,399 @@
+"""Triton kernels for the LoRA operators; semantics and weight layout: punica.ops.lora.
+
+Two schedules, both sync-free and allocation-free beyond the returned `v`:
+
+* row-wise (every BGMV call, and SGMV when segments are short): one program per token and
+  slice of the output (ranks for shrink, columns for expand), reduction by broadcast and sum.
+  Tokens sharing an adapter re-read its weights from L2, so DRAM sees each adapter once, and
+  even a decode batch of 64 tokens launches hundreds of programs to fill the SMs.
+* tiled (SGMV with long segments): one program per tile of BLOCK_M tokens, `tl.dot` on tensor
+  cores. A tile loops over the segments it overlaps, found by a FAN-ary search of seg_indptr.
+  Shrink splits h_in across programs when tiles alone cannot fill the GPU, adding into a
+  zeroed fp32 `v` with atomics.
+
+Every per-batch quantity the kernels read (slots, segment bounds) is a device tensor; the
+launch configuration depends only on tensor shapes, so the calls are safe under CUDA-graph
+capture.
+
+On Hopper and newer the kernels launch with programmatic dependent launch (PDL): a kernel
+may start while the previous kernel in the stream still runs, reads the slot metadata, the
+segment bounds and (row-wise) its first weight tile, then waits for the previous kernel
+before touching x, v or y. So the metadata, weights and scales must not be written by the
+kernel launched immediately before a LoRA op (host copies and earlier kernels are fine);
+set ENABLE_PDL = False where that cannot be promised.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from punica.ops.lora import prefer_bgmv
+
+FAN = 64              # probes per step of the segment search
+ROWWISE_TILE = 8192   # elements a row-wise program multiplies per loop step (4 warps)
+ROWWISE_WARPS = 4
+TILE_BLOCK_K = 64      # shrink tiles: h_in per loop step
+TILE_BLOCK_N = 128     # expand tiles: h_out columns per program
+TILE_WARPS = 4
+TILE_STAGES = 3
+TILE_PROGRAMS_PER_SM = 8  # shrink splits h_in until tiles x splits reach this many per SM
+ENABLE_PDL = True      # programmatic dependent launch on Hopper+ (see the module docstring)
+
+
+@triton.jit
+def _find_segment(seg_indptr, num_segments, row, num_steps, FAN: tl.constexpr):
+    """Largest s in [0, num_segments) with seg_indptr[s] <= row (0 if none): FAN-ary search."""
+    lo = row * 0
+    hi = lo + num_segments
+    for _ in range(num_steps):
+        stride = (hi - lo + FAN - 1) // FAN
+        probes = lo + tl.arange(0, FAN) * stride
+        starts = tl.load(seg_indptr + probes, mask=probes < hi, other=row + 1)
+        count = tl.sum((starts <= row).to(tl.int32), axis=0)
+        lo = lo + tl.maximum(count - 1, 0) * stride
+        hi = tl.minimum(lo + stride, hi)
+    return lo
+
+
+@triton.jit
+def _row_slot(t, token_slots, seg_indptr, seg_slots, num_segments, num_steps,
+              SEGMENTED: tl.constexpr, FAN: tl.constexpr):
+    """The slot of token t: token_slots[t], or that of the segment holding t (-1 if none)."""
+    if SEGMENTED:
+        s = _find_segment(seg_indptr, num_segments, t, num_steps, FAN)
+        lo = tl.load(seg_indptr + s)
+        hi = tl.load(seg_indptr + s + 1)
+        slot = tl.load(seg_slots + s, mask=(lo <= t) & (t < hi), other=-1)
+    else:
+        slot = tl.load(token_slots + t)
+    return slot
+
+
+@triton.jit
+def _previous_kernel_done(PDL: tl.constexpr):
+    """Under programmatic dependent launch: wait until the previous kernel's writes are
+    visible, then let the next kernel start its prologue."""
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+
+
+@triton.jit
+def _shrink_rowwise_kernel(
+    x, lora_a, v, token_slots, seg_indptr, seg_slots, num_segments, num_steps, h_in, max_rank,
+    stride_xt, stride_xk, stride_as, stride_ar, stride_ak, stride_vt, stride_vr,
+    SEGMENTED: tl.constexpr, FAN: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    t = tl.program_id(0)
+    ranks = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
+    slot = _row_slot(t, token_slots, seg_indptr, seg_slots, num_segments, num_steps, SEGMENTED, FAN)
+    # masks compare with a bound that is 0 for slot -1 (no scalar-bool broadcast: the
+    # interpreter turns a splat int1 into int32)
+    k_end = tl.where(slot >= 0, h_in, 0)
+    x_row = x + t.to(tl.int64) * stride_xt
+    a_rows = (lora_a + tl.maximum(slot, 0).to(tl.int64) * stride_as
+              + ranks[:, None].to(tl.int64) * stride_ar)
+    rank_ok = (ranks < max_rank)[:, None]
+    # the first chunk of A is read before the previous kernel has finished (PDL), x after
+    cols = tl.arange(0, BLOCK_K)
+    ak = tl.load(a_rows + cols[None, :] * stride_ak, mask=rank_ok & (cols < k_end)[None, :], other=0.0)
+    _previous_kernel_done(PDL)
+    xk = tl.load(x_row + cols * stride_xk, mask=cols < k_end, other=0.0)
+    acc = tl.sum(ak.to(tl.float32) * xk.to(tl.float32)[None, :], axis=1)
+    for k in range(BLOCK_K, h_in, BLOCK_K):
+        cols = k + tl.arange(0, BLOCK_K)
+        col_ok = cols < k_end
+        xk = tl.load(x_row + cols * stride_xk, mask=col_ok, other=0.0)
+        ak = tl.load(a_rows + cols[None, :] * stride_ak, mask=rank_ok & col_ok[None, :], other=0.0)
+        acc += tl.sum(ak.to(tl.float32) * xk.to(tl.float32)[None, :], axis=1)
+    tl.store(v + t.to(tl.int64) * stride_vt + ranks * stride_vr, acc, mask=ranks < max_rank)
+
+
+@triton.jit
+def _expand_rowwise_kernel(
+    y, v, lora_b, scales, token_slots, seg_indptr, seg_slots, num_segments, num_steps, h_out,
+    max_rank, stride_yt, stride_yn, stride_vt, stride_vr, stride_bs, stride_bn, stride_br,
+    SEGMENTED: tl.constexpr, FAN: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    t = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    ranks = tl.arange(0, BLOCK_R)
+    slot = _row_slot(t, token_slots, seg_indptr, seg_slots, num_segments, num_steps, SEGMENTED, FAN)
+    valid = slot >= 0
+    safe_slot = tl.maximum(slot, 0)
+    rank_ok = ranks < tl.where(valid, max_rank, 0)  # bounds, not scalar-bool masks: see shrink
+    col_ok = cols < tl.where(valid, h_out, 0)
+    b = tl.load(lora_b + safe_slot.to(tl.int64) * stride_bs + cols[:, None].to(tl.int64) * stride_bn
+                + ranks[None, :] * stride_br,
+                mask=col_ok[:, None] & rank_ok[None, :], other=0.0)
+    scale = tl.load(scales + safe_slot, mask=valid, other=0.0).to(tl.float32)
+    _previous_kernel_done(PDL)  # v and y are read after it
+    vt = tl.load(v + t.to(tl.int64) * stride_vt + ranks * stride_vr, mask=rank_ok, other=0.0)
+    delta = tl.sum(b.to(tl.float32) * vt.to(tl.float32)[None, :], axis=1) * scale
+    y_row = y + t.to(tl.int64) * stride_yt + cols * stride_yn
+    old = tl.load(y_row, mask=col_ok, other=0.0)
+    tl.store(y_row, (old.to(tl.float32) + delta).to(y.dtype.element_ty), mask=col_ok)
+
+
+@triton.jit
+def _sgmv_shrink_tile_kernel(
+    x, lora_a, v, seg_indptr, seg_slots, num_tokens, num_segments, num_steps, h_in, max_rank,
+    k_per_split, stride_xt, stride_xk, stride_as, stride_ar, stride_ak, stride_vt, stride_vr,
+    FAN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
+    ATOMIC: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr,
+):
+    row0 = tl.program_id(0) * BLOCK_M
+    rows = row0 + tl.arange(0, BLOCK_M)
+    ranks = tl.arange(0, BLOCK_R)
+    k_lo = tl.program_id(1) * k_per_split
+    k_hi = tl.minimum(k_lo + k_per_split, h_in)
+    first = _find_segment(seg_indptr, num_segments, row0, num_steps, FAN)
+    last = _find_segment(seg_indptr, num_segments, tl.minimum(row0 + BLOCK_M, num_tokens) - 1,
+                         num_steps, FAN)
+    _previous_kernel_done(PDL)
+    for s in range(first, last + 1):
+        slot = tl.load(seg_slots + s)
+        lo = tl.load(seg_indptr + s)
+        hi = tl.load(seg_indptr + s + 1)
+        if (slot >= 0) & (lo < hi):
+            in_seg = (rows >= lo) & (rows < hi) & (rows < num_tokens)
+            x_rows = x + rows[:, None].to(tl.int64) * stride_xt
+            a_cols = lora_a + slot.to(tl.int64) * stride_as + ranks[None, :] * stride_ar
+            acc = tl.zeros([BLOCK_M, BLOCK_R], tl.float32)
+            for k in range(k_lo, k_hi, BLOCK_K):
+                ks = k + tl.arange(0, BLOCK_K)
+                k_ok = ks < k_hi
+                xt = tl.load(x_rows + ks[None, :] * stride_xk, mask=in_seg[:, None] & k_ok[None, :],
+                             other=0.0)
+                at = tl.load(a_cols + ks[:, None] * stride_ak,
+                             mask=k_ok[:, None] & (ranks < max_rank)[None, :], other=0.0)
+                if UPCAST:
+                    xt = xt.to(tl.float32)
+                    at = at.to(tl.float32)
+                acc = tl.dot(xt, at, acc, input_precision=PRECISION)
+            out = v + rows[:, None].to(tl.int64) * stride_vt + ranks[None, :] * stride_vr
+            out_ok = in_seg[:, None] & (ranks < max_rank)[None, :]
+            if ATOMIC:
+                tl.atomic_add(out, acc, mask=out_ok, sem="relaxed")  # the launch boundary orders them
+            else:
+                tl.store(out, acc, mask=out_ok)
+
+
+@triton.jit
+def _sgmv_expand_tile_kernel(
+    y, v, lora_b, scales, seg_indptr, seg_slots, num_tokens, num_segments, num_steps, h_out,
+    max_rank, stride_yt, stride_yn, stride_vt, stride_vr, stride_bs, stride_bn, stride_br,
+    FAN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
+    PRECISION: tl.constexpr, PDL: tl.constexpr,
+):
+    row0 = tl.program_id(0) * BLOCK_M
+    rows = row0 + tl.arange(0, BLOCK_M)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    ranks = tl.arange(0, BLOCK_R)
+    rank_ok = ranks < max_rank
+    first = _find_segment(seg_indptr, num_segments, row0, num_steps, FAN)
+    last = _find_segment(seg_indptr, num_segments, tl.minimum(row0 + BLOCK_M, num_tokens) - 1,
+                         num_steps, FAN)
+    _previous_kernel_done(PDL)
+    for s in range(first, last + 1):
+        slot = tl.load(seg_slots + s)
+        lo = tl.load(seg_indptr + s)
+        hi = tl.load(seg_indptr + s + 1)
+        if (slot >= 0) & (lo < hi):
+            in_seg = (rows >= lo) & (rows < hi) & (rows < num_tokens)
+            out = y + rows[:, None].to(tl.int64) * stride_yt + cols[None, :] * stride_yn
+            out_ok = in_seg[:, None] & (cols < h_out)[None, :]
+            old = tl.load(out, mask=out_ok, other=0.0)  # the largest load first
+            vt = tl.load(v + rows[:, None].to(tl.int64) * stride_vt + ranks[None, :] * stride_vr,
+                         mask=in_seg[:, None] & rank_ok[None, :], other=0.0)
+            b = tl.load(lora_b + slot.to(tl.int64) * stride_bs + cols[None, :].to(tl.int64) * stride_bn
+                        + ranks[:, None] * stride_br,
+                        mask=rank_ok[:, None] & (cols < h_out)[None, :], other=0.0)
+            delta = tl.dot(vt.to(tl.float32), b.to(tl.float32), input_precision=PRECISION)
+            delta = delta * tl.load(scales + slot).to(tl.float32)
+            tl.store(out, (old.to(tl.float32) + delta).to(y.dtype.element_ty), mask=out_ok)
+
+
+def _pdl(device: torch.device) -> bool:
+    """Launch with programmatic dependent launch (Hopper and newer)."""
+    return ENABLE_PDL and device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 2  # the interpreter runs programs one by one; any count exercises the same code
+
+
+def _search_steps(num_segments: int) -> int:
+    steps, width = 0, num_segments
+    while width > 1:
+        width = triton.cdiv(width, FAN)
+        steps += 1
+    return steps
+
+
+def _precision(dtype: torch.dtype) -> str:
+    """fp32 inputs multiply exactly; bf16/fp16 weights are exact in tf32 (only `v` rounds)."""
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def sgmv_block_m(num_tokens: int, num_segments: int) -> int:
+    """Tokens per SGMV program: 1 selects the row-wise schedule, else the tile height.
+
+    Row-wise exactly where BGMV is preferred (punica.ops.lora.prefer_bgmv): short segments,
+    where a tile would hold several segments and load each one's weights for a few rows.
+    """
+    if prefer_bgmv(num_tokens, num_segments):
+        return 1
+    mean_len = num_tokens // max(num_segments, 1)
+    return 16 if mean_len < 32 else 32 if mean_len < 64 else 64
+
+
+def _rowwise_shrink_blocks(h_in: int, max_rank: int) -> tuple[int, int]:
+    block_k = min(triton.next_power_of_2(h_in), ROWWISE_TILE // 2)
+    block_r = min(triton.next_power_of_2(max_rank), max(1, ROWWISE_TILE // block_k))
+    return block_r, block_k
+
+
+def _rowwise_expand_blocks(h_out: int, max_rank: int) -> tuple[int, int]:
+    block_r = triton.next_power_of_2(max_rank)
+    block_n = min(triton.next_power_of_2(h_out), max(16, ROWWISE_TILE // block_r))
+    return block_n, block_r
+
+
+def _shrink_out(x: torch.Tensor, max_rank: int, out: torch.Tensor | None) -> torch.Tensor:
+    shape = (x.shape[0], max_rank)
+    if out is None:
+        return torch.empty(shape, dtype=torch.float32, device=x.device)
+    assert out.shape == shape and out.dtype == torch.float32, (out.shape, out.dtype)
+    return out
+
+
+def _check_shrink(x: torch.Tensor, lora_a: torch.Tensor) -> None:
+    assert x.dim() == 2 and lora_a.dim() == 3 and x.shape[1] == lora_a.shape[2], (x.shape, lora_a.shape)
+    assert lora_a.shape[1] <= 128, f"max_rank {lora_a.shape[1]} above 128"
+
+
+def _check_expand(y: torch.Tensor, v: torch.Tensor, lora_b: torch.Tensor) -> None:
+    assert v.dtype == torch.float32 and v.shape == (y.shape[0], lora_b.shape[2]), (v.dtype, v.shape)
+    assert lora_b.dim() == 3 and y.shape[1] == lora_b.shape[1], (y.shape, lora_b.shape)
+    assert lora_b.shape[2] <= 128, f"max_rank {lora_b.shape[2]} above 128"
+
+
+def _shrink_rowwise(x, lora_a, v, token_slots, seg_indptr, seg_slots, segmented):
+    num_tokens, h_in = x.shape
+    max_rank = lora_a.shape[1]
+    block_r, block_k = _rowwise_shrink_blocks(h_in, max_rank)
+    num_segments = seg_slots.numel()
+    grid = (num_tokens, triton.cdiv(max_rank, block_r))
+    _shrink_rowwise_kernel[grid](
+        x, lora_a, v, token_slots, seg_indptr, seg_slots, num_segments, _search_steps(num_segments),
+        h_in, max_rank, *x.stride(), *lora_a.stride(), *v.stride(),
+        SEGMENTED=segmented, FAN=FAN, BLOCK_R=block_r, BLOCK_K=block_k, PDL=_pdl(x.device),
+        num_warps=ROWWISE_WARPS, launch_pdl=_pdl(x.device),
+    )
+    return v
+
+
+def _expand_rowwise(y, v, lora_b, scales, token_slots, seg_indptr, seg_slots, segmented):
+    num_tokens, h_out = y.shape
+    max_rank = lora_b.shape[2]
+    block_n, block_r = _rowwise_expand_blocks(h_out, max_rank)
+    num_segments = seg_slots.numel()
+    grid = (num_tokens, triton.cdiv(h_out, block_n))
+    _expand_rowwise_kernel[grid](
+        y, v, lora_b, scales, token_slots, seg_indptr, seg_slots, num_segments,
+        _search_steps(num_segments), h_out, max_rank, *y.stride(), *v.stride(), *lora_b.stride(),
+        SEGMENTED=segmented, FAN=FAN, BLOCK_N=block_n, BLOCK_R=block_r, PDL=_pdl(y.device),
+        num_warps=ROWWISE_WARPS, launch_pdl=_pdl(y.device),
+    )
+
+
+def sgmv_shrink_triton(x: torch.Tensor, lora_a: torch.Tensor, seg_indptr: torch.Tensor,
+                       seg_slots: torch.Tensor, out: torch.Tensor | None = None,
+                       block_m: int | None = None) -> torch.Tensor:
+    """punica.ops.lora.sgmv_shrink; `out` receives v if given; `block_m` overrides sgmv_block_m."""
+    _check_shrink(x, lora_a)
+    num_tokens, h_in = x.shape
+    max_rank = lora_a.shape[1]
+    num_segments = seg_slots.numel()
+    block_m = block_m or sgmv_block_m(num_tokens, num_segments)
+    v = _shrink_out(x, max_rank, out)
+    if num_tokens == 0:
+        return v
+    if num_segments == 0:
+        return v.zero_()
+    if block_m == 1:
+        return _shrink_rowwise(x, lora_a, v, seg_slots, seg_indptr, seg_slots, segmented=True)
+    v.zero_()
+    block_r = max(16, triton.next_power_of_2(max_rank))
+    block_k = max(16, min(TILE_BLOCK_K, triton.next_power_of_2(h_in)))
+    num_tiles = triton.cdiv(num_tokens, block_m)
+    num_k_blocks = triton.cdiv(h_in, block_k)
+    split_k = min(num_k_blocks, max(1, TILE_PROGRAMS_PER_SM * _num_sms(x.device) // num_tiles))
+    k_per_split = triton.cdiv(num_k_blocks, split_k) * block_k
+    grid = (num_tiles, triton.cdiv(h_in, k_per_split))
+    _sgmv_shrink_tile_kernel[grid](
+        x, lora_a, v, seg_indptr, seg_slots, num_tokens, num_segments, _search_steps(num_segments),
+        h_in, max_rank, k_per_split, *x.stride(), *lora_a.stride(), *v.stride(),
+        FAN=FAN, BLOCK_M=block_m, BLOCK_R=block_r, BLOCK_K=block_k, ATOMIC=grid[1] > 1,
+        UPCAST=_interpreting(), PRECISION=_precision(x.dtype), PDL=_pdl(x.device),
+        num_warps=TILE_WARPS, num_stages=TILE_STAGES, launch_pdl=_pdl(x.device),
+    )
+    return v
+
+
+def sgmv_expand_triton(y: torch.Tensor, v: torch.Tensor, lora_b: torch.Tensor,
+                       seg_indptr: torch.Tensor, seg_slots: torch.Tensor, scales: torch.Tensor,
+                       block_m: int | None = None) -> None:
+    """punica.ops.lora.sgmv_expand; `block_m` overrides sgmv_block_m."""
+    _check_expand(y, v, lora_b)
+    num_tokens, h_out = y.shape
+    max_rank = lora_b.shape[2]
+    num_segments = seg_slots.numel()
+    if num_tokens == 0 or num_segments == 0:
+        return
+    block_m = block_m or sgmv_block_m(num_tokens, num_segments)
+    if block_m == 1:
+        _expand_rowwise(y, v, lora_b, scales, seg_slots, seg_indptr, seg_slots, segmented=True)
+        return
+    block_r = max(16, triton.next_power_of_2(max_rank))
+    block_n = max(16, min(TILE_BLOCK_N, triton.next_power_of_2(h_out)))
+    grid = (triton.cdiv(num_tokens, block_m), triton.cdiv(h_out, block_n))
+    _sgmv_expand_tile_kernel[grid](
+        y, v, lora_b, scales, seg_indptr, seg_slots, num_tokens, num_segments,
+        _search_steps(num_segments), h_out, max_rank, *y.stride(), *v.stride(), *lora_b.stride(),
+        FAN=FAN, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_R=block_r,
+        PRECISION=_precision(lora_b.dtype), PDL=_pdl(y.device), num_warps=TILE_WARPS,
+        num_stages=TILE_STAGES, launch_pdl=_pdl(y.device),
+    )
+
+
+def bgmv_shrink_triton(x: torch.Tensor, lora_a: torch.Tensor, token_slots: torch.Tensor,
+                       out: torch.Tensor | None = None) -> torch.Tensor:
+    """punica.ops.lora.bgmv_shrink; `out` receives v if given."""
+    _check_shrink(x, lora_a)
+    v = _shrink_out(x, lora_a.shape[1], out)
+    if x.shape[0] == 0:
+        return v
+    return _shrink_rowwise(x, lora_a, v, token_slots, token_slots, token_slots, segmented=False)
+
+
+def bgmv_expand_triton(y: torch.Tensor, v: torch.Tensor, lora_b: torch.Tensor,
+                       token_slots: torch.Tensor, scales: torch.Tensor) -> None:
+    """punica.ops.lora.bgmv_expand."""
+    _check_expand(y, v, lora_b)
+    if y.shape[0] == 0:
+        return
+    _expand_rowwise(y, v, lora_b, scales, token_slots, token_slots, token_slots, segmented=False)

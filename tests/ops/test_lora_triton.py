@@ -1,0 +1,264 @@
+"""Triton LoRA kernels against the references of punica.ops.lora on fresh random inputs.
+
+Without a GPU the kernels run under Triton's interpreter (tests/conftest.py) on CPU tensors,
+at small shapes; tests marked `cuda` run at real shapes on the GPU.
+"""
+
+import random
+
+import pytest
+import torch
+
+from punica.lora.batch import LoraBatch
+from punica.ops import lora as ops
+from punica.ops import lora_triton as kernels
+from punica.workloads import WORKLOADS, adapter_ids
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+# (rtol, atol) for y; the interpreter truncates to bf16/fp16, the GPU rounds, and tf32 rounds v
+Y_TOL = {torch.float32: (1e-4, 1e-4), torch.bfloat16: (2e-2, 2e-2), torch.float16: (4e-3, 4e-3)}
+
+
+def make_pool(num_slots, ranks, h_in, h_out, dtype, gen, device=DEVICE):
+    """Random weights with per-slot ranks, zero-padded to the largest rank."""
+    max_rank = max(ranks)
+    a = torch.zeros(num_slots, max_rank, h_in, dtype=dtype)
+    b = torch.zeros(num_slots, h_out, max_rank, dtype=dtype)
+    for s, r in enumerate(ranks):
+        a[s, :r] = torch.randn(r, h_in, generator=gen).to(dtype) / h_in**0.5
+        b[s, :, :r] = torch.randn(h_out, r, generator=gen).to(dtype) / r**0.5
+    scales = torch.rand(num_slots, generator=gen) + 0.5
+    return a.to(device), b.to(device), scales.to(device)
+
+
+def make_requests(workload, num_requests, max_len, rng):
+    """Slots sorted so equal slots neighbour, plus one request without LoRA in the middle."""
+    slots = sorted(adapter_ids(workload, num_requests, rng))
+    slots.insert(num_requests // 2, -1)
+    return slots, [rng.randint(1, max_len) for _ in slots]
+
+
+def check_all_kernels(x, y0, a, b, scales, batch, y_tol, block_ms=(None,)):
+    """Every kernel (both SGMV schedules when asked) equals its reference."""
+    v_ref = ops.sgmv_shrink_ref(x, a, batch.seg_indptr, batch.seg_slots)
+    y_ref = y0.clone()
+    ops.sgmv_expand_ref(y_ref, v_ref, b, batch.seg_indptr, batch.seg_slots, scales)
+    no_lora = batch.token_slots < 0
+    results = []
+    for block_m in block_ms:
+        v = kernels.sgmv_shrink_triton(x, a, batch.seg_indptr, batch.seg_slots, block_m=block_m)
+        y = y0.clone()
+        kernels.sgmv_expand_triton(y, v_ref, b, batch.seg_indptr, batch.seg_slots, scales, block_m=block_m)
+        results.append((f"sgmv block_m={block_m}", v, y))
+    v = kernels.bgmv_shrink_triton(x, a, batch.token_slots)
+    y = y0.clone()
+    kernels.bgmv_expand_triton(y, v_ref, b, batch.token_slots, scales)
+    results.append(("bgmv", v, y))
+    for name, v, y in results:
+        torch.testing.assert_close(v, v_ref, rtol=1e-4, atol=1e-4, msg=lambda m: f"{name} shrink: {m}")
+        torch.testing.assert_close(y, y_ref, rtol=y_tol[0], atol=y_tol[1], msg=lambda m: f"{name} expand: {m}")
+        assert torch.equal(v[no_lora], torch.zeros_like(v[no_lora])), name
+        assert torch.equal(y[no_lora], y0[no_lora]), name
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("workload", WORKLOADS)
+def test_kernels_match_reference_mixed_ranks(workload, dtype):
+    rng = random.Random(f"{workload}{dtype}")
+    gen = torch.Generator().manual_seed(rng.randrange(2**31))
+    slots, lens = make_requests(workload, 6, 14, rng)
+    num_slots = max(slots) + 2
+    ranks = [rng.choice([1, 3, 5, 8, 13]) for _ in range(num_slots)]
+    a, b, scales = make_pool(num_slots, ranks, 67, 45, dtype, gen)
+    batch = LoraBatch.build(slots, lens, device=DEVICE)
+    x = torch.randn(sum(lens), 67, generator=gen).to(dtype).to(DEVICE)
+    y0 = torch.randn(sum(lens), 45, generator=gen).to(dtype).to(DEVICE)
+    check_all_kernels(x, y0, a, b, scales, batch, Y_TOL[dtype], block_ms=(1, 16))
+
+
+@pytest.mark.parametrize("rank", [8, 16, 64])
+def test_kernels_match_reference_ranks(rank):
+    rng = random.Random(rank)
+    gen = torch.Generator().manual_seed(rank)
+    slots, lens = make_requests("uniform", 5, 20, rng)
+    a, b, scales = make_pool(max(slots) + 1, [rank] * (max(slots) + 1), 33, 70, torch.bfloat16, gen)
+    batch = LoraBatch.build(slots, lens, device=DEVICE)
+    x = torch.randn(sum(lens), 33, generator=gen).to(torch.bfloat16).to(DEVICE)
+    y0 = torch.randn(sum(lens), 70, generator=gen).to(torch.bfloat16).to(DEVICE)
+    check_all_kernels(x, y0, a, b, scales, batch, Y_TOL[torch.bfloat16], block_ms=(1, 32))
+
+
+def test_tiles_without_split_k_and_long_segments():
+    """Enough tiles that shrink needs no split (plain stores), segments longer than a tile."""
+    gen = torch.Generator().manual_seed(3)
+    slots, lens = [0, -1, 2, 1], [150, 40, 70, 19]
+    a, b, scales = make_pool(3, [4, 16, 9], 40, 24, torch.float32, gen)
+    batch = LoraBatch.build(slots, lens, device=DEVICE)
+    x = torch.randn(sum(lens), 40, generator=gen).to(DEVICE)
+    y0 = torch.randn(sum(lens), 24, generator=gen).to(DEVICE)
+    assert sum(lens) // 16 >= kernels.TILE_PROGRAMS_PER_SM * kernels._num_sms(x.device) or DEVICE == "cuda"
+    check_all_kernels(x, y0, a, b, scales, batch, Y_TOL[torch.float32], block_ms=(16, None))
+
+
+@pytest.mark.parametrize("block_m", [1, 16])
+def test_empty_segments_and_tokens_past_the_last_segment(block_m):
+    """Padding as a CUDA-graph runner may do it: empty segments, trailing tokens without one."""
+    gen = torch.Generator().manual_seed(block_m)
+    a, b, scales = make_pool(3, [8, 5, 8], 24, 20, torch.float32, gen)
+    seg_indptr = torch.tensor([0, 0, 7, 7, 25, 25, 30], dtype=torch.int32, device=DEVICE)
+    seg_slots = torch.tensor([1, 2, 0, -1, 1, 2], dtype=torch.int32, device=DEVICE)
+    x = torch.randn(36, 24, generator=gen).to(DEVICE)
+    y0 = torch.randn(36, 20, generator=gen).to(DEVICE)
+    v = kernels.sgmv_shrink_triton(x, a, seg_indptr, seg_slots, block_m=block_m)
+    v_ref = ops.sgmv_shrink_ref(x, a, seg_indptr, seg_slots)
+    torch.testing.assert_close(v, v_ref, rtol=1e-5, atol=1e-5)
+    assert torch.equal(v[30:], torch.zeros(6, 8, device=DEVICE))
+    y, y_ref = y0.clone(), y0.clone()
+    kernels.sgmv_expand_triton(y, v_ref, b, seg_indptr, seg_slots, scales, block_m=block_m)
+    ops.sgmv_expand_ref(y_ref, v_ref, b, seg_indptr, seg_slots, scales)
+    torch.testing.assert_close(y, y_ref, rtol=1e-5, atol=1e-5)
+    assert torch.equal(y[30:], y0[30:])
+
+
+def test_expand_into_column_slice_and_shrink_into_out():
+    gen = torch.Generator().manual_seed(5)
+    a, b, scales = make_pool(3, [4, 8, 2], 16, 24, torch.bfloat16, gen)
+    batch = LoraBatch.build([2, 0, -1, 1], [1, 3, 2, 4], device=DEVICE)
+    x = torch.randn(10, 16, generator=gen).to(torch.bfloat16).to(DEVICE)
+    wide = torch.randn(10, 60, generator=gen).to(torch.bfloat16).to(DEVICE)
+    before = wide.clone()
+    out = torch.full((10, 8), float("nan"), device=DEVICE)
+    v = kernels.bgmv_shrink_triton(x, a, batch.token_slots, out=out)
+    assert v is out
+    torch.testing.assert_close(v, ops.bgmv_shrink_ref(x, a, batch.token_slots), rtol=1e-5, atol=1e-5)
+    expect = before[:, 10:34].clone()
+    ops.sgmv_expand_ref(expect, v, b, batch.seg_indptr, batch.seg_slots, scales)
+    for expand in (kernels.bgmv_expand_triton, kernels.sgmv_expand_triton):
+        wide = before.clone()
+        if expand is kernels.bgmv_expand_triton:
+            expand(wide[:, 10:34], v, b, batch.token_slots, scales)
+        else:
+            expand(wide[:, 10:34], v, b, batch.seg_indptr, batch.seg_slots, scales)
+        torch.testing.assert_close(wide[:, 10:34], expect, rtol=2e-2, atol=2e-2)
+        assert torch.equal(wide[:, :10], before[:, :10]) and torch.equal(wide[:, 34:], before[:, 34:])
+
+
+def test_sgmv_runs_rowwise_exactly_where_bgmv_is_preferred():
+    for num_tokens, num_segments, block_m in [(64, 64, 1), (64, 1, 1), (4096, 4096, 1),
+                                              (4096, 300, 1), (4096, 16, 64), (512, 20, 16)]:
+        assert kernels.sgmv_block_m(num_tokens, num_segments) == block_m
+        assert ops.prefer_bgmv(num_tokens, num_segments) == (block_m == 1)
+
+
+# ---- GPU, real shapes -------------------------------------------------------------------
+
+REAL_SHAPES = [(2048, 8), (4096, 16), (5120, 32), (11008, 64), (13824, 128)]
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("workload", WORKLOADS)
+@pytest.mark.parametrize("hidden,rank", REAL_SHAPES)
+def test_real_shapes(hidden, rank, workload):
+    rng = random.Random(f"{hidden}{rank}{workload}")
+    gen = torch.Generator().manual_seed(rng.randrange(2**31))
+    dtype = torch.bfloat16
+    for num_requests, max_len in ((64, 1), (15, 4096 // 15)):
+        slots, lens = make_requests(workload, num_requests, max_len, rng)
+        num_slots = max(slots) + 1
+        ranks = [rng.randint(1, rank) for _ in range(num_slots)]
+        ranks[0] = rank
+        # h_in = hidden with h_out = 4096 (down-like) and the reverse (up-like)
+        for h_in, h_out in ((hidden, 4096), (4096, hidden)):
+            a, b, scales = make_pool(num_slots, ranks, h_in, h_out, dtype, gen)
+            batch = LoraBatch.build(slots, lens, device=DEVICE)
+            x = torch.randn(sum(lens), h_in, generator=gen).to(dtype).to(DEVICE)
+            y0 = torch.randn(sum(lens), h_out, generator=gen).to(dtype).to(DEVICE)
+            check_all_kernels(x, y0, a, b, scales, batch, Y_TOL[dtype], block_ms=(None, 1, 64))
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_real_shapes_dtypes_through_public_ops(dtype):
+    """The public ops dispatch to Triton on CUDA; add_lora equals the references."""
+    rng = random.Random(str(dtype))
+    gen = torch.Generator().manual_seed(11)
+    slots, lens = make_requests("skewed", 40, 100, rng)
+    a, b, scales = make_pool(max(slots) + 1, [16] * (max(slots) + 1), 4096, 11008, dtype, gen)
+    x = torch.randn(sum(lens), 4096, generator=gen).to(dtype).to(DEVICE)
+    y0 = torch.randn(sum(lens), 11008, generator=gen).to(dtype).to(DEVICE)
+    for use_bgmv in (False, True):
+        batch = LoraBatch.build(slots, lens, device=DEVICE, use_bgmv=use_bgmv)
+        y, y_ref = y0.clone(), y0.clone()
+        ops.add_lora(y, x, a, b, scales, batch)
+        v_ref = ops.sgmv_shrink_ref(x, a, batch.seg_indptr, batch.seg_slots)
+        ops.sgmv_expand_ref(y_ref, v_ref, b, batch.seg_indptr, batch.seg_slots, scales)
+        torch.testing.assert_close(y, y_ref, rtol=Y_TOL[dtype][0], atol=Y_TOL[dtype][1])
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("num_requests,max_len", [(64, 1), (12, 300)])
+def test_cuda_graph_replay_equals_eager(num_requests, max_len):
+    """Capture once; replays on new inputs (new slots and segment bounds too) equal eager runs.
+
+    Inside the graph, kernels write x and y just before the LoRA ops read them, which checks
+    that reads of x, v and y wait for the previous kernel under programmatic dependent launch.
+    """
+    rng = random.Random(num_requests)
+    gen = torch.Generator().manual_seed(num_requests)
+    dtype, h_in, h_out = torch.bfloat16, 4096, 5120
+    a, b, scales = make_pool(num_requests, [rng.randint(1, 16) for _ in range(num_requests)],
+                             h_in, h_out, dtype, gen)
+    slots, lens = make_requests("uniform", num_requests - 1, max_len, rng)
+    num_tokens = sum(lens)
+    static = LoraBatch.build(slots, lens, device=DEVICE)
+    x_src = torch.randn(num_tokens, h_in, generator=gen).to(dtype).to(DEVICE)
+    y_src = torch.randn(num_tokens, h_out, generator=gen).to(dtype).to(DEVICE)
+    x, y, y_tok = torch.empty_like(x_src), torch.empty_like(y_src), torch.empty_like(y_src)
+    v_seg = torch.empty(num_tokens, 16, device=DEVICE)
+    v_tok = torch.empty(num_tokens, 16, device=DEVICE)
+
+    def step():
+        torch.mul(y_src, 1.0, out=y)  # kernels, not copies, so that PDL applies
+        torch.mul(x_src, 1.0, out=x)
+        kernels.sgmv_shrink_triton(x, a, static.seg_indptr, static.seg_slots, out=v_seg)
+        kernels.sgmv_expand_triton(y, v_seg, b, static.seg_indptr, static.seg_slots, scales)
+        torch.mul(y_src, 1.0, out=y_tok)
+        kernels.bgmv_shrink_triton(x, a, static.token_slots, out=v_tok)
+        kernels.bgmv_expand_triton(y_tok, v_tok, b, static.token_slots, scales)
+
+    step()  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    for _ in range(3):
+        # same number of tokens and segments, new boundaries, slots and data
+        while True:
+            slots, lens = make_requests("uniform", num_requests - 1, max_len, rng)
+            batch = LoraBatch.build(slots, lens, device=DEVICE)
+            if sum(lens) <= num_tokens and batch.seg_slots.numel() <= static.seg_slots.numel():
+                break
+        lens[-1] += num_tokens - sum(lens)
+        pad = static.seg_slots.numel() - batch.seg_slots.numel()
+        batch = LoraBatch.build(slots, lens, device=DEVICE)
+        static.seg_indptr.copy_(torch.cat([batch.seg_indptr, batch.seg_indptr[-1:].repeat(pad)]))
+        static.seg_slots.copy_(torch.cat([batch.seg_slots, batch.seg_slots[-1:].repeat(pad)]))
+        static.token_slots.copy_(batch.token_slots)
+        x_src.copy_(torch.randn(num_tokens, h_in, generator=gen).to(dtype))
+        y_src.copy_(torch.randn(num_tokens, h_out, generator=gen).to(dtype))
+        graph.replay()
+        y_eager, y_tok_eager = y_src.clone(), y_src.clone()
+        v = kernels.sgmv_shrink_triton(x_src, a, static.seg_indptr, static.seg_slots)
+        kernels.sgmv_expand_triton(y_eager, v, b, static.seg_indptr, static.seg_slots, scales)
+        v_t = kernels.bgmv_shrink_triton(x_src, a, static.token_slots)
+        kernels.bgmv_expand_triton(y_tok_eager, v_t, b, static.token_slots, scales)
+        torch.testing.assert_close(v_seg, v, rtol=1e-5, atol=1e-5)  # split-K atomics: any order
+        assert torch.equal(v_tok, v_t) and torch.equal(y_tok, y_tok_eager)
+        torch.testing.assert_close(y, y_eager, rtol=1e-2, atol=1e-2)
+        # and the padded metadata means what the unpadded batch means
+        y_ref = y_src.clone()
+        v_ref = ops.sgmv_shrink_ref(x_src, a, batch.seg_indptr, batch.seg_slots)
+        ops.sgmv_expand_ref(y_ref, v_ref, b, batch.seg_indptr, batch.seg_slots, scales)
+        torch.testing.assert_close(v_seg, v_ref, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(y, y_ref, rtol=2e-2, atol=2e-2)
