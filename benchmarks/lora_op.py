@@ -1,0 +1,229 @@
+"""The paper's operator benchmark: SGMV/BGMV (shrink + expand) against Loop, Gather-BMM and
+the memory floor, for the four adapter-popularity workloads.
+
+    python -m benchmarks.lora_op --out results/lora_op
+
+Decode batches are 1..64 requests of one token; prefill batches are 256..4096 tokens in 16
+requests of equal length. h_in = 4096, h_out in {4096, 11008}, rank 16, bf16; then a rank
+sweep. Each point is timed two ways, median of triton.testing.do_bench:
+
+* graph: K copies of the operation (each with its own x, y and adapters, together over
+  ROTATE_L2 times the L2 size, so every copy starts cold) captured in one CUDA graph;
+  time per replay / K. This is the cost of one LoRA op inside a captured model step.
+* eager: the same K calls from Python, time / K.
+
+Loop is one (x @ A.T) @ B.T per segment; Gather-BMM gathers every token's A and B and runs
+torch.bmm twice. The floor is the bytes the op must move (x, each distinct adapter's A and
+B, y read and written, v written and read) over the device-to-device copy bandwidth measured
+in the same run. Writes lora_op.json and lora_op.png under --out, prints a table last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import random
+import time
+from pathlib import Path
+
+import torch
+import triton
+
+from punica.lora.batch import LoraBatch
+from punica.ops import lora_triton as kernels
+from punica.workloads import WORKLOADS, adapter_ids
+
+DECODE_BATCHES = (1, 2, 4, 8, 16, 32, 48, 64)
+PREFILL_TOKENS = (256, 512, 1024, 2048, 4096)
+PREFILL_REQUESTS = 16
+H_IN = 4096
+H_OUTS = (4096, 11008)
+RANK = 16
+RANK_SWEEP = (8, 16, 32, 64)
+ROTATE_L2 = 4
+MAX_COPIES = 256
+METHODS = ("sgmv", "bgmv", "loop", "gather_bmm")
+
+
+def median_ms(fn) -> float:
+    return triton.testing.do_bench(fn, warmup=10, rep=40, return_mode="median")
+
+
+def copy_bandwidth(device) -> float:
+    """Device-to-device copy, bytes read plus written per second."""
+    src = torch.empty(1 << 30, dtype=torch.uint8, device=device).random_()
+    dst = torch.empty_like(src)
+    return 2 * src.numel() / (median_ms(lambda: dst.copy_(src)) * 1e-3)
+
+
+class Instance:
+    """One copy of the operation: its own tensors and adapters."""
+
+    def __init__(self, slots, lens, num_adapters, h_out, rank, device, gen):
+        dtype = torch.bfloat16
+        self.num_tokens = sum(lens)
+        self.lora_a = torch.randn(num_adapters, rank, H_IN, device=device, generator=gen, dtype=dtype)
+        self.lora_a /= H_IN**0.5
+        self.lora_b = torch.randn(num_adapters, h_out, rank, device=device, generator=gen, dtype=dtype)
+        self.lora_b *= 1e-2
+        self.scales = torch.rand(num_adapters, device=device, generator=gen) + 0.5
+        self.x = torch.randn(self.num_tokens, H_IN, device=device, generator=gen, dtype=dtype)
+        self.y = torch.randn(self.num_tokens, h_out, device=device, generator=gen, dtype=dtype)
+        self.v = torch.empty(self.num_tokens, rank, device=device)
+        self.batch = LoraBatch.build(slots, lens, device=device)
+        # host-side segments for Loop (fixed per capture, as a Python loop must be)
+        bounds = self.batch.seg_indptr.tolist()
+        self.segments = [(s, bounds[i], bounds[i + 1]) for i, s in enumerate(self.batch.seg_slots.tolist())]
+
+    def sgmv(self):
+        b = self.batch
+        kernels.sgmv_shrink_triton(self.x, self.lora_a, b.seg_indptr, b.seg_slots, out=self.v)
+        kernels.sgmv_expand_triton(self.y, self.v, self.lora_b, b.seg_indptr, b.seg_slots, self.scales)
+
+    def bgmv(self):
+        b = self.batch
+        kernels.bgmv_shrink_triton(self.x, self.lora_a, b.token_slots, out=self.v)
+        kernels.bgmv_expand_triton(self.y, self.v, self.lora_b, b.token_slots, self.scales)
+
+    def loop(self):
+        for slot, lo, hi in self.segments:
+            v = self.x[lo:hi] @ self.lora_a[slot].T
+            self.y[lo:hi] += (v @ self.lora_b[slot].T) * self.scales[slot]
+
+    def gather_bmm(self):
+        slots = self.batch.token_slots.long()
+        a = self.lora_a[slots]                            # [T, r, h_in]
+        b = self.lora_b[slots]                            # [T, h_out, r]
+        v = torch.bmm(self.x.unsqueeze(1), a.transpose(1, 2))   # [T, 1, r]
+        delta = torch.bmm(v, b.transpose(1, 2)).squeeze(1)      # [T, h_out]
+        self.y += delta * self.scales[slots].unsqueeze(1).to(delta.dtype)
+
+
+def floor_bytes(num_tokens, num_distinct, h_out, rank) -> int:
+    weights = num_distinct * rank * (H_IN + h_out) * 2
+    return num_tokens * H_IN * 2 + weights + num_tokens * h_out * 2 * 2 + num_tokens * rank * 4 * 2
+
+
+def measure_point(kind, workload, size, h_out, rank, bandwidth, l2_bytes, device, rng):
+    if kind == "decode":
+        num_requests, lens = size, [1] * size
+    else:
+        num_requests, lens = PREFILL_REQUESTS, [size // PREFILL_REQUESTS] * PREFILL_REQUESTS
+    ids = sorted(adapter_ids(workload, num_requests, rng))
+    num_distinct = len(set(ids))
+    num_tokens = sum(lens)
+    nbytes = floor_bytes(num_tokens, num_distinct, h_out, rank)
+    copies = max(1, min(MAX_COPIES, math.ceil(ROTATE_L2 * l2_bytes / nbytes)))
+    gen = torch.Generator(device=device).manual_seed(rng.randrange(2**31))
+    # ids are renumbered 0..num_distinct-1 so each copy holds only the adapters it uses
+    renumber = {a: i for i, a in enumerate(sorted(set(ids)))}
+    slots = [renumber[a] for a in ids]
+    instances = [Instance(slots, lens, num_distinct, h_out, rank, device, gen) for _ in range(copies)]
+    point = dict(kind=kind, workload=workload, size=size, num_tokens=num_tokens, h_in=H_IN, h_out=h_out,
+                 rank=rank, num_distinct=num_distinct, num_segments=instances[0].batch.seg_slots.numel(),
+                 sgmv_block_m=kernels.sgmv_block_m(num_tokens, instances[0].batch.seg_slots.numel()),
+                 copies=copies, floor_bytes=nbytes, floor_us=nbytes / bandwidth * 1e6)
+    for method in METHODS:
+        run_all = [getattr(inst, method) for inst in instances]
+
+        def eager():
+            for f in run_all:
+                f()
+
+        eager()  # compile / warm up outside the capture
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            eager()
+        point[f"{method}_graph_us"] = median_ms(graph.replay) * 1e3 / copies
+        point[f"{method}_eager_us"] = median_ms(eager) * 1e3 / copies
+        del graph
+    del instances
+    torch.cuda.empty_cache()
+    return point
+
+
+def plot(points, path):
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib missing: no plot")
+        return
+    fig, axes = plt.subplots(2, 4, figsize=(14, 6.5), sharey="row")
+    for row, kind in enumerate(("decode", "prefill")):
+        for col, workload in enumerate(WORKLOADS):
+            ax = axes[row][col]
+            sel = [p for p in points if p["kind"] == kind and p["workload"] == workload
+                   and p["h_out"] == 4096 and p["rank"] == RANK]
+            xs = [p["size"] for p in sel]
+            for method in METHODS:
+                ax.plot(xs, [p[f"{method}_graph_us"] for p in sel], marker="o", ms=3, label=method)
+            ax.plot(xs, [p["floor_us"] for p in sel], "k--", label="memory floor")
+            ax.set_xscale("log", base=2)
+            ax.set_yscale("log")
+            ax.set_title(f"{workload}, {kind}", fontsize=9)
+            ax.set_xlabel("batch size (requests)" if kind == "decode" else "tokens", fontsize=8)
+            if col == 0:
+                ax.set_ylabel("us per op (graph replay)", fontsize=8)
+            ax.grid(True, which="both", alpha=0.3)
+    axes[0][0].legend(fontsize=7)
+    fig.suptitle(f"LoRA shrink+expand, h={H_IN}->4096, r={RANK}, bf16, {torch.cuda.get_device_name()}", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=70)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", default="results/lora_op")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    device = torch.device("cuda")
+    props = torch.cuda.get_device_properties(device)
+    rng = random.Random(args.seed)
+    started = time.time()
+    bandwidth = copy_bandwidth(device)
+    print(f"{props.name}: copy bandwidth {bandwidth / 1e12:.2f} TB/s, L2 {props.L2_cache_size >> 20} MiB")
+    grid = [("decode", w, b, h, RANK) for h in H_OUTS for w in WORKLOADS for b in DECODE_BATCHES]
+    grid += [("prefill", w, t, h, RANK) for h in H_OUTS for w in WORKLOADS for t in PREFILL_TOKENS]
+    grid += [("decode", "distinct", 64, 4096, r) for r in RANK_SWEEP if r != RANK]
+    grid += [("prefill", "uniform", 4096, 4096, r) for r in RANK_SWEEP if r != RANK]
+    points = []
+    for spec in grid:
+        points.append(measure_point(*spec, bandwidth, props.L2_cache_size, device, rng))
+        p = points[-1]
+        print(f"{p['kind']:7} {p['workload']:9} {p['size']:5} h_out={p['h_out']:5} r={p['rank']:3} "
+              + " ".join(f"{m}={p[f'{m}_graph_us']:.1f}/{p[f'{m}_eager_us']:.1f}" for m in METHODS)
+              + f" floor={p['floor_us']:.1f} us", flush=True)
+    result = dict(device=props.name, date=time.strftime("%Y-%m-%d"), torch=torch.__version__,
+                  triton=triton.__version__, copy_bandwidth_Bps=bandwidth, l2_bytes=props.L2_cache_size,
+                  seconds=time.time() - started, points=points)
+    (out / "lora_op.json").write_text(json.dumps(result, indent=1))
+    plot(points, out / "lora_op.png")
+    print_table(points)
+
+
+def print_table(points):
+    print("\nus per op, CUDA-graph replay (eager in the JSON); h_out=4096, r=16, bf16")
+    print(f"{'workload':9} {'batch':>5} {'sgmv':>7} {'bgmv':>7} {'loop':>8} {'gbmm':>8} {'floor':>6} "
+          f"{'%bw':>4} {'gbmm/best':>9} {'loop/best':>9}")
+    for p in points:
+        if p["h_out"] != 4096 or p["rank"] != RANK or p["size"] not in (1, 8, 16, 32, 64, 1024, 4096):
+            continue
+        best = min(p["sgmv_graph_us"], p["bgmv_graph_us"])
+        print(f"{p['workload']:9} {p['size']:5} {p['sgmv_graph_us']:7.1f} {p['bgmv_graph_us']:7.1f} "
+              f"{p['loop_graph_us']:8.1f} {p['gather_bmm_graph_us']:8.1f} {p['floor_us']:6.1f} "
+              f"{100 * p['floor_us'] / best:4.0f} {p['gather_bmm_graph_us'] / best:9.1f} "
+              f"{p['loop_graph_us'] / best:9.1f}")
+    decode = [p for p in points if p["kind"] == "decode" and p["h_out"] == 4096 and p["rank"] == RANK]
+    worst = max(decode, key=lambda p: min(p["sgmv_graph_us"], p["bgmv_graph_us"]))
+    print(f"worst decode point (batch 1..64, 4 workloads): {worst['workload']} batch {worst['size']}: "
+          f"{min(worst['sgmv_graph_us'], worst['bgmv_graph_us']):.1f} us")
+
+
+if __name__ == "__main__":
+    main()
