@@ -57,9 +57,10 @@ def fit(samples: list[tuple[int, int, int, float]], source: str) -> StepTimeMode
     return StepTimeModel(base, per_request, per_context, per_prefill, source)
 
 
-def measure(model: str | None = None, batch_sizes=(1, 4, 8, 16, 32), prompt_lens=(32, 256),
+def measure(model: str | None = None, batch_sizes=(1, 8, 16, 32), prompt_lens=(16, 128),
             num_decode_steps: int = 6, seed: int = 0) -> list[tuple[int, int, int, float]]:
-    """(batch, context, prefill, seconds) of every step of the real engine over a small grid."""
+    """(batch, context, prefill, seconds) of every step of the real engine over a small grid
+    (after one warm-up run of the smallest point)."""
     import torch
 
     from punica.config import EngineConfig
@@ -68,23 +69,22 @@ def measure(model: str | None = None, batch_sizes=(1, 4, 8, 16, 32), prompt_lens
     from punica.models.loader import load_model
 
     loaded, _ = load_model(model, torch.float32, "cpu")
-    engine = Engine(loaded, None, EngineConfig(max_batch_size=max(batch_sizes), kv_cache_tokens=1 << 16))
+    engine = Engine(loaded, None, EngineConfig(max_batch_size=max(batch_sizes), kv_cache_tokens=1 << 14))
     rng = random.Random(seed)
     params = SamplingParams(max_tokens=num_decode_steps + 1, temperature=0, ignore_eos=True)
     samples = []
-    for round_ in range(2):  # the first round warms up and is dropped
-        for batch in batch_sizes:
-            for prompt_len in prompt_lens:
-                for _ in range(batch):
-                    engine.add_request([rng.randrange(loaded.config.vocab_size) for _ in range(prompt_len)], params)
-                while engine.has_unfinished():
-                    start = time.perf_counter()
-                    outs = engine.step()
-                    seconds = time.perf_counter() - start
-                    prefill = sum(len(o.prompt_token_ids) for o in outs if len(o.token_ids) == 1)
-                    context = sum(len(o.prompt_token_ids) + len(o.token_ids) for o in outs)
-                    if round_:
-                        samples.append((len(outs), context, prefill, seconds))
+    grid = [(batch_sizes[0], prompt_lens[0])] + [(b, p) for b in batch_sizes for p in prompt_lens]
+    for point, (batch, prompt_len) in enumerate(grid):
+        for _ in range(batch):
+            engine.add_request([rng.randrange(loaded.config.vocab_size) for _ in range(prompt_len)], params)
+        while engine.has_unfinished():
+            start = time.perf_counter()
+            outs = engine.step()
+            seconds = time.perf_counter() - start
+            prefill = sum(len(o.prompt_token_ids) for o in outs if len(o.token_ids) == 1)
+            context = sum(len(o.prompt_token_ids) + len(o.token_ids) for o in outs)
+            if point:
+                samples.append((len(outs), context, prefill, seconds))
     return samples
 
 
