@@ -18,7 +18,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from punica.cluster.policy import POLICIES, ClusterPolicy, GpuState, PolicyConfig
+from punica.cluster.policy import POLICIES, ClusterPolicy, PolicyConfig
 from punica.cluster.step_time import StepTimeModel
 from punica.cluster.trace import Trace
 
@@ -142,7 +142,7 @@ class Simulator:
         done = self._completed_steps(seg)
         if done:
             self.policy.step(gpu_id, done, self.now)
-            self._record(self.policy.gpus[gpu_id], seg, done)
+            self._record(seg, done)
             self._restart(gpu_id, seg, seg.start + seg.seconds(done, self._step_base(seg)), 0)
 
     def _join(self, request: int, gpu_id: int) -> None:
@@ -165,7 +165,7 @@ class Simulator:
         evicted = self.policy.step(gpu_id, steps, self.now)  # only the last step can evict
         for request in evicted:
             self.generated[request] = self.policy.num_tokens(request) - self.trace.prompt_lens[request]
-        self._record(gpu, seg, steps, len(evicted))
+        self._record(seg, steps, evicted)
         while seg.finishes and seg.finishes[0][0] <= gpu.num_steps:
             _, request, epoch = heapq.heappop(seg.finishes)
             if epoch == self.epoch[request] and request in gpu.running:
@@ -175,16 +175,16 @@ class Simulator:
         self._restart(gpu_id, seg, self.now, 0)
         self._place()
 
-    def _record(self, gpu: GpuState, seg: GpuSegment, steps: int, num_evicted: int = 0) -> None:
+    def _record(self, seg: GpuSegment, steps: int, evicted: tuple[int, ...] | list[int] = ()) -> None:
         """First tokens and throughput of the segment's first `steps` steps (in the last of
-        which `num_evicted` requests left instead of running)."""
+        which the `evicted` requests left instead of running)."""
         base = self._step_base(seg)
         last = seg.start_step + steps
         while seg.first_tokens and seg.first_tokens[0][0] <= last:
             step, request, epoch = seg.first_tokens.popleft()
-            if epoch == self.epoch[request] and request in gpu.running:
+            if epoch == self.epoch[request] and not (step == last and request in evicted):
                 self.first_token[request] = seg.start + seg.seconds(step - seg.start_step, base)
-        self._count("tokens", steps * seg.batch_size - num_evicted)
+        self._count("tokens", steps * seg.batch_size - len(evicted))
 
     def _restart(self, gpu_id: int, seg: GpuSegment, start: float, prefill: int) -> None:
         """A new segment from a step boundary; schedule its end (next finish or KV exhaustion)."""

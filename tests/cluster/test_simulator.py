@@ -45,6 +45,7 @@ def test_every_token_is_generated_once_even_with_evictions(policy):
     assert result["num_evictions"] > 0
     assert sum(result["series"]["tokens"]) == sum(trace.output_lens) == result["output_tokens"]
     assert sum(result["series"]["arrivals"]) == len(trace)
+    assert result["ttft_p50_s"] <= result["ttft_p99_s"] <= result["latency_p99_s"]  # every request has both
     for sample in result["series"]["batch_sizes"]:
         assert max(sample) <= 8
 
