@@ -16,8 +16,9 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.common import format_table, save_random_adapter, write_results
+from benchmarks.common import format_table, write_results
 from punica import LLM, SamplingParams
+from punica.lora.dummy import save_random_adapter
 from punica.workloads import WORKLOADS, adapter_ids, textgen_lengths
 
 

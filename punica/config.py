@@ -156,10 +156,13 @@ class EngineConfig:
     kv_cache_memory_fraction: float = 0.85
     max_prefill_tokens: int = 4096          # prompt tokens admitted per step (one longer prompt runs alone)
     max_model_len: int | None = None        # defaults to the model's max_position_embeddings
-    max_lora_rank: int = 64
+    max_loras: int = 8                      # adapters on the GPU at once (slots of the pool)
+    max_lora_rank: int = 16                 # rank of every slot; adapters of lower rank are zero-padded
+    lora_host_bytes: int = 4 << 30          # host-tier budget for adapters read from disk
 
     def __post_init__(self):
-        for name in ("max_batch_size", "page_size", "max_prefill_tokens", "max_lora_rank"):
+        for name in ("max_batch_size", "page_size", "max_prefill_tokens", "max_loras", "max_lora_rank",
+                     "lora_host_bytes"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         for name in ("kv_cache_tokens", "kv_cache_bytes", "max_model_len"):

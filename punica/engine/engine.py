@@ -22,7 +22,7 @@ from punica.engine.runner import ModelRunner, kv_bytes_per_token
 from punica.engine.sampler import sample
 from punica.engine.sampling_params import SamplingParams
 from punica.engine.scheduler import Scheduler
-from punica.lora.adapter import load_adapter
+from punica.lora.manager import AdapterManager
 from punica.lora.pool import LoraPool
 from punica.models.llama import LlamaForCausalLM
 
@@ -42,7 +42,8 @@ class RequestOutput:
     new_text: str = ""                 # since the previous output of this request
     new_token_ids: list[int] = field(default_factory=list)
     finished: bool = False
-    finish_reason: str | None = None   # "stop", "length" or "abort"
+    finish_reason: str | None = None   # "stop", "length", "abort" or "error"
+    error: str | None = None           # why the request failed (finish_reason "error")
     time_to_first_token: float | None = None
     time_per_output_token: float | None = None
     num_preemptions: int = 0
@@ -69,33 +70,46 @@ class Engine:
         self.model, self.tokenizer, self.config = model, tokenizer, config
         num_pages = kv_cache_pages(model, config)
         self.allocator = PageAllocator(num_pages, config.page_size)
-        self.scheduler = Scheduler(self.allocator, config.max_batch_size, config.max_prefill_tokens)
+        self.scheduler = Scheduler(self.allocator, config.max_batch_size, config.max_prefill_tokens,
+                                   acquire=self._acquire_adapter, release=self._release_adapter)
         self.runner = ModelRunner(model, num_pages, config.page_size)
         self.max_model_len = min(config.max_model_len or model.config.max_position_embeddings,
                                  model.config.max_position_embeddings, num_pages * config.page_size)
         self.eos_token_ids = set(eos_token_ids) | set(model.config.eos_token_ids)
         if tokenizer is not None and tokenizer.eos_token_id is not None:
             self.eos_token_ids.add(tokenizer.eos_token_id)
-        self.adapter_slots: dict[str, int] = {}
-        self._load_adapters(adapters or {})
+        weight = model.embed.weight
+        self.pool = LoraPool(model.config, config.max_loras, config.max_lora_rank, weight.dtype, weight.device)
+        model.set_lora(self.pool)
+        self.adapters = AdapterManager(model.config, self.pool, config.lora_host_bytes)
+        for name, path in (adapters or {}).items():
+            self.adapters.register(name, path)
         self.requests: dict[str, Request] = {}
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
         self._ids = itertools.count()
 
-    def _load_adapters(self, adapters: dict[str, str]) -> None:
-        if not adapters:
-            return
-        weight = self.model.embed.weight
-        loaded = {name: load_adapter(path, self.model.config, name=name, dtype=weight.dtype)
-                  for name, path in adapters.items()}
-        max_rank = max(a.rank for a in loaded.values())
-        if max_rank > self.config.max_lora_rank:
-            raise ValueError(f"adapter rank {max_rank} is over max_lora_rank {self.config.max_lora_rank}")
-        pool = LoraPool(self.model.config, len(loaded), max_rank, weight.dtype, weight.device)
-        for slot, (name, adapter) in enumerate(loaded.items()):
-            pool.write(slot, adapter)
-            self.adapter_slots[name] = slot
-        self.model.set_lora(pool)
+    def load_adapter(self, name: str, path: str, pinned: bool = False) -> None:
+        """Register an adapter at run time; it is read and copied to the GPU when first used."""
+        self.adapters.register(name, path, pinned=pinned)
+
+    def unload_adapter(self, name: str) -> None:
+        """Forget an adapter. Requests already in the batch finish with it; queued requests
+        for it fail with finish_reason "error"; its GPU slot is freed when the last one leaves."""
+        self.adapters.unregister(name)
+
+    def _acquire_adapter(self, request: Request) -> bool:
+        if request.adapter is None:
+            return True
+        slot = self.adapters.acquire(request.adapter)
+        if slot is None:
+            return False
+        request.slot = slot
+        return True
+
+    def _release_adapter(self, request: Request) -> None:
+        if request.slot >= 0:
+            self.adapters.release(request.adapter)
+            request.slot = -1
 
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
                     adapter: str | None = None, request_id: str | None = None) -> str:
@@ -114,14 +128,12 @@ class Engine:
         if len(token_ids) >= self.max_model_len:
             raise ValueError(f"the prompt has {len(token_ids)} tokens; this model's context is "
                              f"{self.max_model_len} tokens, including at least one generated token")
-        if adapter is not None and adapter not in self.adapter_slots:
-            known = ", ".join(sorted(self.adapter_slots)) or "none"
-            raise ValueError(f"unknown adapter {adapter!r} (known adapters: {known})")
+        if adapter is not None and adapter not in self.adapters.registry:
+            raise ValueError(f"unknown adapter {adapter!r} ({len(self.adapters.registry)} adapters are registered)")
         request_id = request_id or f"req-{next(self._ids)}"
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         request = Request(request_id, token_ids, params, adapter=adapter, prompt=text)
-        request.slot = -1 if adapter is None else self.adapter_slots[adapter]
         self.requests[request_id] = request
         if self.tokenizer is not None:
             self._detokenizers[request_id] = IncrementalDetokenizer(
@@ -144,16 +156,28 @@ class Engine:
         return self.scheduler.num_preemptions
 
     def step(self) -> list[RequestOutput]:
+        failed = self._fail_unloadable()
+        self.adapters.poll({r.adapter for r in self.scheduler.waiting if r.adapter is not None})
         batch = self.scheduler.schedule()
         if not batch:
-            return []
+            return failed
         # requests of one adapter side by side form one LoRA segment
         prefills, decodes = sorted(batch.prefills, key=by_slot), sorted(batch.decodes, key=by_slot)
         logits = self.runner.run(prefills, decodes)
         requests = prefills + decodes
         tokens, logprobs = sample(logits, requests)
         now = time.monotonic()
-        return [self._append(r, t, lp, now) for r, t, lp in zip(requests, tokens, logprobs)]
+        return failed + [self._append(r, t, lp, now) for r, t, lp in zip(requests, tokens, logprobs)]
+
+    def _fail_unloadable(self) -> list[RequestOutput]:
+        """Finish queued requests whose adapter failed to load or was unloaded."""
+        outputs = []
+        for request in list(self.scheduler.waiting):
+            error = request.adapter is not None and self.adapters.error(request.adapter)
+            if error:
+                self.scheduler.finish(request, "error")
+                outputs.append(self._output(request, error=error))
+        return outputs
 
     def _append(self, request: Request, token: int, logprob: float, now: float) -> RequestOutput:
         request.num_cached = request.num_tokens
@@ -175,7 +199,7 @@ class Engine:
             self.scheduler.finish(request, reason)
         return self._output(request, [token])
 
-    def _output(self, request: Request, new_token_ids: list[int] = ()) -> RequestOutput:
+    def _output(self, request: Request, new_token_ids: list[int] = (), error: str | None = None) -> RequestOutput:
         detok = self._detokenizers.get(request.request_id)
         finished = request.finished
         if finished:
@@ -192,6 +216,6 @@ class Engine:
             adapter=request.adapter, text=detok.text if detok else "", token_ids=list(request.output_token_ids),
             logprobs=list(request.output_logprobs) if request.params.logprobs else None,
             new_text=detok.take_new_text(finished) if detok else "", new_token_ids=list(new_token_ids),
-            finished=finished, finish_reason=request.finish_reason,
+            finished=finished, finish_reason=request.finish_reason, error=error,
             time_to_first_token=ttft, time_per_output_token=tpot, num_preemptions=request.num_preemptions,
         )

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -12,6 +13,7 @@ from tqdm import tqdm
 from punica.config import EngineConfig
 from punica.engine.engine import Engine, RequestOutput
 from punica.engine.sampling_params import SamplingParams
+from punica.lora.adapter import adapter_rank
 from punica.models.loader import default_dtype, load_model
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -44,6 +46,9 @@ class LLM:
         device = device or ("cuda" if torch.cuda.is_available() else "cpu")
         loaded, model_dir = load_model(model, resolve_dtype(dtype, device), device)
         self.tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+        if adapters and "max_lora_rank" not in engine_kwargs:
+            # size the pool's slots for the adapters given up front
+            engine_kwargs["max_lora_rank"] = max(EngineConfig.max_lora_rank, *map(adapter_rank, adapters.values()))
         config = EngineConfig(max_batch_size=max_batch_size, kv_cache_tokens=kv_cache_tokens, **engine_kwargs)
         self.engine = Engine(loaded, self.tokenizer, config, adapters, generation_eos_ids(model_dir))
 
@@ -75,7 +80,10 @@ class LLM:
         results: dict[str, RequestOutput] = {}
         bar = tqdm(total=n, desc="generate", disable=not (use_tqdm if use_tqdm is not None else n >= 64))
         while self.engine.has_unfinished():
-            for out in self.engine.step():
+            outputs = self.engine.step()
+            if not outputs:
+                time.sleep(0.001)  # every queued request waits for an adapter load
+            for out in outputs:
                 if out.finished:
                     results[out.request_id] = out
                     bar.update(1)

@@ -4,12 +4,15 @@ Each step: every running request decodes one token (growing its pages; when page
 the NEWEST running request is preempted: its pages are freed and it goes back to the head of
 the queue, to be recomputed later from prompt + generated tokens); then waiting requests are
 admitted in arrival order while the batch has room, pages suffice and the step's prefill-token
-budget lasts. Admission never skips the head of the queue, so nothing starves.
+budget lasts. A request whose adapter is not yet on the GPU (`acquire` says False) waits
+where it is while requests behind it go ahead; otherwise admission never skips the head of the
+queue, so nothing starves. `release` is called when an admitted request leaves the batch.
 """
 
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from punica.engine.kv_cache import PageAllocator
@@ -31,8 +34,11 @@ class ScheduledBatch:
 
 
 class Scheduler:
-    def __init__(self, allocator: PageAllocator, max_batch_size: int, max_prefill_tokens: int):
+    def __init__(self, allocator: PageAllocator, max_batch_size: int, max_prefill_tokens: int,
+                 acquire: Callable[[Request], bool] = lambda request: True,
+                 release: Callable[[Request], None] = lambda request: None):
         self.allocator = allocator
+        self.acquire, self.release = acquire, release
         self.max_batch_size = max_batch_size
         self.max_prefill_tokens = max_prefill_tokens
         self.waiting: deque[Request] = deque()
@@ -67,6 +73,7 @@ class Scheduler:
 
     def _preempt(self, request: Request) -> None:
         self.running.remove(request)
+        self.release(request)
         self.allocator.free(request)
         request.status = Status.WAITING
         request.num_preemptions += 1
@@ -76,14 +83,15 @@ class Scheduler:
     def _admit(self) -> list[Request]:
         admitted: list[Request] = []
         budget = self.max_prefill_tokens
-        while self.waiting and len(self.running) < self.max_batch_size:
-            request = self.waiting[0]
+        for request in list(self.waiting):
+            if len(self.running) >= self.max_batch_size:
+                break
             need = request.num_tokens
-            if admitted and need > budget:
+            if (admitted and need > budget) or not self.allocator.can_grow(request, need):
                 break
-            if not self.allocator.can_grow(request, need):
-                break
-            self.waiting.popleft()
+            if not self.acquire(request):
+                continue
+            self.waiting.remove(request)
             self.allocator.grow(request, need)
             request.status = Status.RUNNING
             self.running.append(request)
@@ -95,6 +103,7 @@ class Scheduler:
         """Mark finished (or aborted) and release its pages, wherever it is."""
         if request in self.running:
             self.running.remove(request)
+            self.release(request)
         elif request in self.waiting:
             self.waiting.remove(request)
         self.allocator.free(request)

@@ -109,6 +109,16 @@ def load_adapter(path: str | Path, config: ModelConfig, name: str | None = None,
                        lora_a=lora_a, lora_b=lora_b)
 
 
+def adapter_rank(path: str | Path) -> int:
+    """The rank an adapter directory declares, from its config alone (no weights read)."""
+    path = Path(path)
+
+    def fail(problem: str) -> AdapterError:
+        return AdapterError(f"LoRA adapter {path}: {problem}")
+
+    return _check_config(_read_config(path, fail), fail)[0]
+
+
 def _pair_tensors(weights: dict[str, torch.Tensor], num_layers: int,
                   layers_to_transform: int | list[int] | None, fail: Fail,
                   ) -> dict[tuple[str, int], dict[str, tuple[str, torch.Tensor]]]:

@@ -6,6 +6,8 @@ from dataclasses import dataclass
 
 import torch
 
+from punica.ops.lora import prefer_bgmv
+
 
 @dataclass(frozen=True)
 class LoraBatch:
@@ -21,11 +23,12 @@ class LoraBatch:
 
     @classmethod
     def build(cls, request_slots: list[int], request_num_tokens: list[int],
-              device: torch.device | str = "cpu", use_bgmv: bool = False) -> "LoraBatch":
+              device: torch.device | str = "cpu", use_bgmv: bool | None = None) -> "LoraBatch":
         """From each request's slot and token count, in the batch's token order.
 
         Neighbouring requests with the same slot merge into one segment; order requests by
-        slot (within prefill and within decode) to get fewer, longer segments.
+        slot (within prefill and within decode) to get fewer, longer segments. By default the
+        kernel family is the one measured faster for this shape (`prefer_bgmv`).
         """
         assert len(request_slots) == len(request_num_tokens)
         indptr, slots = [0], []
@@ -38,6 +41,8 @@ class LoraBatch:
                 slots.append(slot)
                 indptr.append(indptr[-1] + n)
         token_slots = [s for s, n in zip(request_slots, request_num_tokens) for _ in range(n)]
+        if use_bgmv is None:
+            use_bgmv = prefer_bgmv(len(token_slots), len(slots))
         return cls(
             seg_indptr=torch.tensor(indptr, dtype=torch.int32, device=device),
             seg_slots=torch.tensor(slots, dtype=torch.int32, device=device),

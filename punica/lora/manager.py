@@ -1,0 +1,186 @@
+"""On-demand adapters: a registry, a host tier, the GPU slot pool, and the loads between them.
+
+    registry (name -> directory; metadata only, 10,000s are fine)
+      -> host tier: LoraAdapter in (pinned, on CUDA) CPU memory, LRU within a byte budget;
+         read from disk on a worker thread, off the engine thread
+      -> GPU slots of the LoraPool, LRU; a host->device copy on a side CUDA stream, finished
+         when its event has completed (no device-wide sync)
+
+The engine calls `acquire` when it wants to admit a request: True (and the slot is held)
+when the adapter is resident; otherwise the load is started or advanced and the request
+waits in the queue while others run. `poll` advances loads once per step. A slot held by an
+admitted request, pinned, or wanted by a queued request is never evicted (so loads never
+evict each other before their requests get in).
+"""
+
+from __future__ import annotations
+
+from collections import Counter, OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from punica.config import ModelConfig
+from punica.lora.adapter import LoraAdapter, load_adapter
+from punica.lora.pool import LoraPool
+
+
+@dataclass
+class _Copy:
+    slot: int
+    adapter: LoraAdapter               # keeps the pinned source alive until the copy is done
+    event: torch.cuda.Event | None     # None on CPU: the copy was synchronous
+
+
+class AdapterManager:
+    def __init__(self, config: ModelConfig, pool: LoraPool, host_capacity_bytes: int, io_threads: int = 2):
+        self.config, self.pool = config, pool
+        self.dtype, self.device = pool.a["q"].dtype, pool.scales.device
+        self.host_capacity_bytes = host_capacity_bytes
+        self.registry: dict[str, Path] = {}
+        self.pinned: set[str] = set()
+        self.host: OrderedDict[str, LoraAdapter] = OrderedDict()     # least recently used first
+        self.resident: OrderedDict[str, int] = OrderedDict()          # name -> slot, LRU first
+        self.refs: Counter[str] = Counter()                           # admitted requests per adapter
+        self.free_slots = list(range(pool.max_loras - 1, -1, -1))
+        self.wanted: dict[str, None] = {}                             # asked for, not resident (in order)
+        self.demand: set[str] = set()                                 # adapters of queued requests
+        self.reads: dict[str, Future] = {}
+        self.copies: dict[str, _Copy] = {}
+        self.failed: dict[str, str] = {}
+        self.executor = ThreadPoolExecutor(io_threads, thread_name_prefix="punica-lora-io")
+        self.copy_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        self.num_loads = 0
+
+    # registry ----------------------------------------------------------------------------
+    def register(self, name: str, path: str | Path, pinned: bool = False) -> None:
+        if not name or name in self.registry:
+            raise ValueError(f"adapter name {name!r} is empty or already registered")
+        path = Path(path)
+        if not path.is_dir():
+            raise ValueError(f"adapter {name!r}: {path} is not a directory")
+        self.registry[name] = path
+        self.failed.pop(name, None)
+        if pinned:
+            self.pinned.add(name)
+
+    def unregister(self, name: str) -> None:
+        """Forget an adapter. Its slot is freed once no admitted request holds it."""
+        if name not in self.registry:
+            raise ValueError(f"unknown adapter {name!r}")
+        del self.registry[name]
+        self.pinned.discard(name)
+        self.wanted.pop(name, None)
+        self.host.pop(name, None)
+        if self.refs[name] == 0 and name in self.resident:
+            self.free_slots.append(self.resident.pop(name))
+
+    def error(self, name: str) -> str | None:
+        """Why the adapter cannot be loaded, or None."""
+        if name not in self.registry:
+            return f"adapter {name!r} was unloaded"
+        return self.failed.get(name)
+
+    # admission ---------------------------------------------------------------------------
+    def acquire(self, name: str) -> int | None:
+        """The adapter's slot, held for one more request, or None while it is being loaded."""
+        if name in self.resident:
+            self.resident.move_to_end(name)
+            self.refs[name] += 1
+            return self.resident[name]
+        if name in self.registry and name not in self.failed:
+            self.wanted[name] = None
+            self._advance(name)
+        return None
+
+    def release(self, name: str) -> None:
+        self.refs[name] -= 1
+        if self.refs[name] == 0:
+            del self.refs[name]
+            if name not in self.registry and name in self.resident:  # unloaded while in use
+                self.free_slots.append(self.resident.pop(name))
+
+    def poll(self, demand: set[str]) -> None:
+        """Advance every load: finished reads enter the host tier, finished copies the pool.
+
+        `demand`: the adapters of the requests now in the queue.
+        """
+        self.demand = demand
+        self.wanted = {name: None for name in self.wanted if name in demand}
+        for name, future in list(self.reads.items()):
+            if future.done():
+                del self.reads[name]
+                self._read_done(name, future)
+        for name, copy in list(self.copies.items()):
+            if copy.event is None or copy.event.query():
+                del self.copies[name]
+                if name in self.registry:
+                    self.resident[name] = copy.slot
+                else:
+                    self.free_slots.append(copy.slot)
+        for name in list(self.wanted):
+            self._advance(name)
+
+    # internals ---------------------------------------------------------------------------
+    def _advance(self, name: str) -> None:
+        if name in self.resident or name in self.copies or name in self.reads:
+            if name in self.resident:
+                self.wanted.pop(name, None)
+            return
+        if name in self.host:
+            self.host.move_to_end(name)
+            slot = self._free_slot()
+            if slot is not None:
+                self._start_copy(name, slot)
+            return
+        self.reads[name] = self.executor.submit(self._read, name, self.registry[name])
+
+    def _read(self, name: str, path: Path) -> LoraAdapter:
+        adapter = load_adapter(path, self.config, name=name, dtype=self.dtype)
+        if adapter.rank > self.pool.max_rank:
+            raise ValueError(f"adapter {name!r} has rank {adapter.rank}, over max_lora_rank {self.pool.max_rank}")
+        if self.copy_stream is not None:
+            pin = {p: t.pin_memory() for p, t in adapter.lora_a.items()}, {p: t.pin_memory() for p, t in adapter.lora_b.items()}
+            adapter = LoraAdapter(adapter.name, adapter.rank, adapter.scale, *pin)
+        return adapter
+
+    def _read_done(self, name: str, future: Future) -> None:
+        try:
+            adapter = future.result()
+        except Exception as e:  # noqa: BLE001 - any failure fails this adapter's requests only
+            self.failed[name] = str(e)
+            self.wanted.pop(name, None)
+            return
+        if name not in self.registry:
+            return
+        self.host[name] = adapter
+        self.num_loads += 1
+        total = sum(a.num_bytes for a in self.host.values())
+        for old in list(self.host):
+            if total <= self.host_capacity_bytes or old == name:
+                break
+            total -= self.host.pop(old).num_bytes
+
+    def _free_slot(self) -> int | None:
+        if self.free_slots:
+            return self.free_slots.pop()
+        for name in self.resident:  # least recently used first
+            if self.refs[name] == 0 and name not in self.pinned and name not in self.demand:
+                return self.resident.pop(name)
+        return None
+
+    def _start_copy(self, name: str, slot: int) -> None:
+        adapter = self.host[name]
+        if self.copy_stream is None:
+            self.pool.write(slot, adapter)
+            self.copies[name] = _Copy(slot, adapter, None)
+            return
+        # the slot may still be read by kernels queued earlier on the compute stream
+        self.copy_stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self.copy_stream):
+            self.pool.write(slot, adapter, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(self.copy_stream)
+        self.copies[name] = _Copy(slot, adapter, event)
