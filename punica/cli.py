@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 
@@ -45,21 +46,54 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    from punica.server.serve import serve
+
+    engine_kwargs = {"max_batch_size": args.max_batch_size, "max_loras": args.max_loras,
+                     "kv_cache_tokens": args.kv_cache_tokens, "max_model_len": args.max_model_len}
+    if args.max_lora_rank is not None:
+        engine_kwargs["max_lora_rank"] = args.max_lora_rank
+    serve(args.host, args.port, model=args.model, adapters=parse_adapters(args.adapter) or None,
+          adapter_dirs=args.adapter_dir, api_key=args.api_key or os.environ.get("PUNICA_API_KEY"),
+          max_queue=args.max_queue, served_model_name=args.served_model_name, device=args.device,
+          dtype=args.dtype, **engine_kwargs)
+    return 0
+
+
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None, help="HF model directory or .gguf file (default: embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--adapter", action="append", default=[], metavar="NAME=PATH", help="a PEFT LoRA adapter directory")
+    p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="punica", description="Multi-tenant LoRA serving")
     sub = parser.add_subparsers(dest="command", required=True)
     gen = sub.add_parser("generate", help="complete one prompt")
     gen.add_argument("--prompt", required=True)
-    gen.add_argument("--model", default=None, help="HF model directory or .gguf file (default: embedded SmolLM2-135M-Instruct)")
-    gen.add_argument("--adapter", action="append", default=[], metavar="NAME=PATH", help="a PEFT LoRA adapter directory")
+    add_model_args(gen)
     gen.add_argument("--use", default=None, metavar="NAME", help="the adapter to generate with (default: base model)")
     gen.add_argument("--max-tokens", type=int, default=128)
     gen.add_argument("--temperature", type=float, default=0.0)
     gen.add_argument("--seed", type=int, default=None)
-    gen.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
-    gen.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
     gen.add_argument("--raw", action="store_true", help="do not apply the chat template")
     gen.set_defaults(func=cmd_generate)
+    srv = sub.add_parser("serve", help="the OpenAI-compatible server (no arguments: the demo)")
+    add_model_args(srv)
+    srv.add_argument("--adapter-dir", action="append", default=[], metavar="DIR",
+                     help="serve every adapter in DIR; /v1/load_lora_adapter may load only from these")
+    srv.add_argument("--host", default="127.0.0.1")
+    srv.add_argument("--port", type=int, default=8000)
+    srv.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (or set PUNICA_API_KEY)")
+    srv.add_argument("--served-model-name", default=None, help="the base model's name in the API")
+    srv.add_argument("--max-batch-size", type=int, default=32)
+    srv.add_argument("--max-loras", type=int, default=8, help="adapters on the GPU at once")
+    srv.add_argument("--max-lora-rank", type=int, default=None)
+    srv.add_argument("--kv-cache-tokens", type=int, default=None)
+    srv.add_argument("--max-model-len", type=int, default=None)
+    srv.add_argument("--max-queue", type=int, default=1024, help="waiting requests before 429")
+    srv.set_defaults(func=cmd_serve)
     sim = sub.add_parser("simulate", help="simulate the cluster scheduler on the paper's Fig. 13 workload")
     sim.add_argument("--gpus", type=int, required=True, help="GPUs the cluster may hold")
     sim.add_argument("--requests", type=int, default=10_000)

@@ -1,0 +1,163 @@
+"""The OpenAI-compatible HTTP server: FastAPI app, errors, auth, models, adapters, metrics, playground."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from fastapi import Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import HTMLResponse, JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from punica.lora.adapter import load_adapter
+from punica.server.async_engine import AsyncEngine
+from punica.server.metrics import Metrics
+from punica.server.openai_api import OpenAIHandlers, error_body
+from punica.server.protocol import (ChatCompletionRequest, CompletionRequest, LoadLoraRequest, ProtocolError,
+                                    UnloadLoraRequest)
+
+log = logging.getLogger("punica.server")
+PLAYGROUND = Path(__file__).parent / "playground.html"
+RETRY_AFTER_S = 1
+
+
+@dataclass
+class ServerState:
+    engine: AsyncEngine
+    tokenizer: object
+    base_model_name: str
+    adapter_dirs: list[Path] = field(default_factory=list)
+    api_key: str | None = None
+    max_queue: int = 1024
+    metrics: Metrics = field(default_factory=Metrics)
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.engine.max_model_len
+
+    async def resolve_model(self, model: str) -> str | None:
+        """The adapter a `model` field names (None for the base model); 404 for anything else."""
+        if model == self.base_model_name:
+            return None
+        if model in self.engine.engine.adapters.registry:
+            return model
+        raise ProtocolError(f"The model `{model}` does not exist.", status=404, param="model",
+                            kind="NotFoundError")
+
+    def check_queue(self, num_new: int) -> None:
+        if len(self.engine.engine.scheduler.waiting) + num_new > self.max_queue:
+            raise ProtocolError(f"the queue is full ({self.max_queue} requests wait); retry later",
+                                status=429, kind="RateLimitError")
+
+    def allowed_adapter_path(self, path: str) -> Path:
+        """A path inside one of the configured adapter directories, or a 4xx."""
+        if not self.adapter_dirs:
+            raise ProtocolError("loading adapters at run time is disabled: start the server with --adapter-dir",
+                                status=400)
+        real = Path(os.path.realpath(path))
+        for root in self.adapter_dirs:
+            root = Path(os.path.realpath(root))
+            if real == root or root in real.parents:
+                return real
+        raise ProtocolError(f"lora_path {path!r} is outside the configured adapter directories", status=403,
+                            param="lora_path", kind="PermissionDeniedError")
+
+
+def error_response(status: int, message: str, kind: str = "invalid_request_error", param: str | None = None,
+                   headers: dict[str, str] | None = None) -> JSONResponse:
+    return JSONResponse({"error": error_body(message, kind, param, status)}, status_code=status, headers=headers)
+
+
+def build_app(state: ServerState) -> FastAPI:
+    app = FastAPI(title="punica", version="0.1.0")
+    handlers = OpenAIHandlers(state)
+
+    @app.exception_handler(ProtocolError)
+    async def protocol_error(request: Request, e: ProtocolError):
+        headers = {"Retry-After": str(RETRY_AFTER_S)} if e.status == 429 else None
+        return error_response(e.status, str(e), e.kind, e.param, headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(request: Request, e: RequestValidationError):
+        problems = "; ".join(f"{'.'.join(str(x) for x in err['loc'][1:]) or 'body'}: {err['msg']}" for err in e.errors())
+        return error_response(400, f"invalid request: {problems}")
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, e: StarletteHTTPException):
+        return error_response(e.status_code, str(e.detail), "invalid_request_error")
+
+    @app.exception_handler(Exception)
+    async def unexpected(request: Request, e: Exception):
+        log.exception("unexpected error")
+        return error_response(500, f"internal error: {e}", "server_error")
+
+    async def authorize(request: Request) -> None:
+        if state.api_key is None:
+            return
+        header = request.headers.get("authorization", "")
+        if header != f"Bearer {state.api_key}":
+            raise ProtocolError("missing or invalid API key (Authorization: Bearer ...)", status=401,
+                                kind="AuthenticationError")
+
+    v1 = [Depends(authorize)]
+
+    @app.post("/v1/completions", dependencies=v1)
+    async def completions(body: CompletionRequest, request: Request):
+        return await handlers.completions(body, request)
+
+    @app.post("/v1/chat/completions", dependencies=v1)
+    async def chat(body: ChatCompletionRequest, request: Request):
+        return await handlers.chat(body, request)
+
+    @app.get("/v1/models", dependencies=v1)
+    async def models():
+        registry = await state.engine.call(lambda: dict(state.engine.engine.adapters.registry))
+        created = int(time.time())
+        data = [{"id": state.base_model_name, "object": "model", "created": created, "owned_by": "punica",
+                 "root": state.base_model_name, "parent": None}]
+        data += [{"id": name, "object": "model", "created": created, "owned_by": "punica", "root": str(path),
+                  "parent": state.base_model_name} for name, path in sorted(registry.items())]
+        return {"object": "list", "data": data}
+
+    @app.post("/v1/load_lora_adapter", dependencies=v1)
+    async def load_lora(body: LoadLoraRequest):
+        path = state.allowed_adapter_path(body.lora_path)
+        if body.lora_name == state.base_model_name or body.lora_name in state.engine.engine.adapters.registry:
+            raise ProtocolError(f"an adapter or model named {body.lora_name!r} is already loaded", param="lora_name")
+        config = state.engine.engine.model.config
+        try:  # read it once now, so a broken adapter is a 400 here rather than failed requests later
+            await asyncio.to_thread(load_adapter, path, config, body.lora_name)
+            await state.engine.call(lambda: state.engine.engine.load_adapter(body.lora_name, str(path)))
+        except ValueError as e:
+            raise ProtocolError(str(e), param="lora_path") from e
+        return Response(f"Success: LoRA adapter '{body.lora_name}' added successfully.", media_type="text/plain")
+
+    @app.post("/v1/unload_lora_adapter", dependencies=v1)
+    async def unload_lora(body: UnloadLoraRequest):
+        try:
+            await state.engine.call(lambda: state.engine.engine.unload_adapter(body.lora_name))
+        except ValueError as e:
+            raise ProtocolError(f"the adapter {body.lora_name!r} is not loaded", status=404, param="lora_name",
+                                kind="NotFoundError") from e
+        return Response(f"Success: LoRA adapter '{body.lora_name}' removed successfully.", media_type="text/plain")
+
+    @app.get("/health")
+    async def health():
+        return {"status": "ok"}
+
+    @app.get("/metrics")
+    async def metrics():
+        state.metrics.update_gauges(state.engine.engine)
+        return Response(generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/", response_class=HTMLResponse)
+    async def playground():
+        return PLAYGROUND.read_text()
+
+    return app

@@ -1,0 +1,122 @@
+"""AsyncEngine: one background thread drives the synchronous Engine; each request has its own stream.
+
+Every Engine call happens on that thread. The asyncio side sends commands (add, abort,
+load/unload adapter) through a queue and awaits their result; outputs come back to each
+request's asyncio.Queue. A failure inside a step fails the requests of that step, and the
+loop keeps serving the others.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import Future
+from typing import Any
+
+from punica.engine.engine import Engine, RequestOutput
+from punica.engine.sampling_params import SamplingParams
+
+log = logging.getLogger("punica.server")
+IDLE_WAIT_S = 0.05
+LOADING_WAIT_S = 0.001
+
+
+class AsyncEngine:
+    def __init__(self, engine: Engine, on_step: Callable[[Engine, list[RequestOutput], float], None] | None = None):
+        self.engine = engine
+        self.on_step = on_step
+        self._commands: queue.Queue[tuple[Callable[[], Any], Future]] = queue.Queue()
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="punica-engine", daemon=True)
+        self._thread.start()
+
+    # asyncio side ------------------------------------------------------------------------
+    async def call(self, fn: Callable[[], Any]) -> Any:
+        """Run fn() on the engine thread between steps and return its result (or raise its error)."""
+        future: Future = Future()
+        self._commands.put((fn, future))
+        return await asyncio.wrap_future(future)
+
+    async def generate(self, prompt: str | list[int], params: SamplingParams, adapter: str | None,
+                       request_id: str) -> AsyncIterator[RequestOutput]:
+        """Outputs of one request as they come; the last has finished=True. Raises ValueError
+        for a request the engine rejects. Leaving the iteration early aborts the request."""
+        stream: asyncio.Queue = asyncio.Queue()
+        self._streams[request_id] = (asyncio.get_running_loop(), stream)
+        try:
+            await self.call(lambda: self.engine.add_request(prompt, params, adapter, request_id))
+        except BaseException:
+            self._streams.pop(request_id, None)
+            raise
+        finished = False
+        try:
+            while not finished:
+                item = await stream.get()
+                if isinstance(item, BaseException):
+                    raise item
+                finished = item.finished
+                yield item
+        finally:
+            self._streams.pop(request_id, None)
+            if not finished:
+                await self.abort(request_id)
+
+    async def abort(self, request_id: str) -> None:
+        await self.call(lambda: self.engine.abort(request_id))
+
+    def shutdown(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=10)
+
+    # engine thread -----------------------------------------------------------------------
+    def _deliver(self, request_id: str, item: RequestOutput | BaseException) -> None:
+        target = self._streams.get(request_id)
+        if target is not None:
+            loop, stream = target
+            loop.call_soon_threadsafe(stream.put_nowait, item)
+
+    def _run_commands(self, wait: float) -> None:
+        try:
+            fn, future = self._commands.get(timeout=wait) if wait else self._commands.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            if future.set_running_or_notify_cancel():
+                try:
+                    future.set_result(fn())
+                except BaseException as e:  # noqa: BLE001 - handed to the caller
+                    future.set_exception(e)
+            try:
+                fn, future = self._commands.get_nowait()
+            except queue.Empty:
+                return
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            busy = self.engine.has_unfinished()
+            self._run_commands(0 if busy else IDLE_WAIT_S)
+            if not self.engine.has_unfinished():
+                continue
+            start = time.perf_counter()
+            try:
+                outputs = self.engine.step()
+            except Exception as e:  # noqa: BLE001 - fail this step's requests, keep serving
+                log.exception("engine step failed")
+                self._fail_running(e)
+                continue
+            for out in outputs:
+                self._deliver(out.request_id, out)
+            if self.on_step is not None:
+                self.on_step(self.engine, outputs, time.perf_counter() - start)
+            if not outputs:
+                time.sleep(LOADING_WAIT_S)  # queued requests wait for adapter loads
+
+    def _fail_running(self, error: Exception) -> None:
+        for request in list(self.engine.scheduler.running):
+            self.engine.abort(request.request_id)
+            self._deliver(request.request_id, RuntimeError(f"internal error while generating: {error}"))

@@ -1,0 +1,65 @@
+"""Prometheus metrics of one server (its own registry, so several apps can live in one process)."""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from punica.engine.engine import Engine, RequestOutput
+
+LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+TOKENS_PER_S_WINDOW_S = 10.0
+
+
+class Metrics:
+    def __init__(self):
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter("punica_requests", "Finished requests", ["adapter", "finish_reason"], registry=r)
+        self.latency = Histogram("punica_request_latency_seconds", "Arrival to last token", ["adapter"],
+                                 buckets=LATENCY_BUCKETS, registry=r)
+        self.ttft = Histogram("punica_time_to_first_token_seconds", "Arrival to first token", ["adapter"],
+                              buckets=LATENCY_BUCKETS, registry=r)
+        self.prompt_tokens = Counter("punica_prompt_tokens", "Prompt tokens of finished requests", registry=r)
+        self.generation_tokens = Counter("punica_generation_tokens", "Generated tokens", registry=r)
+        self.tokens_per_s = Gauge("punica_tokens_per_second", f"Generated tokens/s over the last {TOKENS_PER_S_WINDOW_S:g} s",
+                                  registry=r)
+        self.batch_size = Gauge("punica_batch_size", "Requests in the running batch", registry=r)
+        self.queue_length = Gauge("punica_queue_length", "Requests waiting to be admitted", registry=r)
+        self.kv_usage = Gauge("punica_kv_cache_usage", "Fraction of KV-cache pages in use", registry=r)
+        self.lora_slots = Gauge("punica_lora_slots_in_use", "GPU adapter slots holding an adapter", registry=r)
+        self.step_time = Histogram("punica_step_seconds", "Engine step time", buckets=LATENCY_BUCKETS, registry=r)
+        self._recent: deque[tuple[float, int]] = deque()
+
+    def on_step(self, engine: Engine, outputs: list[RequestOutput], seconds: float) -> None:
+        """Called by the engine thread after every step."""
+        now = time.monotonic()
+        self.step_time.observe(seconds)
+        new_tokens = sum(len(o.new_token_ids) for o in outputs)
+        self.generation_tokens.inc(new_tokens)
+        self._recent.append((now, new_tokens))
+        while self._recent and self._recent[0][0] < now - TOKENS_PER_S_WINDOW_S:
+            self._recent.popleft()
+        self.tokens_per_s.set(sum(n for _, n in self._recent) / TOKENS_PER_S_WINDOW_S)
+        for out in outputs:
+            if out.finished:
+                self.finished(out)
+        self.update_gauges(engine)
+
+    def finished(self, out: RequestOutput) -> None:
+        adapter = out.adapter or ""
+        self.requests.labels(adapter, out.finish_reason or "").inc()
+        self.prompt_tokens.inc(len(out.prompt_token_ids))
+        if out.time_to_first_token is not None:
+            self.ttft.labels(adapter).observe(out.time_to_first_token)
+            total = out.time_to_first_token + (out.time_per_output_token or 0) * max(0, len(out.token_ids) - 1)
+            self.latency.labels(adapter).observe(total)
+
+    def update_gauges(self, engine: Engine) -> None:
+        scheduler, allocator = engine.scheduler, engine.allocator
+        self.batch_size.set(len(scheduler.running))
+        self.queue_length.set(len(scheduler.waiting))
+        self.kv_usage.set(allocator.num_used / allocator.num_pages)
+        self.lora_slots.set(len(engine.adapters.resident))

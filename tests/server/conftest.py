@@ -1,0 +1,80 @@
+import socket
+import threading
+import time
+
+import httpx
+import pytest
+import uvicorn
+
+from punica.lora.dummy import save_random_adapter
+from punica.server.app import build_app
+from punica.server.serve import build_state
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class RunningServer:
+    """A punica server on a free 127.0.0.1 port, in a thread of this process."""
+
+    def __init__(self, state):
+        self.state = state
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        config = uvicorn.Config(build_app(state), host="127.0.0.1", port=self.port, log_level="warning")
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + 60
+        while not self.server.started:
+            if time.monotonic() > deadline or not self.thread.is_alive():
+                raise RuntimeError("the test server did not start")
+            time.sleep(0.05)
+
+    @property
+    def engine(self):
+        return self.state.engine.engine
+
+    def wait_idle(self, timeout: float = 60) -> None:
+        deadline = time.monotonic() + timeout
+        while self.engine.has_unfinished() and time.monotonic() < deadline:
+            time.sleep(0.05)
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=30)
+        self.state.engine.shutdown()
+
+
+@pytest.fixture(scope="session")
+def adapter_dirs(tmp_path_factory):
+    """Three served adapters, plus a directory of loadable ones (for /v1/load_lora_adapter)."""
+    from punica.config import ModelConfig
+    from punica.models.loader import resolve_model_dir
+
+    config = ModelConfig.from_dir(resolve_model_dir(None))
+    root = tmp_path_factory.mktemp("adapters")
+    served = {f"tenant-{i}": str(save_random_adapter(root / "served" / f"tenant-{i}", config, rank=8, seed=i,
+                                                      alpha=64)) for i in range(3)}
+    for i in range(2):
+        save_random_adapter(root / "loadable" / f"extra-{i}", config, rank=4, seed=10 + i, alpha=32)
+    return served, root / "loadable"
+
+
+@pytest.fixture(scope="session")
+def server(adapter_dirs):
+    served, loadable = adapter_dirs
+    state = build_state(adapters=served, max_batch_size=16, max_loras=4)
+    state.adapter_dirs = [loadable]
+    running = RunningServer(state)
+    yield running
+    running.stop()
+
+
+@pytest.fixture()
+def http(server):
+    with httpx.Client(base_url=server.url, timeout=120) as client:
+        yield client
