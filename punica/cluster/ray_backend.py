@@ -175,6 +175,8 @@ class ClusterEngine:
         wake = self._wake[gpu_id]
         while gpu_id in self.workers:
             if not self.policy.gpus[gpu_id].running:
+                # idle: look again once it may be released
+                asyncio.get_running_loop().call_later(self.policy.config.idle_release_s, self._scale)
                 wake.clear()
                 await wake.wait()
                 continue

@@ -12,6 +12,7 @@ import ray  # noqa: E402
 import torch  # noqa: E402
 
 from helpers import make_peft_adapter, tiny_llama  # noqa: E402
+from punica.cluster.policy import PolicyConfig  # noqa: E402
 from punica.cluster.ray_backend import build_cluster_engine  # noqa: E402
 from punica.config import EngineConfig  # noqa: E402
 from punica.engine.engine import Engine  # noqa: E402
@@ -107,3 +108,38 @@ def test_killed_worker_requests_are_placed_again_and_complete(ray_cluster, model
     outs, on_victim, num_migrations = asyncio.run(asyncio.wait_for(main(), 90))
     assert on_victim and num_migrations >= len(on_victim)
     assert outs == expected
+
+
+def test_workers_are_added_while_requests_wait_and_released_when_idle(ray_cluster, model):
+    policy_config = PolicyConfig(max_batch_size=2, light_load_batch=1, idle_release_s=0.5, min_gpus=1)
+
+    async def last_output(cluster, request_id, prompt, adapter):
+        async for out in cluster.generate(prompt, greedy(200), adapter, request_id):
+            pass
+        return out
+
+    async def until(condition):
+        while not condition():
+            await asyncio.sleep(0.02)
+
+    async def main():
+        cluster = build_cluster_engine(model[0], model[1], dict(page_size=4, max_batch_size=2), num_workers=1,
+                                       max_workers=2, policy_config=policy_config)
+        await cluster.start()
+        try:
+            streams = [asyncio.ensure_future(last_output(cluster, f"r{i}", p, a))
+                       for i, (p, a) in enumerate(workload(20, seed=2))]
+            await until(lambda: len(cluster.workers) == 2)   # requests wait, no GPU lightly loaded
+            placed_on_new = set(cluster.policy.gpus[1].running)
+            for i in range(20):
+                await cluster.abort(f"r{i}")
+            outs = await asyncio.gather(*streams)
+            await until(lambda: len(cluster.workers) == 1)   # idle for 0.5 s: released
+            return placed_on_new, outs
+        finally:
+            await cluster.shutdown()
+
+    placed_on_new, outs = asyncio.run(asyncio.wait_for(main(), 60))
+    assert len(placed_on_new) == 2
+    assert all(out.finished and out.finish_reason in ("length", "abort") for out in outs)
+    assert sum(out.finish_reason == "abort" for out in outs) >= len(placed_on_new)
