@@ -56,7 +56,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     serve(args.host, args.port, model=args.model, adapters=parse_adapters(args.adapter) or None,
           adapter_dirs=args.adapter_dir, api_key=args.api_key or os.environ.get("PUNICA_API_KEY"),
           max_queue=args.max_queue, served_model_name=args.served_model_name, device=args.device,
-          dtype=args.dtype, **engine_kwargs)
+          dtype=args.dtype, workers=args.workers, **engine_kwargs)
     return 0
 
 
@@ -93,6 +93,8 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--kv-cache-tokens", type=int, default=None)
     srv.add_argument("--max-model-len", type=int, default=None)
     srv.add_argument("--max-queue", type=int, default=1024, help="waiting requests before 429")
+    srv.add_argument("--workers", type=int, default=0,
+                     help="run N engine workers on Ray (one GPU each) behind the Punica cluster scheduler")
     srv.set_defaults(func=cmd_serve)
     sim = sub.add_parser("simulate", help="simulate the cluster scheduler on the paper's Fig. 13 workload")
     sim.add_argument("--gpus", type=int, required=True, help="GPUs the cluster may hold")

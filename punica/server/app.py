@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import os
 import time
+from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -15,7 +15,6 @@ from fastapi.responses import HTMLResponse, JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from punica.lora.adapter import load_adapter
 from punica.server.async_engine import AsyncEngine
 from punica.server.metrics import Metrics
 from punica.server.openai_api import OpenAIHandlers, error_body
@@ -29,7 +28,7 @@ RETRY_AFTER_S = 1
 
 @dataclass
 class ServerState:
-    engine: AsyncEngine
+    backend: AsyncEngine  # or punica.server.cluster_backend.ClusterBackend: the same methods
     tokenizer: object
     base_model_name: str
     adapter_dirs: list[Path] = field(default_factory=list)
@@ -39,19 +38,19 @@ class ServerState:
 
     @property
     def max_model_len(self) -> int:
-        return self.engine.engine.max_model_len
+        return self.backend.max_model_len
 
     async def resolve_model(self, model: str) -> str | None:
         """The adapter a `model` field names (None for the base model); 404 for anything else."""
         if model == self.base_model_name:
             return None
-        if model in self.engine.engine.adapters.registry:
+        if self.backend.has_adapter(model):
             return model
         raise ProtocolError(f"The model `{model}` does not exist.", status=404, param="model",
                             kind="NotFoundError")
 
     def check_queue(self, num_new: int) -> None:
-        if len(self.engine.engine.scheduler.waiting) + num_new > self.max_queue:
+        if self.backend.num_waiting() + num_new > self.max_queue:
             raise ProtocolError(f"the queue is full ({self.max_queue} requests wait); retry later",
                                 status=429, kind="RateLimitError")
 
@@ -75,7 +74,13 @@ def error_response(status: int, message: str, kind: str = "invalid_request_error
 
 
 def build_app(state: ServerState) -> FastAPI:
-    app = FastAPI(title="punica", version="0.1.0")
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        await state.backend.start()
+        yield
+        await state.backend.shutdown()
+
+    app = FastAPI(title="punica", version="0.1.0", lifespan=lifespan)
     handlers = OpenAIHandlers(state)
 
     @app.exception_handler(ProtocolError)
@@ -117,7 +122,7 @@ def build_app(state: ServerState) -> FastAPI:
 
     @app.get("/v1/models", dependencies=v1)
     async def models():
-        registry = await state.engine.call(lambda: dict(state.engine.engine.adapters.registry))
+        registry = await state.backend.adapter_paths()
         created = int(time.time())
         data = [{"id": state.base_model_name, "object": "model", "created": created, "owned_by": "punica",
                  "root": state.base_model_name, "parent": None}]
@@ -128,12 +133,10 @@ def build_app(state: ServerState) -> FastAPI:
     @app.post("/v1/load_lora_adapter", dependencies=v1)
     async def load_lora(body: LoadLoraRequest):
         path = state.allowed_adapter_path(body.lora_path)
-        if body.lora_name == state.base_model_name or body.lora_name in state.engine.engine.adapters.registry:
+        if body.lora_name == state.base_model_name or state.backend.has_adapter(body.lora_name):
             raise ProtocolError(f"an adapter or model named {body.lora_name!r} is already loaded", param="lora_name")
-        config = state.engine.engine.model.config
-        try:  # read it once now, so a broken adapter is a 400 here rather than failed requests later
-            await asyncio.to_thread(load_adapter, path, config, body.lora_name)
-            await state.engine.call(lambda: state.engine.engine.load_adapter(body.lora_name, str(path)))
+        try:
+            await state.backend.load_adapter(body.lora_name, str(path))
         except ValueError as e:
             raise ProtocolError(str(e), param="lora_path") from e
         return Response(f"Success: LoRA adapter '{body.lora_name}' added successfully.", media_type="text/plain")
@@ -141,7 +144,7 @@ def build_app(state: ServerState) -> FastAPI:
     @app.post("/v1/unload_lora_adapter", dependencies=v1)
     async def unload_lora(body: UnloadLoraRequest):
         try:
-            await state.engine.call(lambda: state.engine.engine.unload_adapter(body.lora_name))
+            await state.backend.unload_adapter(body.lora_name)
         except ValueError as e:
             raise ProtocolError(f"the adapter {body.lora_name!r} is not loaded", status=404, param="lora_name",
                                 kind="NotFoundError") from e
@@ -153,7 +156,7 @@ def build_app(state: ServerState) -> FastAPI:
 
     @app.get("/metrics")
     async def metrics():
-        state.metrics.update_gauges(state.engine.engine)
+        state.backend.update_gauges(state.metrics)
         return Response(generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/", response_class=HTMLResponse)

@@ -19,6 +19,7 @@ from typing import Any
 
 from punica.engine.engine import Engine, RequestOutput
 from punica.engine.sampling_params import SamplingParams
+from punica.lora.adapter import load_adapter
 
 log = logging.getLogger("punica.server")
 IDLE_WAIT_S = 0.05
@@ -69,9 +70,37 @@ class AsyncEngine:
     async def abort(self, request_id: str) -> None:
         await self.call(lambda: self.engine.abort(request_id))
 
-    def shutdown(self) -> None:
+    # what the server asks of its backend besides generate/abort (see ClusterBackend too) ----
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
+
+    def has_adapter(self, name: str) -> bool:
+        return name in self.engine.adapters.registry
+
+    async def adapter_paths(self) -> dict[str, str]:
+        return await self.call(lambda: {n: str(p) for n, p in self.engine.adapters.registry.items()})
+
+    def num_waiting(self) -> int:
+        return len(self.engine.scheduler.waiting)
+
+    async def load_adapter(self, name: str, path: str) -> None:
+        """Read the adapter once (so a broken one fails here), then register it."""
+        await asyncio.to_thread(load_adapter, path, self.engine.model.config, name)
+        await self.call(lambda: self.engine.load_adapter(name, path))
+
+    async def unload_adapter(self, name: str) -> None:
+        await self.call(lambda: self.engine.unload_adapter(name))
+
+    def update_gauges(self, metrics) -> None:
+        metrics.update_gauges(self.engine)
+
+    async def start(self) -> None:
+        """Nothing to do: the engine thread runs from construction."""
+
+    async def shutdown(self) -> None:
         self._stop.set()
-        self._thread.join(timeout=10)
+        await asyncio.to_thread(self._thread.join, 10)
 
     # engine thread -----------------------------------------------------------------------
     def _deliver(self, request_id: str, item: RequestOutput | BaseException) -> None:

@@ -86,7 +86,7 @@ class OpenAIHandlers:
         self.state.check_queue(len(choices))
         first = choices[0]
         # the first choice goes in before the response starts, so a rejected request is a clean 400
-        gens = [self.state.engine.generate(c.prompt_ids, c.params, adapter, c.request_id) for c in choices]
+        gens = [self.state.backend.generate(c.prompt_ids, c.params, adapter, c.request_id) for c in choices]
         try:
             head = await anext(gens[0])
         except ValueError as e:
@@ -95,7 +95,7 @@ class OpenAIHandlers:
         usage_wanted = body.stream_options is not None and body.stream_options.include_usage
         if body.stream:
             events = self._stream(kind, meta, choices, gens, head, usage_wanted)
-            return StreamingResponse(_sse(events, [c.request_id for c in choices], self.state.engine),
+            return StreamingResponse(_sse(events, [c.request_id for c in choices], self.state.backend),
                                      media_type="text/event-stream")
         finals = await self._collect(choices, gens, head, request)
         if finals is None:
@@ -119,7 +119,7 @@ class OpenAIHandlers:
             if not done.done():  # the client went away: abort every choice, free their pages
                 done.cancel()
                 for c in choices:
-                    await self.state.engine.abort(c.request_id)
+                    await self.state.backend.abort(c.request_id)
                 return None
             return done.result()
         finally:
@@ -228,7 +228,7 @@ async def _wait_disconnect(request: Request) -> None:
         await asyncio.sleep(DISCONNECT_POLL_S)
 
 
-async def _sse(events: AsyncIterator[dict], request_ids: list[str], engine) -> AsyncIterator[str]:
+async def _sse(events: AsyncIterator[dict], request_ids: list[str], backend) -> AsyncIterator[str]:
     """Server-sent events; if the client goes away mid-stream, every choice is aborted."""
     finished = False
     try:
@@ -239,4 +239,4 @@ async def _sse(events: AsyncIterator[dict], request_ids: list[str], engine) -> A
     finally:
         if not finished:
             for request_id in request_ids:
-                await engine.abort(request_id)
+                await backend.abort(request_id)

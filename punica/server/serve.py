@@ -11,7 +11,7 @@ from punica.config import EngineConfig
 from punica.engine.engine import Engine
 from punica.engine.llm import generation_eos_ids, resolve_dtype
 from punica.lora.adapter import adapter_rank
-from punica.models.loader import load_model
+from punica.models.loader import load_model, resolve_model_dir
 from punica.server.app import ServerState, build_app
 from punica.server.async_engine import AsyncEngine
 from punica.server.demo import demo_adapters
@@ -29,11 +29,12 @@ def adapters_in(directory: Path) -> dict[str, str]:
 def build_state(model: str | None = None, adapters: dict[str, str] | None = None,
                 adapter_dirs: list[str] | None = None, api_key: str | None = None, max_queue: int = 1024,
                 served_model_name: str | None = None, device: str | None = None, dtype: str | None = None,
-                **engine_kwargs) -> ServerState:
+                workers: int = 0, **engine_kwargs) -> ServerState:
+    """The server's state: one engine in this process, or `workers` Ray workers behind the
+    Punica cluster scheduler."""
     from transformers import AutoTokenizer
 
-    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-    loaded, model_dir = load_model(model, resolve_dtype(dtype, device), device)
+    model_dir = resolve_model_dir(model)
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
     dirs = [Path(d) for d in adapter_dirs or []]
     all_adapters = dict(demo_adapters()) if model is None and adapters is None and not dirs else {}
@@ -42,17 +43,27 @@ def build_state(model: str | None = None, adapters: dict[str, str] | None = None
     all_adapters.update(adapters or {})
     if all_adapters and "max_lora_rank" not in engine_kwargs:
         engine_kwargs["max_lora_rank"] = max(EngineConfig.max_lora_rank, *map(adapter_rank, all_adapters.values()))
-    engine = Engine(loaded, tokenizer, EngineConfig(**engine_kwargs), all_adapters, generation_eos_ids(model_dir))
     name = served_model_name or model_dir.name
     if name in all_adapters:
         raise ValueError(f"an adapter is named like the base model ({name!r}); rename it")
+    for adapter, path in all_adapters.items():
+        log.info("adapter %s <- %s", adapter, path)
+    if workers:
+        from punica.cluster.ray_backend import build_cluster_engine
+        from punica.server.cluster_backend import ClusterBackend, start_ray
+
+        start_ray()
+        cluster = build_cluster_engine(str(model_dir), all_adapters, engine_kwargs, workers, device=device, dtype=dtype)
+        log.info("model %s from %s on %d workers (Punica placement and migration)", name, model_dir, workers)
+        return ServerState(ClusterBackend(cluster, all_adapters), tokenizer, name, [], api_key, max_queue)
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    loaded, _ = load_model(str(model_dir), resolve_dtype(dtype, device), device)
+    engine = Engine(loaded, tokenizer, EngineConfig(**engine_kwargs), all_adapters, generation_eos_ids(model_dir))
     state = ServerState(AsyncEngine(engine), tokenizer, name, dirs, api_key, max_queue)
-    state.engine.on_step = state.metrics.on_step
+    state.backend.on_step = state.metrics.on_step
     log.info("model %s from %s on %s (%s), context %d tokens, KV cache %d pages of %d tokens",
              name, model_dir, device, loaded.embed.weight.dtype, engine.max_model_len,
              engine.allocator.num_pages, engine.config.page_size)
-    for adapter, path in all_adapters.items():
-        log.info("adapter %s <- %s", adapter, path)
     return state
 
 
@@ -60,10 +71,6 @@ def serve(host: str, port: int, **kwargs) -> None:
     import uvicorn
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    state = build_state(**kwargs)
-    app = build_app(state)
+    app = build_app(build_state(**kwargs))
     log.info("serving the OpenAI API at http://%s:%d/v1 and the playground at http://%s:%d/", host, port, host, port)
-    try:
-        uvicorn.run(app, host=host, port=port, log_level="info")
-    finally:
-        state.engine.shutdown()
+    uvicorn.run(app, host=host, port=port, log_level="info")

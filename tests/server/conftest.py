@@ -36,7 +36,7 @@ class RunningServer:
 
     @property
     def engine(self):
-        return self.state.engine.engine
+        return self.state.backend.engine
 
     def wait_idle(self, timeout: float = 60) -> None:
         deadline = time.monotonic() + timeout
@@ -44,9 +44,8 @@ class RunningServer:
             time.sleep(0.05)
 
     def stop(self) -> None:
-        self.server.should_exit = True
+        self.server.should_exit = True  # the app's lifespan shuts the engine thread down
         self.thread.join(timeout=30)
-        self.state.engine.shutdown()
 
 
 @pytest.fixture(scope="session")
