@@ -1,0 +1,138 @@
+"""On-demand adapter loading: copy latency against the transfer floor, and decode throughput
+over a Zipf-popular stream of many adapters through a few GPU slots against all-resident.
+
+python -m benchmarks.adapter_load [--preset llama-2-7b] [--rank 16] [--adapters 1000] [--slots 64]
+
+1. Load latency: one rank-r all-projection adapter from pinned host memory into a pool slot
+   (LoraPool.write on a side stream, as the AdapterManager does), CUDA events, median;
+   floor = adapter bytes / pinned host-to-device bandwidth measured in the same run.
+2. Throughput: `--requests` requests (prompt 64, output 64 tokens, greedy) whose adapters are
+   Zipf(1.5) over `--adapters` registered adapters, served with `--slots` GPU slots (loads on
+   demand: disk -> host tier -> slot), against the same stream with every adapter it uses
+   already resident. The registered names share `--files` adapter files on disk (only the
+   bytes copied differ per name, not the values), so 1,000 adapters need not fill the disk.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from benchmarks.common import format_table, write_results
+from punica.config import EngineConfig, ModelConfig, preset_config
+from punica.engine.engine import Engine
+from punica.engine.sampling_params import SamplingParams
+from punica.lora.adapter import load_adapter
+from punica.lora.dummy import save_random_adapter
+from punica.lora.pool import LoraPool
+from punica.models.loader import dummy_model
+
+
+def timed(fn, device: torch.device, repeat: int) -> list[float]:
+    """Seconds per call of fn() (CUDA events on GPU, wall clock on CPU), after one warm-up."""
+    fn()
+    times = []
+    for _ in range(repeat):
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            torch.cuda.synchronize()
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) / 1e3)
+        else:
+            t = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t)
+    return times
+
+
+def load_latency(config: ModelConfig, rank: int, path: Path, device: torch.device) -> dict:
+    adapter = load_adapter(path, config, dtype=torch.bfloat16)
+    if device.type == "cuda":
+        pinned = [{p: t.pin_memory() for p, t in d.items()} for d in (adapter.lora_a, adapter.lora_b)]
+        adapter = type(adapter)(adapter.name, adapter.rank, adapter.scale, *pinned)
+    nbytes = adapter.num_bytes
+    host = torch.empty(nbytes, dtype=torch.uint8).pin_memory() if device.type == "cuda" else torch.empty(nbytes, dtype=torch.uint8)
+    dev = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    h2d = statistics.median(timed(lambda: dev.copy_(host, non_blocking=True), device, 20))
+    pool = LoraPool(config, 2, rank, torch.bfloat16, device)
+    write = statistics.median(timed(lambda: pool.write(1, adapter, non_blocking=True), device, 20))
+    read = statistics.median(timed(lambda: load_adapter(path, config, dtype=torch.bfloat16), torch.device("cpu"), 3))
+    return {"adapter_mb": nbytes / 1e6, "h2d_gb_s": nbytes / h2d / 1e9, "floor_ms": h2d * 1e3,
+            "load_ms": write * 1e3, "load_over_floor": write / h2d, "disk_to_host_ms": read * 1e3}
+
+
+def throughput(model, config: ModelConfig, names: dict[str, str], stream: list[str], slots: int, preload: bool,
+               device: torch.device) -> dict:
+    engine = Engine(model, None, EngineConfig(max_batch_size=32, max_loras=slots, max_lora_rank=16,
+                                              kv_cache_tokens=32 * 160, lora_host_bytes=16 << 30), names)
+    params = SamplingParams(max_tokens=64, temperature=0, ignore_eos=True)
+    rng = random.Random(0)
+    if preload:  # every adapter of the stream resident before the clock starts
+        for name in dict.fromkeys(stream):
+            engine.add_request([1, 2], SamplingParams(max_tokens=1), name)
+        while engine.has_unfinished():
+            engine.step()
+    loads_before = engine.adapters.num_loads
+    for name in stream:
+        engine.add_request([rng.randrange(3, config.vocab_size) for _ in range(64)], params, name)
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    tokens = 0
+    while engine.has_unfinished():
+        outputs = engine.step()
+        tokens += sum(len(o.new_token_ids) for o in outputs)
+        if not outputs:
+            time.sleep(0.0005)
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    seconds = time.perf_counter() - start
+    return {"slots": slots, "resident": preload, "requests": len(stream), "distinct": len(set(stream)),
+            "loads": engine.adapters.num_loads - loads_before, "tokens": tokens, "seconds": seconds,
+            "tokens_per_s": tokens / seconds}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--preset", default="llama-2-7b", help="a model shape of punica.config.PRESETS")
+    parser.add_argument("--rank", type=int, default=16)
+    parser.add_argument("--adapters", type=int, default=1000)
+    parser.add_argument("--files", type=int, default=4)
+    parser.add_argument("--slots", type=int, default=64)
+    parser.add_argument("--requests", type=int, default=256)
+    parser.add_argument("--out", type=Path, default=Path("results/adapter_load"))
+    args = parser.parse_args()
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    config = preset_config(args.preset)
+    with tempfile.TemporaryDirectory() as tmp:
+        files = [save_random_adapter(Path(tmp) / f"file{i}", config, args.rank, seed=i) for i in range(args.files)]
+        latency = load_latency(config, args.rank, files[0], device)
+        print(format_table([latency], list(latency)))
+        names = {f"tenant{i}": str(files[i % len(files)]) for i in range(args.adapters)}
+        rng = random.Random(1)
+        weights = [1 / (i + 1) ** 1.5 for i in range(args.adapters)]
+        stream = [f"tenant{i}" for i in rng.choices(range(args.adapters), weights=weights, k=args.requests)]
+        model = dummy_model(config, torch.bfloat16 if device.type == "cuda" else torch.float32, device)
+        rows = [throughput(model, config, names, stream, args.slots, False, device),
+                throughput(model, config, names, stream, len(set(stream)), True, device)]
+    rows[0]["vs_resident"] = rows[0]["tokens_per_s"] / rows[1]["tokens_per_s"]
+    rows[1]["vs_resident"] = 1.0
+    meta = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "preset": args.preset,
+            "rank": args.rank, "adapters": args.adapters, "date": time.strftime("%Y-%m-%d"), "latency": latency}
+    write_results(args.out, "adapter_load", rows, meta)
+    print(format_table([latency], list(latency)))
+    print(format_table(rows, ["slots", "resident", "requests", "distinct", "loads", "tokens", "seconds",
+                              "tokens_per_s", "vs_resident"]))
+
+
+if __name__ == "__main__":
+    main()
