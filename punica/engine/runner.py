@@ -31,9 +31,9 @@ class ModelRunner:
         """
         ids: list[int] = []
         query_lens, context_lens, tables, slots = [], [], [], []
-        for request in prefills + decodes:
+        for i, request in enumerate(prefills + decodes):
             n = request.num_tokens
-            q = n - request.num_cached if request in prefills else 1
+            q = n - request.num_cached if i < len(prefills) else 1
             ids.extend(request.token_ids[n - q:])
             query_lens.append(q)
             context_lens.append(n)
