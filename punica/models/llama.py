@@ -18,7 +18,7 @@ from torch import nn
 
 from punica.config import ModelConfig, RopeConfig
 from punica.lora.batch import LoraBatch
-from punica.ops.attention import AttnBatch, paged_attention_ref, write_kv_ref
+from punica.ops.attention import AttnBatch, paged_attention, write_kv
 from punica.ops.lora import add_lora
 
 
@@ -103,8 +103,8 @@ class LlamaLayer(nn.Module):
         k = qkv[:, q_end:k_end].reshape(num_tokens, self.num_kv_heads, self.head_dim)
         v = qkv[:, k_end:].reshape(num_tokens, self.num_kv_heads, self.head_dim)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        write_kv_ref(kv_layer, k, v, attn.slot_mapping)
-        o = paged_attention_ref(q, kv_layer, attn, self.head_dim ** -0.5).reshape(num_tokens, -1)
+        write_kv(kv_layer, k, v, attn.slot_mapping)
+        o = paged_attention(q, kv_layer, attn, self.head_dim ** -0.5).reshape(num_tokens, -1)
         x = x + self._project(self.o_proj, o, {"o": (0, x.shape[1])}, lora, lora_weights)
         h = self.post_norm(x)
         gate_up = self._project(self.gate_up_proj, h, self.gate_up_slices, lora, lora_weights)

@@ -7,6 +7,9 @@ The whole cache is one tensor [num_layers, num_pages, 2, page_size, num_kv_heads
 Batch order: prefill requests first, then decode requests. A request's queries are the last
 `query_len` of its `context_len` tokens (a prefill of a fresh prompt has query_len ==
 context_len; a decode has query_len == 1; a recomputed prefill after preemption is a prefill).
+
+The PyTorch references (`*_ref`) are the spec; each public function runs the Triton kernel of
+punica.ops.attention_triton when its tensors are on CUDA, and the reference otherwise.
 """
 
 from __future__ import annotations
@@ -108,3 +111,34 @@ def paged_attention_ref(q: torch.Tensor, kv_layer: torch.Tensor, batch: AttnBatc
         out[start:start + q_len] = torch.einsum("hqk,khd->qhd", scores.softmax(-1), v).to(q.dtype)
         start += q_len
     return out
+
+
+def write_kv(kv_layer: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Append each token's key and value to the paged cache, in place.
+
+        kv_layer: [P, 2, page_size, Hkv, D], k, v: [T, Hkv, D], slot_mapping: [T] int64
+        for t in range(T):
+            page, offset = divmod(slot_mapping[t], page_size)
+            kv_layer[page, 0, offset] = k[t];  kv_layer[page, 1, offset] = v[t]   (cast to the cache dtype)
+    """
+    if kv_layer.is_cuda:
+        from punica.ops.attention_triton import write_kv_triton
+        return write_kv_triton(kv_layer, k, v, slot_mapping)
+    return write_kv_ref(kv_layer, k, v, slot_mapping)
+
+
+def paged_attention(q: torch.Tensor, kv_layer: torch.Tensor, batch: AttnBatch, scale: float) -> torch.Tensor:
+    """Causal GQA attention of every request's queries over its pages (prefills first, then decodes).
+
+        q: [T, Hq, D], kv_layer: [P, 2, page_size, Hkv, D], Hq % Hkv == 0  ->  out: [T, Hq, D] (q's dtype)
+        for request i: rows = query_start[i] : query_start[i+1], q_i = len(rows), c_i = context_lens[i]
+            pages = page_table[i, : ceil(c_i / page_size)]
+            K, V = kv_layer[pages, 0|1] flattened to [c_i, Hkv, D]   (cached tokens 0 .. c_i-1)
+            for query j, head h (its key head h // (Hq / Hkv)), position p = c_i - q_i + j:
+                out[rows[j], h] = softmax(scale * q[rows[j], h] @ K[:p+1, kv].T) @ V[:p+1, kv]
+        accumulated in fp32
+    """
+    if q.is_cuda:
+        from punica.ops.attention_triton import paged_attention_triton
+        return paged_attention_triton(q, kv_layer, batch, scale)
+    return paged_attention_ref(q, kv_layer, batch, scale)

@@ -1,0 +1,197 @@
+"""Triton paged-attention kernels against the references of punica.ops.attention on fresh random
+inputs: mixed prefill/decode batches, cached prefixes, scattered pages, GQA, odd page sizes.
+
+Without a GPU the kernels run under Triton's interpreter (tests/conftest.py) on CPU tensors at
+small shapes; tests marked `cuda` run at real shapes on the GPU.
+"""
+
+import random
+
+import pytest
+import torch
+
+from punica.config import ceil_div
+from punica.ops import attention as ops
+from punica.ops import attention_triton as kernels
+from punica.ops.attention import AttnBatch
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+# (rtol, atol) of the output; the interpreter truncates to bf16/fp16, the GPU rounds P to them
+TOL = {torch.float32: (1e-4, 1e-5), torch.bfloat16: (2e-2, 2e-2), torch.float16: (4e-3, 4e-3)}
+
+
+def make_batch(query_lens, context_lens, num_prefills, page_size, rng, spare_pages=7, pad_pages=0):
+    """AttnBatch whose requests hold random, scattered pages of a pool with spare pages;
+    `pad_pages` extra page-table columns (as a CUDA-graph bucket may have)."""
+    needed = [ceil_div(c, page_size) for c in context_lens]
+    pool = list(range(sum(needed) + spare_pages))
+    rng.shuffle(pool)
+    tables, used = [], 0
+    for n in needed:
+        tables.append(pool[used:used + n] + [pool[-1]] * pad_pages)
+        used += n
+    batch = AttnBatch.build(query_lens, context_lens, tables, page_size, num_prefills, device=DEVICE)
+    return batch, len(pool)
+
+
+def random_inputs(batch, num_pages, page_size, num_heads, num_kv_heads, head_dim, dtype, gen):
+    q = torch.randn(batch.num_tokens, num_heads, head_dim, generator=gen).to(dtype).to(DEVICE)
+    kv = torch.randn(num_pages, 2, page_size, num_kv_heads, head_dim, generator=gen).to(dtype).to(DEVICE)
+    return q, kv
+
+
+def check_attention(query_lens, context_lens, num_prefills, page_size, num_heads, num_kv_heads,
+                    head_dim, dtype, seed, num_splits=None, pad_pages=0):
+    rng = random.Random(seed)
+    gen = torch.Generator().manual_seed(seed)
+    batch, num_pages = make_batch(query_lens, context_lens, num_prefills, page_size, rng, pad_pages=pad_pages)
+    q, kv = random_inputs(batch, num_pages, page_size, num_heads, num_kv_heads, head_dim, dtype, gen)
+    scale = head_dim ** -0.5 * (1 + rng.random())  # sharper than usual: exercises the running max
+    out = kernels.paged_attention_triton(q, kv, batch, scale, num_splits=num_splits)
+    ref = ops.paged_attention_ref(q, kv, batch, scale)
+    assert out.dtype == q.dtype and out.shape == q.shape
+    torch.testing.assert_close(out, ref, rtol=TOL[dtype][0], atol=TOL[dtype][1])
+
+
+# prefills: a fresh prompt over several query tiles, a prefill behind a cached prefix
+# (query_len < context_len), a one-token prompt; decodes: one token, a context ending exactly
+# on a page boundary, contexts ending mid-page
+MIXED = dict(query_lens=[45, 20, 1, 1, 1, 1, 1], context_lens=[45, 75, 1, 1, 48, 50, 93], num_prefills=3)
+
+
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim,page_size,dtype,num_splits", [
+    (4, 4, 64, 16, torch.float32, None),   # group 1, default split count
+    (9, 3, 64, 7, torch.bfloat16, 2),      # SmolLM2's group of 3, odd page size
+    (4, 1, 128, 16, torch.float16, 3),     # group 4, head_dim 128
+])
+def test_mixed_batch_matches_reference(num_heads, num_kv_heads, head_dim, page_size, dtype, num_splits):
+    check_attention(**MIXED, page_size=page_size, num_heads=num_heads, num_kv_heads=num_kv_heads,
+                    head_dim=head_dim, dtype=dtype, seed=num_heads * 1000 + page_size, num_splits=num_splits)
+
+
+def test_prefill_only_batch_with_cached_prefixes():
+    check_attention([70, 33, 16], [70, 101, 16], 3, page_size=5, num_heads=2, num_kv_heads=1,
+                    head_dim=32, dtype=torch.bfloat16, seed=1)
+
+
+@pytest.mark.parametrize("num_splits", [1, 3, 7])
+def test_decode_splits_merge_to_the_reference(num_splits):
+    """Requests whose context ends before the last partitions, and unused page-table columns."""
+    check_attention([1] * 4, [130, 17, 1, 64], 0, page_size=16, num_heads=6, num_kv_heads=2,
+                    head_dim=64, dtype=torch.float32, seed=num_splits, num_splits=num_splits, pad_pages=1)
+
+
+def test_decode_partition_policy():
+    """Splits until the programs fill the SMs, never below MIN_PARTITION tokens; partitions are
+    whole key tiles and cover the context bound."""
+    sms = kernels._num_sms(torch.device(DEVICE))
+    for num_decodes, num_kv_heads, max_context in [(1, 1, 4096), (1, 8, 512), (64, 32, 4096), (2, 2, 100)]:
+        partition, splits = kernels.decode_partition(num_decodes, num_kv_heads, max_context, 64,
+                                                     torch.device(DEVICE))
+        assert partition % 64 == 0 and (splits - 1) * partition < max_context <= splits * partition
+        assert splits == 1 or partition >= kernels.MIN_PARTITION
+        programs = num_decodes * num_kv_heads * splits
+        assert programs >= kernels.DECODE_PROGRAMS_PER_SM * sms or splits >= max_context // kernels.MIN_PARTITION
+    assert kernels.decode_partition(1, 1, 4096, 64, torch.device("cpu")) == (512, 8)
+    assert kernels.decode_partition(64, 32, 4096, 64, torch.device("cpu"))[1] == 1
+    assert kernels.decode_partition(3, 2, 1000, 64, torch.device("cpu"), num_splits=4) == (256, 4)
+
+
+@pytest.mark.parametrize("dtype,page_size", [(torch.float32, 16), (torch.bfloat16, 5)], ids=str)
+def test_write_kv_matches_reference(dtype, page_size):
+    """Scattered slots, V a column slice of a wider tensor (as the model's fused qkv gives it)."""
+    gen = torch.Generator().manual_seed(page_size)
+    num_tokens, num_kv_heads, head_dim = 11, 3, 32
+    kv = torch.randn(6, 2, page_size, num_kv_heads, head_dim, generator=gen).to(dtype).to(DEVICE)
+    slots = torch.randperm(6 * page_size, generator=gen)[:num_tokens].to(DEVICE)
+    k = torch.randn(num_tokens, num_kv_heads, head_dim, generator=gen).to(dtype).to(DEVICE)
+    wide = torch.randn(num_tokens, 2 * num_kv_heads * head_dim, generator=gen).to(dtype).to(DEVICE)
+    v = wide[:, num_kv_heads * head_dim:].reshape(num_tokens, num_kv_heads, head_dim)
+    expect, got = kv.clone(), kv.clone()
+    ops.write_kv_ref(expect, k, v, slots)
+    kernels.write_kv_triton(got, k, v, slots)
+    assert torch.equal(got, expect)
+    assert not torch.equal(got, kv)
+
+
+# ---- GPU, real shapes -------------------------------------------------------------------
+
+def real_mixed_batch(rng, num_decodes, max_context):
+    """Two prefills (a fresh prompt, a prompt behind a cached prefix), then decodes."""
+    fresh = rng.randint(700, 1100)
+    cached_q, cached_ctx = rng.randint(200, 400), rng.randint(1500, max_context)
+    contexts = [rng.randint(1, max_context) for _ in range(num_decodes)]
+    contexts[0] = max_context
+    return [fresh, cached_q] + [1] * num_decodes, [fresh, cached_ctx] + contexts
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim,page_size,dtype", [
+    (32, 32, 128, 16, torch.bfloat16),   # Llama-7B
+    (32, 8, 128, 16, torch.bfloat16),    # GQA 8 of 32
+    (32, 8, 128, 16, torch.float16),
+    (32, 8, 128, 16, torch.float32),
+    (9, 3, 64, 7, torch.bfloat16),       # SmolLM2, odd page size
+], ids=str)
+def test_real_shapes_through_public_ops(num_heads, num_kv_heads, head_dim, page_size, dtype):
+    rng = random.Random(f"{num_heads}{num_kv_heads}{page_size}{dtype}")
+    gen = torch.Generator().manual_seed(rng.randrange(2**31))
+    query_lens, context_lens = real_mixed_batch(rng, 62, 4096)
+    batch, num_pages = make_batch(query_lens, context_lens, 2, page_size, rng, spare_pages=100)
+    q, kv = random_inputs(batch, num_pages, page_size, num_heads, num_kv_heads, head_dim, dtype, gen)
+    k = torch.randn(batch.num_tokens, num_kv_heads, head_dim, generator=gen).to(dtype).to(DEVICE)
+    v = torch.randn(batch.num_tokens, num_kv_heads, head_dim, generator=gen).to(dtype).to(DEVICE)
+    expect = kv.clone()
+    ops.write_kv_ref(expect, k, v, batch.slot_mapping)
+    ops.write_kv(kv, k, v, batch.slot_mapping)
+    assert torch.equal(kv, expect)
+    out = ops.paged_attention(q, kv, batch, head_dim ** -0.5)
+    ref = ops.paged_attention_ref(q, kv, batch, head_dim ** -0.5)
+    torch.testing.assert_close(out, ref, rtol=TOL[dtype][0], atol=TOL[dtype][1])
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("num_splits", [1, 2, 16, 64])
+def test_real_shapes_decode_splits(num_splits):
+    rng = random.Random(num_splits)
+    check_attention([1] * 32, [rng.randint(1, 4096) for _ in range(32)], 0, page_size=16,
+                    num_heads=32, num_kv_heads=8, head_dim=128, dtype=torch.bfloat16, seed=num_splits,
+                    num_splits=num_splits)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("num_prefills", [0, 2])
+def test_cuda_graph_replay_equals_eager(num_prefills):
+    """Capture once, then replay on new queries, cache contents, pages and context lengths
+    written into the captured tensors: equals the reference on the new batch."""
+    rng = random.Random(num_prefills)
+    gen = torch.Generator().manual_seed(num_prefills)
+    page_size, max_pages, num_decodes = 16, 128, 32
+    prefill_lens = [rng.randint(1, 300) for _ in range(num_prefills)]
+
+    def new_batch():
+        """Same shapes (query lengths, page-table columns), new contexts and pages."""
+        query_lens = prefill_lens + [1] * num_decodes
+        context_lens = ([p + rng.randint(0, 200) for p in prefill_lens]
+                        + [rng.randint(1, max_pages * page_size) for _ in range(num_decodes)])
+        tables = [rng.sample(range(num_pages), max_pages) for _ in query_lens]
+        return AttnBatch.build(query_lens, context_lens, tables, page_size, num_prefills, device=DEVICE)
+
+    num_pages = max_pages * (num_prefills + num_decodes) + 8
+    batch = new_batch()
+    q = torch.randn(batch.num_tokens, 32, 128, generator=gen).to(torch.bfloat16).to(DEVICE)
+    kv = torch.randn(num_pages, 2, page_size, 8, 128, generator=gen).to(torch.bfloat16).to(DEVICE)
+    ops.paged_attention(q, kv, batch, 0.1)  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = ops.paged_attention(q, kv, batch, 0.1)
+    for _ in range(3):
+        new = new_batch()
+        for name in ("page_table", "context_lens", "query_start"):
+            getattr(batch, name).copy_(getattr(new, name))
+        q.copy_(torch.randn(q.shape, generator=gen).to(q.dtype))
+        kv.copy_(torch.randn(kv.shape, generator=gen).to(kv.dtype))
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.testing.assert_close(out, ops.paged_attention_ref(q, kv, new, 0.1), rtol=2e-2, atol=2e-2)
