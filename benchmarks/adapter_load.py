@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.common import format_table, write_results
+from benchmarks.common import format_table, warm_up, write_results
 from punica.config import EngineConfig, ModelConfig, preset_config
 from punica.engine.engine import Engine
 from punica.engine.sampling_params import SamplingParams
@@ -72,15 +72,14 @@ def load_latency(config: ModelConfig, rank: int, path: Path, device: torch.devic
 
 def throughput(model, config: ModelConfig, names: dict[str, str], stream: list[str], slots: int, preload: bool,
                device: torch.device) -> dict:
-    engine = Engine(model, None, EngineConfig(max_batch_size=32, max_loras=slots, max_lora_rank=16,
-                                              kv_cache_tokens=32 * 160, lora_host_bytes=16 << 30), names)
+    warm_name = "warm-up"  # not in the stream: compiles the kernels without loading stream adapters
+    engine = Engine(model, None, EngineConfig(max_batch_size=32, max_loras=slots + 1, max_lora_rank=16,
+                                              kv_cache_tokens=32 * 160, lora_host_bytes=16 << 30),
+                    {**names, warm_name: next(iter(names.values()))})
     params = SamplingParams(max_tokens=64, temperature=0, ignore_eos=True)
     rng = random.Random(0)
-    if preload:  # every adapter of the stream resident before the clock starts
-        for name in dict.fromkeys(stream):
-            engine.add_request([1, 2], SamplingParams(max_tokens=1), name)
-        while engine.has_unfinished():
-            engine.step()
+    # resident run: every adapter of the stream on the GPU before the clock starts
+    warm_up(engine, [None] + [warm_name] * 32 + (list(dict.fromkeys(stream)) if preload else []))
     loads_before = engine.adapters.num_loads
     for name in stream:
         engine.add_request([rng.randrange(3, config.vocab_size) for _ in range(64)], params, name)

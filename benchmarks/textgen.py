@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.common import format_table, write_results
+from benchmarks.common import format_table, warm_up, write_results
 from punica.config import EngineConfig, preset_config
 from punica.engine.engine import Engine
 from punica.engine.sampling_params import SamplingParams
@@ -84,14 +84,13 @@ def main() -> None:
         files = [save_random_adapter(Path(tmp) / f"f{i}", config, args.rank, seed=i) for i in range(args.files)]
         names = {f"lora{i}": str(files[i % len(files)]) for i in range(args.requests)}
         backbone = Engine(model, None, engine_config)
-        serve_all(backbone, [(prompts[0][:8], 4, None)])  # warm-up: kernel compilation
+        warm_up(backbone, [None] * 32)
         rows.append({"workload": "backbone", **run(backbone, [(p, o, None) for p, (_, o) in zip(prompts, lengths)])})
         del backbone
         for workload in WORKLOADS:
             engine = Engine(model, None, engine_config, names)
             adapters = [f"lora{i}" for i in adapter_ids(workload, args.requests, random.Random(1))]
-            for name in dict.fromkeys(adapters):  # adapters resident before the clock starts
-                serve_all(engine, [([1, 2], 1, name)])
+            warm_up(engine, list(dict.fromkeys(adapters)))  # compiled kernels, resident adapters
             rows.append({"workload": workload, **run(engine, [(p, o, a) for p, (_, o), a in
                                                                   zip(prompts, lengths, adapters)])})
             del engine
