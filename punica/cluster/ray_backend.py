@@ -23,7 +23,7 @@ from ray.exceptions import RayActorError
 
 from punica.cluster.policy import ClusterPolicy, PolicyConfig, PunicaPolicy
 from punica.cluster.worker import EngineWorker, StepResult, WorkerInfo, load_tokenizer
-from punica.engine.engine import RequestOutput
+from punica.engine.engine import RequestOutput, checked_prompt
 from punica.engine.sampling_params import SamplingParams
 
 
@@ -103,17 +103,7 @@ class ClusterEngine:
             raise ValueError(f"request id {request_id!r} is already in use")
         if adapter is not None and adapter not in self.adapters:
             raise ValueError(f"unknown adapter {adapter!r} ({len(self.adapters)} adapters are registered)")
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise ValueError("this model has no tokenizer: pass prompt token ids")
-            text, token_ids = prompt, self.tokenizer.encode(prompt)
-        else:
-            text, token_ids = None, list(prompt)
-        if not token_ids:
-            raise ValueError("the prompt is empty")
-        if self.max_model_len is not None and len(token_ids) >= self.max_model_len:
-            raise ValueError(f"the prompt has {len(token_ids)} tokens; this model's context is "
-                             f"{self.max_model_len} tokens, including at least one generated token")
+        text, token_ids = checked_prompt(prompt, self.tokenizer, self.max_model_len)
         tracked = self.requests[request_id] = Tracked(request_id, text, token_ids, params, adapter)
         return tracked
 

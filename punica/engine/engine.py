@@ -64,6 +64,25 @@ def kv_cache_pages(model: LlamaForCausalLM, config: EngineConfig) -> int:
     return max(1, budget // (kv_bytes_per_token(model) * config.page_size))
 
 
+def checked_prompt(prompt: str | list[int], tokenizer, max_model_len: int | None,
+                   vocab_size: int | None = None) -> tuple[str | None, list[int]]:
+    """(text or None, token ids) of a prompt; ValueError if it is empty, too long or out of vocabulary."""
+    if isinstance(prompt, str):
+        if tokenizer is None:
+            raise ValueError("this engine has no tokenizer: pass prompt token ids")
+        text, token_ids = prompt, tokenizer.encode(prompt)
+    else:
+        text, token_ids = None, list(prompt)
+    if not token_ids:
+        raise ValueError("the prompt is empty")
+    if vocab_size is not None and any(not isinstance(t, int) or not 0 <= t < vocab_size for t in token_ids):
+        raise ValueError(f"prompt token ids must be integers in [0, {vocab_size})")
+    if max_model_len is not None and len(token_ids) >= max_model_len:
+        raise ValueError(f"the prompt has {len(token_ids)} tokens; this model's context is "
+                         f"{max_model_len} tokens, including at least one generated token")
+    return text, token_ids
+
+
 class Engine:
     def __init__(self, model: LlamaForCausalLM, tokenizer, config: EngineConfig = EngineConfig(),
                  adapters: dict[str, str] | None = None, eos_token_ids: tuple[int, ...] = ()):
@@ -114,20 +133,7 @@ class Engine:
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
                     adapter: str | None = None, request_id: str | None = None) -> str:
         params = params or SamplingParams()
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise ValueError("this engine has no tokenizer: pass prompt token ids")
-            text, token_ids = prompt, self.tokenizer.encode(prompt)
-        else:
-            text, token_ids = None, list(prompt)
-        if not token_ids:
-            raise ValueError("the prompt is empty")
-        vocab = self.model.config.vocab_size
-        if any(not isinstance(t, int) or not 0 <= t < vocab for t in token_ids):
-            raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
-        if len(token_ids) >= self.max_model_len:
-            raise ValueError(f"the prompt has {len(token_ids)} tokens; this model's context is "
-                             f"{self.max_model_len} tokens, including at least one generated token")
+        text, token_ids = checked_prompt(prompt, self.tokenizer, self.max_model_len, self.model.config.vocab_size)
         if adapter is not None and adapter not in self.adapters.registry:
             raise ValueError(f"unknown adapter {adapter!r} ({len(self.adapters.registry)} adapters are registered)")
         request_id = request_id or f"req-{next(self._ids)}"
