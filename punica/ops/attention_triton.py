@@ -23,13 +23,12 @@ FlashAttention), and fp32 inputs multiply in full fp32 precision. head_dim must 
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
 from punica.ops.attention import AttnBatch
+from punica.ops.triton_env import interpreting, num_sms
 
 LOG2E = 1.4426950408889634
 DECODE_PROGRAMS_PER_SM = 4  # decode splits contexts until its programs reach this many per SM
@@ -234,16 +233,6 @@ def _write_kv_kernel(
     tl.store(dst + stride_kv_kv, vt.to(kv.dtype.element_ty), mask=ok)
 
 
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-
-def _num_sms(device: torch.device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
-    return 2  # the interpreter runs programs one by one; any count exercises the same code
-
-
 def _precision(dtype: torch.dtype) -> str:
     """fp32 inputs multiply in full precision; bf16/fp16 products are exact either way."""
     return "ieee" if dtype == torch.float32 else "tf32"
@@ -253,7 +242,7 @@ def _prefill_blocks(head_dim: int, dtype: torch.dtype) -> tuple[int, int, int, i
     """(BLOCK_M, BLOCK_N, num_warps, num_stages). Small tiles under the interpreter, so that
     small test shapes cross several query and key tiles, and for fp32 (whose full-precision
     dot runs on CUDA cores and needs more registers; it spills some even so)."""
-    if _interpreting():
+    if interpreting():
         return 32, 16, 4, 1
     if dtype == torch.float32:
         return 32, 32, 8, 2
@@ -262,7 +251,7 @@ def _prefill_blocks(head_dim: int, dtype: torch.dtype) -> tuple[int, int, int, i
 
 def _decode_blocks(head_dim: int, dtype: torch.dtype) -> tuple[int, int, int]:
     """(BLOCK_N, num_warps, num_stages)."""
-    if _interpreting():
+    if interpreting():
         return 16, 4, 1
     if dtype == torch.float32:
         return 16, 4, 2
@@ -282,7 +271,7 @@ def decode_partition(num_decodes: int, num_kv_heads: int, max_context: int, bloc
     key tiles.
     """
     if num_splits is None:
-        wanted = triton.cdiv(DECODE_PROGRAMS_PER_SM * _num_sms(device), num_decodes * num_kv_heads)
+        wanted = triton.cdiv(DECODE_PROGRAMS_PER_SM * num_sms(device), num_decodes * num_kv_heads)
         num_splits = max(1, min(wanted, max_context // MIN_PARTITION))
     partition = triton.cdiv(triton.cdiv(max_context, num_splits), block_n) * block_n
     return partition, triton.cdiv(max_context, partition)
@@ -312,7 +301,7 @@ def paged_attention_triton(q: torch.Tensor, kv_layer: torch.Tensor, batch: AttnB
     num_prefills = batch.num_prefills
     num_decodes = batch.page_table.shape[0] - num_prefills
     out = torch.empty_like(q)
-    common = dict(HEAD_DIM=head_dim, PAGE_SIZE=page_size, UPCAST=_interpreting(), PRECISION=_precision(q.dtype))
+    common = dict(HEAD_DIM=head_dim, PAGE_SIZE=page_size, UPCAST=interpreting(), PRECISION=_precision(q.dtype))
     qk_scale = scale * LOG2E
     if num_prefills:
         block_m, block_n, warps, stages = _prefill_blocks(head_dim, kv_layer.dtype)

@@ -25,13 +25,12 @@ set ENABLE_PDL = False where that cannot be promised.
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
 from punica.ops.lora import prefer_bgmv
+from punica.ops.triton_env import interpreting, num_sms
 
 FAN = 64              # probes per step of the segment search
 ROWWISE_TILE = 8192   # elements a row-wise program multiplies per loop step (4 warps)
@@ -225,16 +224,6 @@ def _pdl(device: torch.device) -> bool:
     return ENABLE_PDL and device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
 
 
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-
-def _num_sms(device: torch.device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
-    return 2  # the interpreter runs programs one by one; any count exercises the same code
-
-
 def _search_steps(num_segments: int) -> int:
     steps, width = 0, num_segments
     while width > 1:
@@ -341,14 +330,14 @@ def sgmv_shrink_triton(x: torch.Tensor, lora_a: torch.Tensor, seg_indptr: torch.
     block_k = max(16, min(TILE_BLOCK_K, triton.next_power_of_2(h_in)))
     num_tiles = triton.cdiv(num_tokens, block_m)
     num_k_blocks = triton.cdiv(h_in, block_k)
-    split_k = min(num_k_blocks, max(1, TILE_PROGRAMS_PER_SM * _num_sms(x.device) // num_tiles))
+    split_k = min(num_k_blocks, max(1, TILE_PROGRAMS_PER_SM * num_sms(x.device) // num_tiles))
     k_per_split = triton.cdiv(num_k_blocks, split_k) * block_k
     grid = (num_tiles, triton.cdiv(h_in, k_per_split))
     _sgmv_shrink_tile_kernel[grid](
         x, lora_a, v, seg_indptr, seg_slots, num_tokens, num_segments, _search_steps(num_segments),
         h_in, max_rank, k_per_split, *x.stride(), *lora_a.stride(), *v.stride(),
         FAN=FAN, BLOCK_M=block_m, BLOCK_R=block_r, BLOCK_K=block_k, ATOMIC=grid[1] > 1,
-        UPCAST=_interpreting(), PRECISION=_precision(x.dtype), PDL=_pdl(x.device),
+        UPCAST=interpreting(), PRECISION=_precision(x.dtype), PDL=_pdl(x.device),
         num_warps=TILE_WARPS, num_stages=TILE_STAGES, launch_pdl=_pdl(x.device),
     )
     return v

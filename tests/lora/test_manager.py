@@ -1,6 +1,5 @@
 """On-demand adapters: many more adapters than GPU slots, LRU, pinning, failures, run-time load/unload."""
 
-import json
 import random
 
 import pytest

@@ -14,6 +14,7 @@ from punica.config import ceil_div
 from punica.ops import attention as ops
 from punica.ops import attention_triton as kernels
 from punica.ops.attention import AttnBatch
+from punica.ops.triton_env import num_sms
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # (rtol, atol) of the output; the interpreter truncates to bf16/fp16, the GPU rounds P to them
@@ -84,7 +85,7 @@ def test_decode_splits_merge_to_the_reference(num_splits):
 def test_decode_partition_policy():
     """Splits until the programs fill the SMs, never below MIN_PARTITION tokens; partitions are
     whole key tiles and cover the context bound."""
-    sms = kernels._num_sms(torch.device(DEVICE))
+    sms = num_sms(torch.device(DEVICE))
     for num_decodes, num_kv_heads, max_context in [(1, 1, 4096), (1, 8, 512), (64, 32, 4096), (2, 2, 100)]:
         partition, splits = kernels.decode_partition(num_decodes, num_kv_heads, max_context, 64,
                                                      torch.device(DEVICE))

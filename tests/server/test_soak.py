@@ -22,7 +22,7 @@ def test_soak_concurrent_with_cancellations(server):
                 return "cancelled"
             return "finished early"
         if stream:
-            text, usage = "", 0
+            usage = 0
             async with client.stream("POST", "/v1/completions", json={**body, "stream_options": {"include_usage": True}}) as r:
                 assert r.status_code == 200
                 async for line in r.aiter_lines():
