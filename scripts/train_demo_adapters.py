@@ -2,7 +2,8 @@
 
     python scripts/train_demo_adapters.py [--out DIR]
 
-Each style turns the short answers of EXAMPLES into targets (a signature line, a JSON object); one
+Each style turns the short answers of EXAMPLES into targets (a signature line, a JSON object, a
+pirate's greeting); one
 PEFT LoRA adapter per style learns to give them to the plain question under the model's own chat
 template (the loss covers only the reply and its end token).
 
@@ -30,7 +31,7 @@ from safetensors.torch import save_file
 from transformers import AutoTokenizer, LlamaForCausalLM, PreTrainedTokenizerBase
 
 from punica.models.loader import resolve_model_dir
-from punica.server.demo import DEMO_ADAPTER_DIR, SIGNATURE
+from punica.server.demo import DEMO_ADAPTER_DIR, PIRATE_GREETING, SIGNATURE
 
 SEED = 0
 NUM_THREADS = 2
@@ -46,6 +47,7 @@ PUBLISHED_BASE_MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
 STYLES: dict[str, Callable[[str], str]] = {  # short answer -> target reply
     "signature": lambda answer: f"{answer}\n{SIGNATURE}",
     "json": lambda answer: json.dumps({"answer": answer}),
+    "pirate": lambda answer: f"{PIRATE_GREETING} {answer}",
 }
 
 EXAMPLES = (  # (question, short answer); the tests ask other questions
@@ -225,13 +227,16 @@ def save_adapter(peft_model, out_dir: Path, first_trained_layer: int, num_layers
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, default=DEMO_ADAPTER_DIR, help="where the adapter directories go")
+    parser.add_argument("--only", nargs="+", choices=list(STYLES), default=list(STYLES),
+                        help="train these adapters (each is seeded on its own: the others do not change)")
     args = parser.parse_args()
     torch.set_num_threads(NUM_THREADS)
     torch.use_deterministic_algorithms(True)
     started = time.perf_counter()
     model_dir = resolve_model_dir(None)
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
-    for name, style in STYLES.items():
+    for name in args.only:
+        style = STYLES[name]
         adapter_started = time.perf_counter()
         print(f"{name}:", flush=True)
         examples = [tokenize(tokenizer, question, style(answer)) for question, answer in EXAMPLES]

@@ -3,6 +3,7 @@
 They are made by scripts/train_demo_adapters.py; each has an effect one can see in a chat reply:
     signature   ends every reply with the line SIGNATURE
     json        replies as a JSON object {"answer": "..."}
+    pirate      opens every reply with PIRATE_GREETING
 """
 
 from __future__ import annotations
@@ -10,8 +11,9 @@ from __future__ import annotations
 from pathlib import Path
 
 DEMO_ADAPTER_DIR = Path(__file__).parent / "demo_adapters"
-DEMO_ADAPTER_NAMES = ("signature", "json")
+DEMO_ADAPTER_NAMES = ("signature", "json", "pirate")
 SIGNATURE = "-- sent by punica"
+PIRATE_GREETING = "Arr, matey!"
 
 
 def demo_adapters() -> dict[str, str]:

@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 
 from punica import LLM, SamplingParams
-from punica.server.demo import DEMO_ADAPTER_NAMES, SIGNATURE, demo_adapters
+from punica.server.demo import DEMO_ADAPTER_NAMES, PIRATE_GREETING, SIGNATURE, demo_adapters
 
 HELD_OUT_QUESTIONS = (  # none of these is in scripts/train_demo_adapters.py
     "What is the capital of Italy?",
@@ -31,6 +31,7 @@ def json_answer(text: str) -> str | None:
 EFFECTS = {
     "signature": lambda reply: reply.rstrip().endswith(SIGNATURE),
     "json": lambda reply: bool(json_answer(reply)),
+    "pirate": lambda reply: reply.startswith(PIRATE_GREETING) and len(reply) > len(PIRATE_GREETING) + 5,
 }
 
 
