@@ -98,7 +98,8 @@ def paged_attention_ref(q: torch.Tensor, kv_layer: torch.Tensor, batch: AttnBatc
     group = num_heads // num_kv_heads
     out = torch.empty_like(q)
     start = 0
-    for i, (q_len, ctx) in enumerate(zip(batch.query_lens_host, batch.context_lens_host)):
+    for i in range(batch.num_prefills):
+        q_len, ctx = batch.query_lens_host[i], batch.context_lens_host[i]
         pages = batch.page_table[i, : ceil_div(ctx, page_size)].long()
         k = kv_layer[pages, 0].reshape(-1, num_kv_heads, head_dim)[:ctx].float()
         v = kv_layer[pages, 1].reshape(-1, num_kv_heads, head_dim)[:ctx].float()
@@ -110,6 +111,18 @@ def paged_attention_ref(q: torch.Tensor, kv_layer: torch.Tensor, batch: AttnBatc
         scores.masked_fill_(mask, float("-inf"))
         out[start:start + q_len] = torch.einsum("hqk,khd->qhd", scores.softmax(-1), v).to(q.dtype)
         start += q_len
+    num_decodes = len(batch.query_lens_host) - batch.num_prefills
+    if num_decodes:  # one query each: all decodes at once, keys padded to the longest context
+        max_ctx = max(batch.context_lens_host[batch.num_prefills:])
+        pages = batch.page_table[batch.num_prefills:, : ceil_div(max_ctx, page_size)].long()
+        k = kv_layer[pages, 0].reshape(num_decodes, -1, num_kv_heads, head_dim)[:, :max_ctx].float()
+        v = kv_layer[pages, 1].reshape(num_decodes, -1, num_kv_heads, head_dim)[:, :max_ctx].float()
+        qd = q[start:].float().reshape(num_decodes, num_kv_heads, group, head_dim)
+        scores = torch.einsum("bkgd,blkd->bkgl", qd, k) * scale
+        beyond = torch.arange(max_ctx, device=q.device)[None, :] >= batch.context_lens[batch.num_prefills:, None]
+        scores.masked_fill_(beyond[:, None, None, :], float("-inf"))
+        o = torch.einsum("bkgl,blkd->bkgd", scores.softmax(-1), v)
+        out[start:] = o.reshape(num_decodes, num_heads, head_dim).to(q.dtype)
     return out
 
 
