@@ -13,6 +13,7 @@ import math
 from typing import Protocol
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
@@ -82,6 +83,9 @@ class LlamaLayer(nn.Module):
         q, kv, inter = c.q_size, c.kv_size, c.intermediate_size
         self.qkv_slices = {"q": (0, q), "k": (q, q + kv), "v": (q + kv, q + 2 * kv)}
         self.gate_up_slices = {"gate": (0, inter), "up": (inter, 2 * inter)}
+        # Tensor parallelism (punica.parallel.tensor_parallel) sets the group whose ranks each
+        # hold a shard of o_proj and down_proj; their partial outputs are summed over it.
+        self.tp_group: dist.ProcessGroup | None = None
 
     def _project(self, linear: nn.Linear, x: torch.Tensor, slices: dict[str, tuple[int, int]],
                  lora: LoraBatch, lora_weights: LoraWeights | None) -> torch.Tensor:
@@ -91,6 +95,12 @@ class LlamaLayer(nn.Module):
                 w = lora_weights.weights(self.index, projection)
                 if w is not None:
                     add_lora(y[:, lo:hi], x, w[0], w[1], lora_weights.scales, lora)
+        return y
+
+    def _all_reduce(self, y: torch.Tensor) -> torch.Tensor:
+        """Sum a row-parallel projection's partial outputs (base + LoRA) over the TP ranks."""
+        if self.tp_group is not None:
+            dist.all_reduce(y, group=self.tp_group)
         return y
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttnBatch,
@@ -105,12 +115,14 @@ class LlamaLayer(nn.Module):
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         write_kv(kv_layer, k, v, attn.slot_mapping)
         o = paged_attention(q, kv_layer, attn, self.head_dim ** -0.5).reshape(num_tokens, -1)
-        x = x + self._project(self.o_proj, o, {"o": (0, x.shape[1])}, lora, lora_weights)
+        o = self._project(self.o_proj, o, {"o": (0, x.shape[1])}, lora, lora_weights)
+        x = x + self._all_reduce(o)
         h = self.post_norm(x)
         gate_up = self._project(self.gate_up_proj, h, self.gate_up_slices, lora, lora_weights)
         gate, up = gate_up.chunk(2, dim=-1)
         act = F.silu(gate) * up
-        return x + self._project(self.down_proj, act, {"down": (0, x.shape[1])}, lora, lora_weights)
+        down = self._project(self.down_proj, act, {"down": (0, x.shape[1])}, lora, lora_weights)
+        return x + self._all_reduce(down)
 
 
 class LlamaForCausalLM(nn.Module):

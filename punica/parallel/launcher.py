@@ -1,0 +1,62 @@
+"""Start N ranks on this machine and return rank 0's result.
+
+Each rank is a process (torch.multiprocessing spawn) in one process group: gloo on CPU, NCCL
+on GPUs (rank r uses cuda:r). The rendezvous is a FileStore in a private temporary directory,
+so nothing listens on a TCP port for it and no port can be taken by another run; gloo's and
+NCCL's own sockets are bound to the loopback interface. Every rank runs `fn(group, *args)`,
+which must issue the same collectives in the same order on every rank (lockstep).
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import time
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def _rank_main(rank: int, fn: Callable[..., Any], world_size: int, backend: str, workdir: str,
+               timeout_s: float, args: tuple) -> None:
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    os.environ.setdefault("NCCL_SOCKET_IFNAME", "lo")
+    if backend == "nccl":
+        torch.cuda.set_device(rank)
+    store = dist.FileStore(str(Path(workdir) / "store"), world_size)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
+                            timeout=timedelta(seconds=timeout_s))
+    try:
+        result = fn(dist.group.WORLD, *args)
+        if rank == 0:
+            torch.save(result, Path(workdir) / "result.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+def run_parallel(fn: Callable[..., Any], world_size: int, *args: Any, backend: str | None = None,
+                 timeout_s: float = 600.0) -> Any:
+    """Run fn(group, *args) on `world_size` ranks in lockstep; return rank 0's (torch.save-able) result.
+
+    A rank that raises makes this raise (the others are terminated); after `timeout_s` every
+    rank is terminated and TimeoutError raised. `fn` must be importable (a module-level function).
+    """
+    backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
+    with tempfile.TemporaryDirectory(prefix="punica-tp-") as workdir:
+        context = mp.start_processes(_rank_main, args=(fn, world_size, backend, workdir, timeout_s, args),
+                                     nprocs=world_size, join=False, start_method="spawn")
+        deadline = time.monotonic() + timeout_s
+        try:
+            while not context.join(timeout=0.5):
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"tensor-parallel ranks still running after {timeout_s} s")
+        finally:
+            for process in context.processes:
+                if process.is_alive():
+                    process.terminate()
+                process.join()
+        return torch.load(Path(workdir) / "result.pt")

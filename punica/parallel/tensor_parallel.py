@@ -1,0 +1,133 @@
+"""Megatron-style tensor parallelism as an in-place transform of a loaded model (gpt-fast style).
+
+Each of N ranks keeps 1/N of every layer:
+
+    column-parallel  q, k, v (whole heads), gate, up   weight rows split: rank r computes its
+                                                        heads / its slice of the intermediate
+    row-parallel     o, down                           weight columns split: rank r computes a
+                                                        partial sum, all-reduced (LlamaLayer.tp_group)
+
+The fused qkv and gate_up GEMMs stay fused: a rank's qkv_proj holds [its q heads; its k heads;
+its v heads], and its gate_up_proj [its gate rows; its up rows]. q heads and kv heads are split
+into contiguous blocks, so rank r's q heads use exactly its kv heads (GQA groups never straddle
+ranks); this needs num_kv_heads % N == 0. Each rank's KV cache holds its num_kv_heads / N heads:
+`model.config` becomes the per-rank config, so model.new_kv_cache allocates the rank's shard.
+The embedding and lm_head stay replicated (simplest: every rank computes the full logits, no
+vocab-parallel gather), as do the norms.
+
+LoRA, in the canonical pool layout (lora_a [S, R, h_in], lora_b [S, h_out, R]):
+
+    column-parallel  lora_a replicated, lora_b split by output rows. Every rank computes the
+                     whole shrink v = x @ A^T (x is replicated; T x R, tiny) and expands only
+                     into its own output columns. No communication.
+    row-parallel     lora_a split by input columns, lora_b replicated. Rank r holds x_r (its
+                     slice of the input) and adds the partial delta (x_r @ A_r^T) @ B^T * s into
+                     its partial output *before* the backbone's all-reduce, which sums both:
+                         sum_r [x_r W_r^T + (x_r A_r^T) B^T s] = x W^T + (x A^T) B^T s
+                     No communication beyond the backbone's own all-reduce.
+
+Why not S-LoRA's row-parallel scheme (all-reduce the partial shrinks v_r, T x R, then expand
+with lora_b split by output rows)? It shards lora_b's memory and the expand FLOPs, but adds two
+collectives per layer to every step with LoRA rows, and in decode a collective's latency, not its
+few bytes, is the cost. Here nothing but the backbone's activations cross ranks; the price is a
+replicated o/down lora_b (h x R per slot, the size of one rank's lora_a) and an expand computed
+in full on each rank (T x R x h, small next to the T x h x h/N base GEMM). `add_lora` and the
+kernels are unchanged: the row-parallel delta is simply a LoRA on the rank's input slice.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from punica.config import ModelConfig
+from punica.lora.adapter import LoraAdapter
+from punica.lora.pool import LoraPool
+from punica.models.llama import LlamaForCausalLM
+
+COLUMN_PARALLEL = ("q", "k", "v", "gate", "up")  # output features split: lora_b rows split
+ROW_PARALLEL = ("o", "down")                     # input features split: lora_a columns split
+
+
+def rank_config(config: ModelConfig, world_size: int) -> ModelConfig:
+    """The config of one rank's shard: 1/N of the heads, kv heads and intermediate size."""
+    for name in ("num_heads", "num_kv_heads", "intermediate_size"):
+        if getattr(config, name) % world_size:
+            raise ValueError(f"tensor parallelism: {name} ({getattr(config, name)}) is not "
+                             f"divisible by the tensor-parallel size {world_size}")
+    return dataclasses.replace(config, num_heads=config.num_heads // world_size,
+                               num_kv_heads=config.num_kv_heads // world_size,
+                               intermediate_size=config.intermediate_size // world_size)
+
+
+def _part(size: int, rank: int, world_size: int) -> slice:
+    """Rank r's contiguous 1/N of `size` features."""
+    n = size // world_size
+    return slice(rank * n, (rank + 1) * n)
+
+
+def _lora_part(config: ModelConfig, projection: str, rank: int, world_size: int) -> slice:
+    """The features of a projection rank r keeps: its outputs (column) or its inputs (row)."""
+    h_in, h_out = config.projection_shapes()[projection]
+    return _part(h_out if projection in COLUMN_PARALLEL else h_in, rank, world_size)
+
+
+def _set_weight(linear: nn.Linear, weight: torch.Tensor) -> None:
+    linear.weight = nn.Parameter(weight.contiguous(), requires_grad=False)
+    linear.out_features, linear.in_features = weight.shape
+
+
+def shard_model_(model: LlamaForCausalLM, group: dist.ProcessGroup) -> None:
+    """Keep rank r's shard of every layer in place and sum row-parallel outputs over `group`."""
+    rank, world_size = dist.get_rank(group), dist.get_world_size(group)
+    full, local = model.config, rank_config(model.config, world_size)
+    q, kv, inter = full.q_size, full.kv_size, full.intermediate_size
+    q_rows, kv_rows = _part(q, rank, world_size), _part(kv, rank, world_size)
+    inter_rows = _part(inter, rank, world_size)
+    lq, lkv, linter = local.q_size, local.kv_size, local.intermediate_size
+    for layer in model.layers:
+        qkv = layer.qkv_proj.weight
+        _set_weight(layer.qkv_proj, torch.cat([qkv[:q][q_rows], qkv[q:q + kv][kv_rows],
+                                               qkv[q + kv:][kv_rows]]))
+        gate_up = layer.gate_up_proj.weight
+        _set_weight(layer.gate_up_proj, torch.cat([gate_up[:inter][inter_rows],
+                                                   gate_up[inter:][inter_rows]]))
+        _set_weight(layer.o_proj, layer.o_proj.weight[:, q_rows])
+        _set_weight(layer.down_proj, layer.down_proj.weight[:, inter_rows])
+        layer.num_heads, layer.num_kv_heads = local.num_heads, local.num_kv_heads
+        layer.qkv_slices = {"q": (0, lq), "k": (lq, lq + lkv), "v": (lq + lkv, lq + 2 * lkv)}
+        layer.gate_up_slices = {"gate": (0, linter), "up": (linter, 2 * linter)}
+        layer.tp_group = group
+    model.config = local
+
+
+def shard_pool_(pool: LoraPool, group: dist.ProcessGroup) -> None:
+    """Keep rank r's shard of every adapter slot in place; write later adapters with shard_adapter."""
+    rank, world_size = dist.get_rank(group), dist.get_world_size(group)
+    for p in COLUMN_PARALLEL:
+        pool.b[p] = pool.b[p][:, :, _lora_part(pool.config, p, rank, world_size)].contiguous()
+    for p in ROW_PARALLEL:
+        pool.a[p] = pool.a[p][..., _lora_part(pool.config, p, rank, world_size)].contiguous()
+    pool.config = rank_config(pool.config, world_size)
+
+
+def shard_adapter(adapter: LoraAdapter, config: ModelConfig, rank: int, world_size: int) -> LoraAdapter:
+    """Rank r's shard of an adapter loaded for the full model `config`, ready for a sharded pool."""
+    lora_a, lora_b = dict(adapter.lora_a), dict(adapter.lora_b)
+    for p in adapter.lora_a:
+        part = _lora_part(config, p, rank, world_size)
+        if p in COLUMN_PARALLEL:
+            lora_b[p] = lora_b[p][:, part].contiguous()
+        else:
+            lora_a[p] = lora_a[p][..., part].contiguous()
+    return dataclasses.replace(adapter, lora_a=lora_a, lora_b=lora_b)
+
+
+def tensor_parallel_(model: LlamaForCausalLM, pool: LoraPool | None, group: dist.ProcessGroup) -> None:
+    """Shard a loaded model and its adapter pool in place for this rank of `group`."""
+    if pool is not None:
+        shard_pool_(pool, group)
+    shard_model_(model, group)
