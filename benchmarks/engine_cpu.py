@@ -40,7 +40,7 @@ def main() -> None:
         config = base.engine.model.config
         paths = {f"lora{i}": str(save_random_adapter(Path(tmp) / f"lora{i}", config, args.rank, seed=i))
                  for i in range(args.requests)}
-        llm = LLM(adapters=paths, max_batch_size=32)
+        llm = LLM(adapters=paths, max_batch_size=32, max_loras=args.requests)
         rows = []
         for workload in ("backbone",) + WORKLOADS:
             engine_llm = base if workload == "backbone" else llm

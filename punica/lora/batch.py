@@ -28,7 +28,7 @@ class LoraBatch:
 
         Neighbouring requests with the same slot merge into one segment; order requests by
         slot (within prefill and within decode) to get fewer, longer segments. By default the
-        kernel family is the one measured faster for this shape (`prefer_bgmv`).
+        kernel family is the one measured faster for this shape on the GPU (`prefer_bgmv`).
         """
         assert len(request_slots) == len(request_num_tokens)
         indptr, slots = [0], []
@@ -41,8 +41,8 @@ class LoraBatch:
                 slots.append(slot)
                 indptr.append(indptr[-1] + n)
         token_slots = [s for s, n in zip(request_slots, request_num_tokens) for _ in range(n)]
-        if use_bgmv is None:
-            use_bgmv = prefer_bgmv(len(token_slots), len(slots))
+        if use_bgmv is None:  # on CPU the references run, and the segment loop is the cheaper one
+            use_bgmv = torch.device(device).type == "cuda" and prefer_bgmv(len(token_slots), len(slots))
         return cls(
             seg_indptr=torch.tensor(indptr, dtype=torch.int32, device=device),
             seg_slots=torch.tensor(slots, dtype=torch.int32, device=device),
