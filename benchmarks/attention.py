@@ -36,6 +36,7 @@ import torch
 import torch.nn.functional as F
 import triton
 
+from benchmarks.common import copy_bandwidth
 from punica.ops.attention import AttnBatch, paged_attention_ref
 from punica.ops import attention_triton as kernels
 
@@ -58,13 +59,6 @@ TUNE = {  # kind -> (module constant, configurations, points as (batch, context)
 
 def median_ms(fn) -> float:
     return triton.testing.do_bench(fn, warmup=10, rep=50, return_mode="median")
-
-
-def copy_bandwidth(device) -> float:
-    """Device-to-device copy, bytes read plus written per second."""
-    src = torch.empty(1 << 30, dtype=torch.uint8, device=device).random_()
-    dst = torch.empty_like(src)
-    return 2 * src.numel() / (median_ms(lambda: dst.copy_(src)) * 1e-3)
 
 
 def matmul_flops(device) -> float:

@@ -12,6 +12,17 @@ from punica.engine.sampling_params import SamplingParams
 WARM_UP_PROMPT = list(range(3, 67))  # 64 tokens: long enough that prefills run SGMV's tiled path
 
 
+def copy_bandwidth(device) -> float:
+    """Device-to-device copy of 1 GiB, bytes read plus written per second (median of do_bench)."""
+    import torch
+    import triton
+
+    src = torch.empty(1 << 30, dtype=torch.uint8, device=device).random_()
+    dst = torch.empty_like(src)
+    return 2 * src.numel() / (triton.testing.do_bench(lambda: dst.copy_(src), warmup=10, rep=50,
+                                                      return_mode="median") * 1e-3)
+
+
 def warm_up(engine: Engine, adapters: list[str | None]) -> None:
     """Run one short request per adapter, all in one batch where they fit: compiles every
     kernel the timed run will use (prefill and decode, SGMV and BGMV) and, as a side effect,

@@ -30,6 +30,7 @@ from pathlib import Path
 import torch
 import triton
 
+from benchmarks.common import copy_bandwidth
 from punica.lora.batch import LoraBatch
 from punica.ops import lora_triton as kernels
 from punica.workloads import WORKLOADS, adapter_ids
@@ -48,13 +49,6 @@ METHODS = ("sgmv", "bgmv", "loop", "gather_bmm")
 
 def median_ms(fn) -> float:
     return triton.testing.do_bench(fn, warmup=10, rep=40, return_mode="median")
-
-
-def copy_bandwidth(device) -> float:
-    """Device-to-device copy, bytes read plus written per second."""
-    src = torch.empty(1 << 30, dtype=torch.uint8, device=device).random_()
-    dst = torch.empty_like(src)
-    return 2 * src.numel() / (median_ms(lambda: dst.copy_(src)) * 1e-3)
 
 
 class Instance:
