@@ -29,6 +29,13 @@ def resolve_dtype(dtype: str | torch.dtype | None, device: str) -> torch.dtype:
     return DTYPES[dtype]
 
 
+def with_lora_rank_for(adapters: dict[str, str], engine_kwargs: dict) -> dict:
+    """engine_kwargs whose max_lora_rank (unless given) fits the largest of the adapters given up front."""
+    if not adapters or "max_lora_rank" in engine_kwargs:
+        return engine_kwargs
+    return {**engine_kwargs, "max_lora_rank": max(EngineConfig.max_lora_rank, *map(adapter_rank, adapters.values()))}
+
+
 def generation_eos_ids(model_dir: Path) -> tuple[int, ...]:
     path = model_dir / "generation_config.json"
     if not path.is_file():
@@ -46,9 +53,7 @@ class LLM:
         device = device or ("cuda" if torch.cuda.is_available() else "cpu")
         loaded, model_dir = load_model(model, resolve_dtype(dtype, device), device)
         self.tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
-        if adapters and "max_lora_rank" not in engine_kwargs:
-            # size the pool's slots for the adapters given up front
-            engine_kwargs["max_lora_rank"] = max(EngineConfig.max_lora_rank, *map(adapter_rank, adapters.values()))
+        engine_kwargs = with_lora_rank_for(adapters or {}, engine_kwargs)
         config = EngineConfig(max_batch_size=max_batch_size, kv_cache_tokens=kv_cache_tokens, **engine_kwargs)
         self.engine = Engine(loaded, self.tokenizer, config, adapters, generation_eos_ids(model_dir))
 

@@ -9,8 +9,7 @@ import torch
 
 from punica.config import EngineConfig
 from punica.engine.engine import Engine
-from punica.engine.llm import generation_eos_ids, resolve_dtype
-from punica.lora.adapter import adapter_rank
+from punica.engine.llm import generation_eos_ids, resolve_dtype, with_lora_rank_for
 from punica.models.loader import load_model, resolve_model_dir
 from punica.server.app import ServerState, build_app
 from punica.server.async_engine import AsyncEngine
@@ -41,8 +40,7 @@ def build_state(model: str | None = None, adapters: dict[str, str] | None = None
     for d in dirs:
         all_adapters.update(adapters_in(d))
     all_adapters.update(adapters or {})
-    if all_adapters and "max_lora_rank" not in engine_kwargs:
-        engine_kwargs["max_lora_rank"] = max(EngineConfig.max_lora_rank, *map(adapter_rank, all_adapters.values()))
+    engine_kwargs = with_lora_rank_for(all_adapters, engine_kwargs)
     name = served_model_name or model_dir.name
     if name in all_adapters:
         raise ValueError(f"an adapter is named like the base model ({name!r}); rename it")
