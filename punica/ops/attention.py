@@ -29,15 +29,18 @@ class AttnBatch:
     query_start: torch.Tensor     # [B + 1] int32: token offset of each request's queries
     context_lens: torch.Tensor    # [B] int32: tokens in cache for each request after this step
     logits_indices: torch.Tensor  # [num_logits] int64: token rows whose logits are computed
-    num_prefills: int
     num_prefill_tokens: int
-    query_lens_host: tuple[int, ...]
-    context_lens_host: tuple[int, ...]
+    prefill_query_lens: tuple[int, ...]    # host copies of the prefill requests' lengths (the
+    prefill_context_lens: tuple[int, ...]  # decodes' live only on the device: see punica.engine.cuda_graphs)
 
     def __post_init__(self):
-        assert len(self.query_lens_host) == len(self.context_lens_host) == self.page_table.shape[0]
-        assert all(0 < q <= c for q, c in zip(self.query_lens_host, self.context_lens_host))
-        assert all(q == 1 for q in self.query_lens_host[self.num_prefills:])
+        assert len(self.prefill_query_lens) == len(self.prefill_context_lens) <= self.page_table.shape[0]
+        assert all(0 < q <= c for q, c in zip(self.prefill_query_lens, self.prefill_context_lens))
+        assert sum(self.prefill_query_lens) == self.num_prefill_tokens
+
+    @property
+    def num_prefills(self) -> int:
+        return len(self.prefill_query_lens)
 
     @property
     def num_tokens(self) -> int:
@@ -48,6 +51,8 @@ class AttnBatch:
               page_size: int, num_prefills: int, device: torch.device | str = "cpu",
               all_logits: bool = False) -> "AttnBatch":
         """From per-request query lengths, context lengths and page lists (host lists)."""
+        if any(q != 1 for q in query_lens[num_prefills:]):
+            raise ValueError("a decode request runs exactly one query token")
         positions, slots, starts = [], [], [0]
         for q, c, pages in zip(query_lens, context_lens, page_tables):
             if len(pages) < ceil_div(c, page_size):
@@ -70,10 +75,9 @@ class AttnBatch:
             query_start=tensor(starts, torch.int32),
             context_lens=tensor(context_lens, torch.int32),
             logits_indices=tensor(logits_rows, torch.int64),
-            num_prefills=num_prefills,
             num_prefill_tokens=starts[num_prefills],
-            query_lens_host=tuple(query_lens),
-            context_lens_host=tuple(context_lens),
+            prefill_query_lens=tuple(query_lens[:num_prefills]),
+            prefill_context_lens=tuple(context_lens[:num_prefills]),
         )
 
 
@@ -99,7 +103,7 @@ def paged_attention_ref(q: torch.Tensor, kv_layer: torch.Tensor, batch: AttnBatc
     out = torch.empty_like(q)
     start = 0
     for i in range(batch.num_prefills):
-        q_len, ctx = batch.query_lens_host[i], batch.context_lens_host[i]
+        q_len, ctx = batch.prefill_query_lens[i], batch.prefill_context_lens[i]
         pages = batch.page_table[i, : ceil_div(ctx, page_size)].long()
         k = kv_layer[pages, 0].reshape(-1, num_kv_heads, head_dim)[:ctx].float()
         v = kv_layer[pages, 1].reshape(-1, num_kv_heads, head_dim)[:ctx].float()
@@ -111,12 +115,12 @@ def paged_attention_ref(q: torch.Tensor, kv_layer: torch.Tensor, batch: AttnBatc
         scores.masked_fill_(mask, float("-inf"))
         out[start:start + q_len] = torch.einsum("hqk,khd->qhd", scores.softmax(-1), v).to(q.dtype)
         start += q_len
-    num_decodes = len(batch.query_lens_host) - batch.num_prefills
-    if num_decodes:  # one query each: all decodes at once, keys padded to the longest context
-        max_ctx = max(batch.context_lens_host[batch.num_prefills:])
-        pages = batch.page_table[batch.num_prefills:, : ceil_div(max_ctx, page_size)].long()
-        k = kv_layer[pages, 0].reshape(num_decodes, -1, num_kv_heads, head_dim)[:, :max_ctx].float()
-        v = kv_layer[pages, 1].reshape(num_decodes, -1, num_kv_heads, head_dim)[:, :max_ctx].float()
+    num_decodes = batch.page_table.shape[0] - batch.num_prefills
+    if num_decodes:  # one query each: all decodes at once, keys padded to the page table's width
+        pages = batch.page_table[batch.num_prefills:].long()
+        max_ctx = pages.shape[1] * page_size
+        k = kv_layer[pages, 0].reshape(num_decodes, max_ctx, num_kv_heads, head_dim).float()
+        v = kv_layer[pages, 1].reshape(num_decodes, max_ctx, num_kv_heads, head_dim).float()
         qd = q[start:].float().reshape(num_decodes, num_kv_heads, group, head_dim)
         scores = torch.einsum("bkgd,blkd->bkgl", qd, k) * scale
         beyond = torch.arange(max_ctx, device=q.device)[None, :] >= batch.context_lens[batch.num_prefills:, None]
