@@ -23,7 +23,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     adapters = parse_adapters(args.adapter)
     if args.use is not None and args.use not in adapters:
         raise SystemExit(f"--use {args.use!r} names no --adapter (given: {', '.join(adapters) or 'none'})")
-    llm = LLM(model=args.model, adapters=adapters, dtype=args.dtype, device=args.device)
+    llm = LLM(model=args.model, adapters=adapters, dtype=args.dtype, device=args.device,
+              enforce_eager=args.enforce_eager)
     prompt = args.prompt if args.raw else llm.chat_prompt(args.prompt)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed)
     out = llm.generate(prompt, params, adapter=args.use)[0]
@@ -50,7 +51,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from punica.server.serve import serve
 
     engine_kwargs = {"max_batch_size": args.max_batch_size, "max_loras": args.max_loras,
-                     "kv_cache_tokens": args.kv_cache_tokens, "max_model_len": args.max_model_len}
+                     "kv_cache_tokens": args.kv_cache_tokens, "max_model_len": args.max_model_len,
+                     "enforce_eager": args.enforce_eager}
     if args.max_lora_rank is not None:
         engine_kwargs["max_lora_rank"] = args.max_lora_rank
     serve(args.host, args.port, model=args.model, adapters=parse_adapters(args.adapter) or None,
@@ -65,6 +67,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--adapter", action="append", default=[], metavar="NAME=PATH", help="a PEFT LoRA adapter directory")
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
+    p.add_argument("--enforce-eager", action="store_true", help="CUDA: do not capture decode steps as CUDA graphs")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -160,6 +160,7 @@ class EngineConfig:
     max_loras: int = 8                      # adapters on the GPU at once (slots of the pool)
     max_lora_rank: int = 16                 # rank of every slot; adapters of lower rank are zero-padded
     lora_host_bytes: int = 4 << 30          # host-tier budget for adapters read from disk
+    enforce_eager: bool = False             # CUDA: run decode steps eagerly, not as captured CUDA graphs
 
     def __post_init__(self):
         for name in ("max_batch_size", "page_size", "max_prefill_tokens", "max_loras", "max_lora_rank",

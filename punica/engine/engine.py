@@ -91,7 +91,6 @@ class Engine:
         self.allocator = PageAllocator(num_pages, config.page_size)
         self.scheduler = Scheduler(self.allocator, config.max_batch_size, config.max_prefill_tokens,
                                    acquire=self._acquire_adapter, release=self._release_adapter)
-        self.runner = ModelRunner(model, num_pages, config.page_size)
         self.max_model_len = min(config.max_model_len or model.config.max_position_embeddings,
                                  model.config.max_position_embeddings, num_pages * config.page_size)
         self.eos_token_ids = set(eos_token_ids) | set(model.config.eos_token_ids)
@@ -99,7 +98,9 @@ class Engine:
             self.eos_token_ids.add(tokenizer.eos_token_id)
         weight = model.embed.weight
         self.pool = LoraPool(model.config, config.max_loras, config.max_lora_rank, weight.dtype, weight.device)
-        model.set_lora(self.pool)
+        model.set_lora(self.pool)  # before the runner captures CUDA graphs that read the pool
+        self.runner = ModelRunner(model, num_pages, config.page_size, config.max_batch_size, self.max_model_len,
+                                  eager=config.enforce_eager)
         self.adapters = AdapterManager(model.config, self.pool, config.lora_host_bytes)
         for name, path in (adapters or {}).items():
             self.adapters.register(name, path)

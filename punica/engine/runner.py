@@ -2,12 +2,19 @@
 
 from __future__ import annotations
 
+import logging
+import time
+
 import torch
 
+from punica.config import ceil_div
+from punica.engine.cuda_graphs import DecodeGraphs
 from punica.engine.request import Request
 from punica.lora.batch import LoraBatch
 from punica.models.llama import LlamaForCausalLM
 from punica.ops.attention import AttnBatch
+
+log = logging.getLogger(__name__)
 
 
 def kv_bytes_per_token(model: LlamaForCausalLM) -> int:
@@ -16,11 +23,27 @@ def kv_bytes_per_token(model: LlamaForCausalLM) -> int:
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaForCausalLM, num_pages: int, page_size: int):
+    """Runs mixed steps eagerly; on CUDA, decode-only steps replay captured graphs unless `eager`.
+
+    The KV cache holds `num_pages` pages for requests plus one scratch page (the last) that
+    padded rows of graph batches write to.
+    """
+
+    def __init__(self, model: LlamaForCausalLM, num_pages: int, page_size: int, max_batch_size: int = 32,
+                 max_model_len: int | None = None, eager: bool = False):
         self.model = model
         self.device = model.embed.weight.device
         self.page_size = page_size
-        self.kv_cache = model.new_kv_cache(num_pages, page_size)
+        self.kv_cache = model.new_kv_cache(num_pages + 1, page_size)
+        self.graphs: DecodeGraphs | None = None
+        if self.device.type == "cuda" and not eager:
+            start = time.perf_counter()
+            max_pages = ceil_div(max_model_len or num_pages * page_size, page_size)
+            with torch.inference_mode():
+                self.graphs = DecodeGraphs(model, self.kv_cache, page_size, max_batch_size, max_pages,
+                                           scratch_page=num_pages)
+            log.info("captured decode CUDA graphs for batch sizes %s in %.1f s",
+                     sorted(self.graphs.batches), time.perf_counter() - start)
 
     @torch.inference_mode()
     def run(self, prefills: list[Request], decodes: list[Request]) -> torch.Tensor:
@@ -29,6 +52,8 @@ class ModelRunner:
         A prefill runs every token not yet cached (a whole prompt, or prompt + generated tokens
         when recomputing after a preemption); a decode runs its last token.
         """
+        if not prefills and self.graphs is not None and len(decodes) <= self.graphs.max_batch_size:
+            return self.graphs.run(decodes)
         ids: list[int] = []
         query_lens, context_lens, tables, slots = [], [], [], []
         for i, request in enumerate(prefills + decodes):
