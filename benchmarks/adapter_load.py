@@ -3,8 +3,8 @@ over a Zipf-popular stream of many adapters through a few GPU slots against all-
 
 python -m benchmarks.adapter_load [--preset llama-2-7b] [--rank 16] [--adapters 1000] [--slots 64]
 
-1. Load latency: one rank-r all-projection adapter from pinned host memory into a pool slot
-   (LoraPool.write on a side stream, as the AdapterManager does), CUDA events, median;
+1. Load latency: one rank-r all-projection adapter, packed in pinned host memory, into a pool
+   slot (LoraPool.write_packed: one copy, as the AdapterManager does), CUDA events, median;
    floor = adapter bytes / pinned host-to-device bandwidth measured in the same run.
 2. Throughput: `--requests` requests (prompt 64, output 64 tokens, greedy) whose adapters are
    Zipf(1.5) over `--adapters` registered adapters, served with `--slots` GPU slots (loads on
@@ -56,15 +56,15 @@ def timed(fn, device: torch.device, repeat: int) -> list[float]:
 
 def load_latency(config: ModelConfig, rank: int, path: Path, device: torch.device) -> dict:
     adapter = load_adapter(path, config, dtype=torch.bfloat16)
-    if device.type == "cuda":
-        pinned = [{p: t.pin_memory() for p, t in d.items()} for d in (adapter.lora_a, adapter.lora_b)]
-        adapter = type(adapter)(adapter.name, adapter.rank, adapter.scale, *pinned)
-    nbytes = adapter.num_bytes
-    host = torch.empty(nbytes, dtype=torch.uint8).pin_memory() if device.type == "cuda" else torch.empty(nbytes, dtype=torch.uint8)
+    pool = LoraPool(config, 2, rank, torch.bfloat16, device)
+    pinned = device.type == "cuda"
+    packed = pool.pack(adapter, pin_memory=pinned)
+    nbytes = packed.nbytes
+    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pinned)
     dev = torch.empty(nbytes, dtype=torch.uint8, device=device)
     h2d = statistics.median(timed(lambda: dev.copy_(host, non_blocking=True), device, 20))
-    pool = LoraPool(config, 2, rank, torch.bfloat16, device)
-    write = statistics.median(timed(lambda: pool.write(1, adapter, non_blocking=True), device, 20))
+    write = statistics.median(timed(lambda: pool.write_packed(1, packed, adapter.scale, non_blocking=True),
+                                    device, 20))
     read = statistics.median(timed(lambda: load_adapter(path, config, dtype=torch.bfloat16), torch.device("cpu"), 3))
     return {"adapter_mb": nbytes / 1e6, "h2d_gb_s": nbytes / h2d / 1e9, "floor_ms": h2d * 1e3,
             "load_ms": write * 1e3, "load_over_floor": write / h2d, "disk_to_host_ms": read * 1e3}

@@ -1,9 +1,9 @@
 """On-demand adapters: a registry, a host tier, the GPU slot pool, and the loads between them.
 
     registry (name -> directory; metadata only, 10,000s are fine)
-      -> host tier: LoraAdapter in (pinned, on CUDA) CPU memory, LRU within a byte budget;
-         read from disk on a worker thread, off the engine thread
-      -> GPU slots of the LoraPool, LRU; a host->device copy on a side CUDA stream, finished
+      -> host tier: adapters packed as pool slots (LoraPool.pack) in (pinned, on CUDA) CPU
+         memory, LRU within a byte budget; read and packed on a worker thread, off the engine thread
+      -> GPU slots of the LoraPool, LRU; one host->device copy on a side CUDA stream, finished
          when its event has completed (no device-wide sync)
 
 The engine calls `acquire` when it wants to admit a request: True (and the slot is held)
@@ -23,25 +23,31 @@ from pathlib import Path
 import torch
 
 from punica.config import ModelConfig
-from punica.lora.adapter import LoraAdapter, load_adapter
+from punica.lora.adapter import load_adapter
 from punica.lora.pool import LoraPool
+
+
+@dataclass
+class _HostAdapter:
+    packed: torch.Tensor               # [pool.slot_numel]: the slot's contents
+    scale: float
 
 
 @dataclass
 class _Copy:
     slot: int
-    adapter: LoraAdapter               # keeps the pinned source alive until the copy is done
+    adapter: _HostAdapter              # keeps the pinned source alive until the copy is done
     event: torch.cuda.Event | None     # None on CPU: the copy was synchronous
 
 
 class AdapterManager:
     def __init__(self, config: ModelConfig, pool: LoraPool, host_capacity_bytes: int, io_threads: int = 2):
         self.config, self.pool = config, pool
-        self.dtype, self.device = pool.a["q"].dtype, pool.scales.device
+        self.dtype, self.device = pool.buffer.dtype, pool.buffer.device
         self.host_capacity_bytes = host_capacity_bytes
         self.registry: dict[str, Path] = {}
         self.pinned: set[str] = set()
-        self.host: OrderedDict[str, LoraAdapter] = OrderedDict()     # least recently used first
+        self.host: OrderedDict[str, _HostAdapter] = OrderedDict()    # least recently used first
         self.resident: OrderedDict[str, int] = OrderedDict()          # name -> slot, LRU first
         self.refs: Counter[str] = Counter()                           # admitted requests per adapter
         self.free_slots = list(range(pool.max_loras - 1, -1, -1))
@@ -137,14 +143,9 @@ class AdapterManager:
             return
         self.reads[name] = self.executor.submit(self._read, name, self.registry[name])
 
-    def _read(self, name: str, path: Path) -> LoraAdapter:
+    def _read(self, name: str, path: Path) -> _HostAdapter:
         adapter = load_adapter(path, self.config, name=name, dtype=self.dtype)
-        if adapter.rank > self.pool.max_rank:
-            raise ValueError(f"adapter {name!r} has rank {adapter.rank}, over max_lora_rank {self.pool.max_rank}")
-        if self.copy_stream is not None:
-            pin = {p: t.pin_memory() for p, t in adapter.lora_a.items()}, {p: t.pin_memory() for p, t in adapter.lora_b.items()}
-            adapter = LoraAdapter(adapter.name, adapter.rank, adapter.scale, *pin)
-        return adapter
+        return _HostAdapter(self.pool.pack(adapter, pin_memory=self.copy_stream is not None), adapter.scale)
 
     def _read_done(self, name: str, future: Future) -> None:
         try:
@@ -157,11 +158,11 @@ class AdapterManager:
             return
         self.host[name] = adapter
         self.num_loads += 1
-        total = sum(a.num_bytes for a in self.host.values())
+        total = sum(a.packed.nbytes for a in self.host.values())
         for old in list(self.host):
             if total <= self.host_capacity_bytes or old == name:
                 break
-            total -= self.host.pop(old).num_bytes
+            total -= self.host.pop(old).packed.nbytes
 
     def _free_slot(self) -> int | None:
         if self.free_slots:
@@ -174,13 +175,13 @@ class AdapterManager:
     def _start_copy(self, name: str, slot: int) -> None:
         adapter = self.host[name]
         if self.copy_stream is None:
-            self.pool.write(slot, adapter)
+            self.pool.write_packed(slot, adapter.packed, adapter.scale)
             self.copies[name] = _Copy(slot, adapter, None)
             return
         # the slot may still be read by kernels queued earlier on the compute stream
         self.copy_stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self.copy_stream):
-            self.pool.write(slot, adapter, non_blocking=True)
+            self.pool.write_packed(slot, adapter.packed, adapter.scale, non_blocking=True)
             event = torch.cuda.Event()
             event.record(self.copy_stream)
         self.copies[name] = _Copy(slot, adapter, event)

@@ -107,11 +107,14 @@ def shard_model_(model: LlamaForCausalLM, group: dist.ProcessGroup) -> None:
 def shard_pool_(pool: LoraPool, group: dist.ProcessGroup) -> None:
     """Keep rank r's shard of every adapter slot in place; write later adapters with shard_adapter."""
     rank, world_size = dist.get_rank(group), dist.get_world_size(group)
+    full, full_a, full_b = pool.config, pool.a, pool.b
+    pool.allocate(rank_config(full, world_size), pool.buffer.dtype, pool.buffer.device)
     for p in COLUMN_PARALLEL:
-        pool.b[p] = pool.b[p][:, :, _lora_part(pool.config, p, rank, world_size)].contiguous()
+        pool.a[p].copy_(full_a[p])
+        pool.b[p].copy_(full_b[p][:, :, _lora_part(full, p, rank, world_size)])
     for p in ROW_PARALLEL:
-        pool.a[p] = pool.a[p][..., _lora_part(pool.config, p, rank, world_size)].contiguous()
-    pool.config = rank_config(pool.config, world_size)
+        pool.a[p].copy_(full_a[p][..., _lora_part(full, p, rank, world_size)])
+        pool.b[p].copy_(full_b[p])
 
 
 def shard_adapter(adapter: LoraAdapter, config: ModelConfig, rank: int, world_size: int) -> LoraAdapter:
