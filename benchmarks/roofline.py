@@ -1,0 +1,190 @@
+"""Decode-step roofline: the engine's decode step time against the memory floor.
+
+    python -m benchmarks.roofline [--preset llama-2-7b] [--batches 1 2 4 8 16 32] [--contexts 512 2048]
+
+The full model of --preset with dummy weights (bf16 on CUDA, fp32 on CPU) in an Engine with
+max batch = the largest --batches, first without LoRA (every request slot -1), then with
+"distinct" adapters (request i its own rank --rank adapter, all resident: one GPU slot each).
+For each context c and batch b: b requests with c-token random prompts are prefilled; once
+every request has its first token, --warmup steps run, then --steps steps are timed one by one
+(wall clock around `engine.step()`, CUDA synchronized before and after: scheduling, the model
+run (a CUDA graph replay where the engine captures decode graphs), sampling and bookkeeping);
+each timed step must decode all b requests. step_ms is their median.
+
+floor_ms = (weight bytes + KV bytes + LoRA bytes) / copy bandwidth: every weight except the
+embedding table (b rows of it), the KV cache of the b requests at the timed steps' mean
+context, and each distinct adapter's A and B for the 7 projections of every layer, read once
+from memory at the device-to-device copy rate measured in the same run (CUDA:
+benchmarks.common.copy_bandwidth; CPU: median wall time of a 256 MiB copy). Activations and
+logits are left out. ratio = step_ms / floor_ms (issue target on an H200: <= 1.3 at batch 32).
+Writes roofline.json and roofline.png under --out and prints a table last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import random
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from benchmarks.common import copy_bandwidth, format_table, warm_up, write_results
+from punica.config import EngineConfig, preset_config
+from punica.engine.engine import Engine
+from punica.engine.runner import kv_bytes_per_token
+from punica.engine.sampling_params import SamplingParams
+from punica.lora.dummy import save_random_adapter
+from punica.models.loader import dummy_model
+
+PAGE_SIZE = 16
+
+
+def cpu_copy_bandwidth() -> float:
+    """Bytes read plus written per second copying 256 MiB on the CPU, median of 5."""
+    src = torch.ones(1 << 28, dtype=torch.uint8)
+    dst = torch.empty_like(src)
+    times = []
+    for _ in range(5):
+        start = time.perf_counter()
+        dst.copy_(src)
+        times.append(time.perf_counter() - start)
+    return 2 * src.numel() / statistics.median(times)
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def decode_step_seconds(engine: Engine, prompts: list[list[int]], adapters: list[str | None], warmup: int,
+                        steps: int, device: torch.device) -> list[float]:
+    """Seconds of each of `steps` decode-only steps of these requests (see the module docstring)."""
+    params = SamplingParams(max_tokens=warmup + steps + 2, temperature=0, ignore_eos=True)
+    ids = [engine.add_request(p, params, a) for p, a in zip(prompts, adapters)]
+    started: set[str] = set()
+    while len(started) < len(ids):  # prefill (fused with early decodes) until all have a first token
+        started.update(o.request_id for o in engine.step())
+    for _ in range(warmup):
+        engine.step()
+    times = []
+    for _ in range(steps):
+        sync(device)
+        start = time.perf_counter()
+        outputs = engine.step()
+        sync(device)
+        times.append(time.perf_counter() - start)
+        assert len(outputs) == len(ids), f"a timed step decoded {len(outputs)} of {len(ids)} requests"
+    for request_id in ids:
+        engine.abort(request_id)
+    return times
+
+
+def weight_bytes(model, batch: int) -> int:
+    """Bytes of every parameter a decode step reads: all but the embedding table, of which `batch` rows."""
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    embed = model.embed.weight
+    if not model.config.tie_word_embeddings:  # tied: the table is read whole as lm_head
+        total -= embed.numel() * embed.element_size()
+    return total + batch * embed.shape[1] * embed.element_size()
+
+
+def adapter_bytes(config, rank: int, element_size: int) -> int:
+    return sum(config.num_layers * rank * (h_in + h_out) * element_size
+               for h_in, h_out in config.projection_shapes().values())
+
+
+def plot(rows: list[dict], path: Path, title: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    contexts = sorted({r["context"] for r in rows})
+    fig, axes = plt.subplots(1, len(contexts), figsize=(5 * len(contexts), 4), squeeze=False)
+    for ax, context in zip(axes[0], contexts):
+        for lora, color in (("none", "tab:blue"), ("distinct", "tab:orange")):
+            sel = [r for r in rows if r["context"] == context and r["lora"] == lora]
+            batches = [r["batch"] for r in sel]
+            ax.plot(batches, [r["step_ms"] for r in sel], marker="o", ms=3, color=color, label=f"step, {lora}")
+            ax.plot(batches, [r["floor_ms"] for r in sel], linestyle="--", color=color, label=f"floor, {lora}")
+        ax.set_xscale("log", base=2)
+        ax.set_ylim(bottom=0)
+        ax.set_title(f"context {context}", fontsize=9)
+        ax.set_xlabel("batch size", fontsize=8)
+        ax.set_ylabel("ms per decode step", fontsize=8)
+        ax.grid(True, which="both", alpha=0.3)
+    axes[0][0].legend(fontsize=7)
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=70)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--preset", default="llama-2-7b", help="a model shape of punica.config.PRESETS")
+    parser.add_argument("--rank", type=int, default=16)
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32])
+    parser.add_argument("--contexts", type=int, nargs="+", default=[512, 2048])
+    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--files", type=int, default=4, help="adapter files behind the distinct names")
+    parser.add_argument("--out", type=Path, default=Path("results/roofline"))
+    args = parser.parse_args()
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    config = preset_config(args.preset)
+    started = time.time()
+    bandwidth = copy_bandwidth(device) if device.type == "cuda" else cpu_copy_bandwidth()
+    print(f"copy bandwidth {bandwidth / 1e9:.1f} GB/s (read + written)", flush=True)
+    model = dummy_model(config, dtype, device)
+    max_batch = max(args.batches)
+    kv_tokens = max_batch * (max(args.contexts) + args.warmup + args.steps + 2 * PAGE_SIZE)
+    engine_config = EngineConfig(max_batch_size=max_batch, max_loras=max_batch, max_lora_rank=args.rank,
+                                 page_size=PAGE_SIZE, kv_cache_tokens=kv_tokens)
+    per_token_kv, per_adapter = kv_bytes_per_token(model), adapter_bytes(config, args.rank, model.embed.weight.element_size())
+    mean_extra = args.warmup + (args.steps + 1) / 2  # timed steps' mean context beyond the prompt
+    rng = random.Random(0)
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        files = [save_random_adapter(Path(tmp) / f"f{i}", config, args.rank, seed=i) for i in range(args.files)]
+        for lora in ("none", "distinct"):
+            names = {f"lora{i}": str(files[i % len(files)]) for i in range(max_batch)} if lora == "distinct" else {}
+            engine = Engine(model, None, engine_config, names)
+            warm_up(engine, list(names) or [None] * max_batch)  # compiled kernels, resident adapters
+            for context in args.contexts:
+                for batch in args.batches:
+                    prompts = [[rng.randrange(3, config.vocab_size) for _ in range(context)] for _ in range(batch)]
+                    adapters = list(names)[:batch] if names else [None] * batch
+                    step = statistics.median(decode_step_seconds(engine, prompts, adapters, args.warmup,
+                                                                 args.steps, device))
+                    nbytes = {"weight": weight_bytes(model, batch),
+                              "kv": int(batch * (context + mean_extra) * per_token_kv),
+                              "lora": per_adapter * len(set(adapters) - {None})}
+                    floor = sum(nbytes.values()) / bandwidth
+                    rows.append({"lora": lora, "context": context, "batch": batch, "step_ms": 1e3 * step,
+                                 "floor_ms": 1e3 * floor, "ratio": step / floor,
+                                 **{f"{k}_gb": v / 1e9 for k, v in nbytes.items()}})
+                    print(f"{lora} context {context} batch {batch}: step {1e3 * step:.2f} ms, "
+                          f"floor {1e3 * floor:.2f} ms", flush=True)
+            cuda_graphs = getattr(engine.runner, "graphs", None) is not None
+            del engine
+            gc.collect()  # the engine holds reference cycles; free its KV cache before the next one
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+    meta = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "preset": args.preset,
+            "rank": args.rank, "dtype": str(dtype), "copy_bandwidth_Bps": bandwidth, "cuda_graphs": cuda_graphs,
+            "warmup": args.warmup, "steps": args.steps, "seconds": time.time() - started,
+            "date": time.strftime("%Y-%m-%d"), "torch": torch.__version__}
+    write_results(args.out, "roofline", rows, meta)
+    plot(rows, args.out / "roofline.png", f"{args.preset} decode step vs memory floor, {meta['device']}")
+    print(meta)
+    table = [{**r, "ratio": f"{r['ratio']:.2f}x"} for r in rows]
+    print(format_table(table, ["lora", "context", "batch", "step_ms", "floor_ms", "ratio", "weight_gb", "kv_gb",
+                               "lora_gb"]))
+
+
+if __name__ == "__main__":
+    main()
