@@ -1,19 +1,37 @@
 """Text generation throughput (the paper's Fig. 11): the engine on a model shape with random
-weights, rank-r adapters on all 7 projections, the four popularity workloads and the backbone.
+weights, rank-r adapters on all 7 projections, the four popularity workloads and the backbone,
+against HuggingFace transformers + PEFT.
 
 python -m benchmarks.textgen [--preset llama-2-7b] [--requests 64] [--max-total 2048]
+    [--workloads backbone distinct ...] [--hf-requests 32] [--hf-max-total 256] [--skip-hf]
 
 Requests follow the paper's generator (prompt ~ lognorm(0.8, -1, 18), total ~ uniform up to
 --max-total, fixed seed), FCFS, max batch 32, greedy with ignore_eos so every request runs its
 full length. Throughput = (prompt + generated tokens) / wall time; also mean and p99 time to
 first token and time per output token. Workload "distinct" gives request i adapter i (one
 adapter per request); the adapters' values come from --files files (values do not change the
-work; each name still gets its own GPU slot and copy).
+work; each name still gets its own GPU slot and copy). The engines have min(64, --requests) GPU
+slots: with more than 64 requests, distinct also loads adapters on demand during the run.
+
+HF+PEFT baseline (unless --skip-hf; for backbone, distinct and identical among --workloads):
+transformers' LlamaForCausalLM of the same shape with its own random init (N(0, 0.02) weights
+like the engine's dummy model; bf16 on CUDA, fp32 on CPU; SDPA attention), PEFT LoRA of rank
+--rank on all 7 projections (adapters in the model's dtype: autocast_adapter_dtype=False),
+`generate` greedy in static batches of 32 left-padded prompts, each batch running to its
+longest output. distinct: PEFT's mixed-batch `adapter_names`, request i adapter i; identical:
+one active adapter (PEFT's single-adapter path); backbone: the model before PEFT wraps it.
+Its requests are --hf-requests fresh ones from the same generator with totals up to
+--hf-max-total (default 256, shorter than the engine's: HF's step time grows with context, so
+its throughput here is, if anything, higher than it would be on the engine's requests).
+Throughput counts each request's prompt + requested output tokens (not the extra tokens a
+static batch generates past them) over the wall time of all batches, after one 2-token
+warm-up batch.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import random
 import statistics
 import tempfile
@@ -23,12 +41,15 @@ from pathlib import Path
 import torch
 
 from benchmarks.common import format_table, warm_up, write_results
-from punica.config import EngineConfig, preset_config
+from punica.config import EngineConfig, ModelConfig, preset_config
 from punica.engine.engine import Engine
 from punica.engine.sampling_params import SamplingParams
 from punica.lora.dummy import save_random_adapter
 from punica.models.loader import dummy_model
 from punica.workloads import WORKLOADS, adapter_ids, textgen_lengths
+
+HF_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+HF_BATCH = 32
 
 
 def p99(values: list[float]) -> float:
@@ -57,9 +78,110 @@ def run(engine: Engine, requests: list[tuple[list[int], int, str | None]]) -> di
     tokens = sum(len(o.prompt_token_ids) + len(o.token_ids) for o in outs)
     ttft = [o.time_to_first_token for o in outs]
     tpot = [o.time_per_output_token for o in outs if o.time_per_output_token is not None]
-    return {"tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds,
+    return {"requests": len(outs), "tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds,
             "ttft_mean_ms": 1e3 * statistics.mean(ttft), "ttft_p99_ms": 1e3 * p99(ttft),
             "tpot_mean_ms": 1e3 * statistics.mean(tpot), "tpot_p99_ms": 1e3 * p99(tpot)}
+
+
+def hf_llama(config: ModelConfig, dtype: torch.dtype, device: str):
+    """transformers' Llama of this shape, randomly initialised, without an EOS token (so
+    generation always runs to max_new_tokens)."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    hf_config = LlamaConfig(
+        vocab_size=config.vocab_size, hidden_size=config.hidden_size, intermediate_size=config.intermediate_size,
+        num_hidden_layers=config.num_layers, num_attention_heads=config.num_heads,
+        num_key_value_heads=config.num_kv_heads, head_dim=config.head_dim, rms_norm_eps=config.rms_norm_eps,
+        max_position_embeddings=config.max_position_embeddings, tie_word_embeddings=config.tie_word_embeddings,
+        bos_token_id=None, eos_token_id=None, pad_token_id=0)
+    with torch.device(device):
+        return AutoModelForCausalLM.from_config(hf_config, dtype=dtype).eval()
+
+
+def hf_generate(model, requests: list[tuple[list[int], int]], names: list[str] | None, max_new: int | None = None):
+    """One static batch: left-padded prompts, greedy, to the longest requested output (or max_new)."""
+    width = max(len(prompt) for prompt, _ in requests)
+    ids = torch.zeros(len(requests), width, dtype=torch.int64)
+    mask = torch.zeros_like(ids)
+    for row, (prompt, _) in enumerate(requests):
+        ids[row, width - len(prompt):] = torch.tensor(prompt)
+        mask[row, width - len(prompt):] = 1
+    max_new = max_new or max(out for _, out in requests)
+    extra = {"adapter_names": names} if names else {}
+    device = model.device
+    output = model.generate(input_ids=ids.to(device), attention_mask=mask.to(device), max_new_tokens=max_new,
+                            do_sample=False, **extra)
+    assert output.shape == (len(requests), width + max_new), output.shape
+
+
+def hf_run(model, requests: list[tuple[list[int], int]], names: list[str] | None) -> dict:
+    batches = [slice(i, i + HF_BATCH) for i in range(0, len(requests), HF_BATCH)]
+    hf_generate(model, requests[batches[0]], names and names[batches[0]], max_new=2)  # warm-up
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    for batch in batches:
+        hf_generate(model, requests[batch], names and names[batch])
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    seconds = time.perf_counter() - start
+    tokens = sum(len(prompt) + out for prompt, out in requests)
+    return {"system": "hf+peft", "requests": len(requests), "tokens": tokens, "seconds": seconds,
+            "tokens_per_s": tokens / seconds}
+
+
+def hf_baseline(config: ModelConfig, workloads: list[str], num_requests: int, max_total: int, rank: int,
+                dtype: torch.dtype, device: str) -> list[dict]:
+    """HF+PEFT rows for backbone, distinct and identical (those in `workloads`)."""
+    from peft import LoraConfig, get_peft_model
+
+    rng = random.Random(2)
+    requests = [([rng.randrange(3, config.vocab_size) for _ in range(prompt)], out)
+                for prompt, out in textgen_lengths(num_requests, rng, max_total=max_total)]
+    model = hf_llama(config, dtype, device)
+    rows = []
+
+    def measure(workload: str, model, names: list[str] | None) -> None:
+        rows.append({"workload": workload, **hf_run(model, requests, names)})
+        print(f"hf+peft {workload}: {rows[-1]['tokens_per_s']:.1f} tokens/s", flush=True)
+
+    if "backbone" in workloads:
+        measure("backbone", model, None)
+    lora_workloads = [w for w in ("distinct", "identical") if w in workloads]
+    if lora_workloads:
+        lora_config = LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=list(HF_MODULES),
+                                 init_lora_weights=False)
+        with torch.device(device):  # create the adapters' weights where they will live
+            model = get_peft_model(model, lora_config, adapter_name="a0", autocast_adapter_dtype=False)
+            for i in range(1, num_requests if "distinct" in lora_workloads else 1):
+                model.add_adapter(f"a{i}", lora_config, autocast_adapter_dtype=False)
+        model.set_adapter("a0")
+        model.eval()
+        if "distinct" in lora_workloads:
+            measure("distinct", model, [f"a{i}" for i in range(num_requests)])  # request i, adapter i
+        if "identical" in lora_workloads:  # PEFT's ordinary path: the active adapter for every row
+            measure("identical", model, None)
+    return rows
+
+
+def plot(rows: list[dict], path: Path, title: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    workloads = list(dict.fromkeys(r["workload"] for r in rows))
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for k, system in enumerate(("punica", "hf+peft")):
+        value = {r["workload"]: r["tokens_per_s"] for r in rows if r["system"] == system}
+        ax.bar([i + 0.4 * k for i in range(len(workloads))], [value.get(w, 0) for w in workloads], 0.4,
+               label=system)
+    ax.set_xticks([i + 0.2 for i in range(len(workloads))], workloads)
+    ax.set_yscale("log")
+    ax.set_ylabel("tokens/s (prompt + generated)")
+    ax.legend()
+    ax.set_title(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=70)
 
 
 def main() -> None:
@@ -69,6 +191,11 @@ def main() -> None:
     parser.add_argument("--max-total", type=int, default=2048)
     parser.add_argument("--rank", type=int, default=16)
     parser.add_argument("--files", type=int, default=4)
+    parser.add_argument("--workloads", nargs="+", choices=("backbone",) + WORKLOADS,
+                        default=["backbone", *WORKLOADS])
+    parser.add_argument("--hf-requests", type=int, default=32)
+    parser.add_argument("--hf-max-total", type=int, default=256)
+    parser.add_argument("--skip-hf", action="store_true")
     parser.add_argument("--out", type=Path, default=Path("results/textgen"))
     args = parser.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -83,23 +210,40 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         files = [save_random_adapter(Path(tmp) / f"f{i}", config, args.rank, seed=i) for i in range(args.files)]
         names = {f"lora{i}": str(files[i % len(files)]) for i in range(args.requests)}
-        backbone = Engine(model, None, engine_config)
-        warm_up(backbone, [None] * 32)
-        rows.append({"workload": "backbone", **run(backbone, [(p, o, None) for p, (_, o) in zip(prompts, lengths)])})
-        del backbone
-        for workload in WORKLOADS:
-            engine = Engine(model, None, engine_config, names)
-            adapters = [f"lora{i}" for i in adapter_ids(workload, args.requests, random.Random(1))]
-            warm_up(engine, list(dict.fromkeys(adapters)))  # compiled kernels, resident adapters
-            rows.append({"workload": workload, **run(engine, [(p, o, a) for p, (_, o), a in
-                                                                  zip(prompts, lengths, adapters)])})
+        for workload in [w for w in ("backbone", *WORKLOADS) if w in args.workloads]:
+            if workload == "backbone":
+                engine, adapters = Engine(model, None, engine_config), [None] * args.requests
+            else:
+                engine = Engine(model, None, engine_config, names)
+                adapters = [f"lora{i}" for i in adapter_ids(workload, args.requests, random.Random(1))]
+            warm_up(engine, list(dict.fromkeys(adapters)) if workload != "backbone" else [None] * 32)
+            rows.append({"system": "punica", "workload": workload,
+                         **run(engine, [(p, o, a) for p, (_, o), a in zip(prompts, lengths, adapters)])})
+            print(f"punica {workload}: {rows[-1]['tokens_per_s']:.1f} tokens/s", flush=True)
             del engine
+            gc.collect()  # the engine holds reference cycles: free its KV cache before the next one
+            if device == "cuda":
+                torch.cuda.empty_cache()
+    if not args.skip_hf:
+        rows += hf_baseline(config, args.workloads, args.hf_requests, args.hf_max_total, args.rank, model.embed.weight.dtype,
+                            device)
     meta = {"device": torch.cuda.get_device_name() if device == "cuda" else "cpu", "preset": args.preset,
-            "requests": args.requests, "max_total": args.max_total, "rank": args.rank, "date": time.strftime("%Y-%m-%d")}
+            "requests": args.requests, "max_total": args.max_total, "rank": args.rank,
+            "hf_requests": 0 if args.skip_hf else args.hf_requests, "hf_max_total": args.hf_max_total,
+            "hf_batch": HF_BATCH, "date": time.strftime("%Y-%m-%d")}
     write_results(args.out, "textgen", rows, meta)
+    plot(rows, args.out / "textgen.png", f"{args.preset}, rank {args.rank}, {meta['device']}")
     print(meta)
-    print(format_table(rows, ["workload", "tokens", "seconds", "tokens_per_s", "ttft_mean_ms", "ttft_p99_ms",
-                              "tpot_mean_ms", "tpot_p99_ms"]))
+    engine_rows = [r for r in rows if r["system"] == "punica"]
+    hf_rows = [r for r in rows if r["system"] == "hf+peft"]
+    if engine_rows:
+        print(format_table(engine_rows, ["workload", "requests", "tokens", "seconds", "tokens_per_s", "ttft_mean_ms",
+                                         "ttft_p99_ms", "tpot_mean_ms", "tpot_p99_ms"]))
+    if hf_rows:
+        print(format_table(hf_rows, ["system", "workload", "requests", "tokens", "seconds", "tokens_per_s"]))
+    distinct = {r["system"]: r["tokens_per_s"] for r in rows if r["workload"] == "distinct"}
+    if len(distinct) == 2:
+        print(f"distinct: punica / HF+PEFT = {distinct['punica'] / distinct['hf+peft']:.1f}x tokens/s")
 
 
 if __name__ == "__main__":
