@@ -5,6 +5,9 @@ per-step metadata as explicit frozen dataclasses: `AttnBatch` (positions, pages,
 and `LoraBatch` (which adapter slot each token uses). LoRA weights live in a `LoraWeights`
 source (the GPU adapter pool) attached once with `set_lora`; the model never copies them.
 q/k/v and gate/up run as one fused base GEMM each; their LoRA deltas land on column slices.
+The elementwise work runs fused (punica.ops.layers): each residual add folds into the RMSNorm
+after it, so a layer takes and returns (output, residual stream) as vLLM's layers do, rotary
+rotates q and k in place in one call, and SiLU-and-mul reads the gate/up GEMM's output once.
 """
 
 from __future__ import annotations
@@ -14,12 +17,12 @@ from typing import Protocol
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 
 from punica.config import ModelConfig, RopeConfig
 from punica.lora.batch import LoraBatch
 from punica.ops.attention import AttnBatch, paged_attention, write_kv
+from punica.ops.layers import rms_norm, rope_, silu_and_mul
 from punica.ops.lora import add_lora
 
 
@@ -38,10 +41,9 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(size, **factory), requires_grad=False)
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(x.dtype)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        """norm(x), or with a residual (norm(x + residual), x + residual): punica.ops.layers.rms_norm."""
+        return rms_norm(x, self.weight, self.eps, residual)
 
 
 def rope_inv_freq(rope: RopeConfig, head_dim: int) -> torch.Tensor:
@@ -59,13 +61,6 @@ def rope_inv_freq(rope: RopeConfig, head_dim: int) -> torch.Tensor:
         return torch.where(wavelen > low_wavelen, inv_freq / rope.factor,
                            torch.where(wavelen < high_wavelen, inv_freq, smoothed))
     return inv_freq
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [T, H, D]; cos, sin: [T, D/2] float32. Rotates the two halves (HF's rotate_half)."""
-    x1, x2 = x.float().chunk(2, dim=-1)
-    cos, sin = cos[:, None, :], sin[:, None, :]
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
 
 
 class LlamaLayer(nn.Module):
@@ -104,25 +99,27 @@ class LlamaLayer(nn.Module):
         return y
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttnBatch,
-                lora: LoraBatch, kv_layer: torch.Tensor, lora_weights: LoraWeights | None) -> torch.Tensor:
-        num_tokens = x.shape[0]
-        h = self.input_norm(x)
+                lora: LoraBatch, kv_layer: torch.Tensor, lora_weights: LoraWeights | None,
+                residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: [T, h], the previous layer's MLP output before its residual add (the embeddings
+        for the first layer, with residual None)  ->  (this layer's MLP output, residual stream);
+        the stream after the layer is their sum, which the next norm computes."""
+        num_tokens, hidden = x.shape
+        h, residual = (self.input_norm(x), x) if residual is None else self.input_norm(x, residual)
         qkv = self._project(self.qkv_proj, h, self.qkv_slices, lora, lora_weights)
         q_end, k_end = self.qkv_slices["k"][0], self.qkv_slices["v"][0]
-        q = qkv[:, :q_end].reshape(num_tokens, self.num_heads, self.head_dim)
-        k = qkv[:, q_end:k_end].reshape(num_tokens, self.num_kv_heads, self.head_dim)
-        v = qkv[:, k_end:].reshape(num_tokens, self.num_kv_heads, self.head_dim)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        q = qkv[:, :q_end].view(num_tokens, self.num_heads, self.head_dim)
+        k = qkv[:, q_end:k_end].view(num_tokens, self.num_kv_heads, self.head_dim)
+        v = qkv[:, k_end:].view(num_tokens, self.num_kv_heads, self.head_dim)
+        rope_(q, k, cos, sin)  # in place, inside qkv
         write_kv(kv_layer, k, v, attn.slot_mapping)
         o = paged_attention(q, kv_layer, attn, self.head_dim ** -0.5).reshape(num_tokens, -1)
-        o = self._project(self.o_proj, o, {"o": (0, x.shape[1])}, lora, lora_weights)
-        x = x + self._all_reduce(o)
-        h = self.post_norm(x)
+        o = self._project(self.o_proj, o, {"o": (0, hidden)}, lora, lora_weights)
+        h, residual = self.post_norm(self._all_reduce(o), residual)
         gate_up = self._project(self.gate_up_proj, h, self.gate_up_slices, lora, lora_weights)
-        gate, up = gate_up.chunk(2, dim=-1)
-        act = F.silu(gate) * up
-        down = self._project(self.down_proj, act, {"down": (0, x.shape[1])}, lora, lora_weights)
-        return x + self._all_reduce(down)
+        act = silu_and_mul(gate_up)
+        down = self._project(self.down_proj, act, {"down": (0, hidden)}, lora, lora_weights)
+        return self._all_reduce(down), residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -162,9 +159,10 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, attn: AttnBatch, lora: LoraBatch,
                 kv_cache: torch.Tensor) -> torch.Tensor:
         """input_ids: [T]; kv_cache: [L, P, 2, page_size, Hkv, D]  ->  logits [num_logits, V] float32."""
-        x = self.embed(input_ids)
+        x, residual = self.embed(input_ids), None
         cos, sin = self.rope_cos_sin(attn.positions)
         for layer, kv_layer in zip(self.layers, kv_cache):
-            x = layer(x, cos, sin, attn, lora, kv_layer, self.lora_weights)
-        x = self.norm(x[attn.logits_indices])
+            x, residual = layer(x, cos, sin, attn, lora, kv_layer, self.lora_weights, residual)
+        rows = attn.logits_indices
+        x = self.norm(x[rows]) if residual is None else self.norm(x[rows], residual[rows])[0]
         return self.lm_head(x).float()
