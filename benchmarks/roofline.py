@@ -131,6 +131,7 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--files", type=int, default=4, help="adapter files behind the distinct names")
+    parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs (the eager engine)")
     parser.add_argument("--out", type=Path, default=Path("results/roofline"))
     args = parser.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -143,7 +144,7 @@ def main() -> None:
     max_batch = max(args.batches)
     kv_tokens = max_batch * (max(args.contexts) + args.warmup + args.steps + 2 * PAGE_SIZE)
     engine_config = EngineConfig(max_batch_size=max_batch, max_loras=max_batch, max_lora_rank=args.rank,
-                                 page_size=PAGE_SIZE, kv_cache_tokens=kv_tokens)
+                                 page_size=PAGE_SIZE, kv_cache_tokens=kv_tokens, enforce_eager=args.enforce_eager)
     per_token_kv, per_adapter = kv_bytes_per_token(model), adapter_bytes(config, args.rank, model.embed.weight.element_size())
     mean_extra = args.warmup + (args.steps + 1) / 2  # timed steps' mean context beyond the prompt
     rng = random.Random(0)

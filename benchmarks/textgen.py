@@ -196,6 +196,7 @@ def main() -> None:
     parser.add_argument("--hf-requests", type=int, default=32)
     parser.add_argument("--hf-max-total", type=int, default=256)
     parser.add_argument("--skip-hf", action="store_true")
+    parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs (the eager engine)")
     parser.add_argument("--out", type=Path, default=Path("results/textgen"))
     args = parser.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -205,7 +206,7 @@ def main() -> None:
     prompts = [[rng.randrange(3, config.vocab_size) for _ in range(p)] for p, _ in lengths]
     model = dummy_model(config, torch.bfloat16 if device == "cuda" else torch.float32, device)
     engine_config = EngineConfig(max_batch_size=32, max_loras=min(64, args.requests), max_lora_rank=args.rank,
-                                 kv_cache_tokens=32 * args.max_total + 1024)
+                                 kv_cache_tokens=32 * args.max_total + 1024, enforce_eager=args.enforce_eager)
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         files = [save_random_adapter(Path(tmp) / f"f{i}", config, args.rank, seed=i) for i in range(args.files)]
