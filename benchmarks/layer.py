@@ -148,10 +148,11 @@ def main() -> None:
                     slots = [-1] * b if workload == "none" else sorted(adapter_ids(workload, b, rng))
                     attn, lora = step_batches(phase, b, s, slots, num_pages, device, rng)
                     x = torch.randn(attn.num_tokens, config.hidden_size, dtype=dtype, device=device)
+                    residual = torch.randn_like(x)  # a middle layer: its input norm adds the residual
                     cos, sin = model.rope_cos_sin(attn.positions)
 
                     def forward():
-                        layer(x, cos, sin, attn, lora, kv_layer, pool)
+                        layer(x, cos, sin, attn, lora, kv_layer, pool, residual)
 
                     row = {"phase": phase, "seq_len": s, "batch": b, "workload": workload,
                            "num_adapters": len(set(slots) - {-1}), "num_tokens": attn.num_tokens,
@@ -159,7 +160,7 @@ def main() -> None:
                     if device.type == "cuda":
                         row["graph_us"] = time_us(forward, device, graph=True)
                     rows.append(row)
-                    del attn, lora, x, cos, sin
+                    del attn, lora, x, residual, cos, sin
                 base = rows[-1 - len(WORKLOADS)][key]
                 for row in rows[-1 - len(WORKLOADS):]:
                     row["ratio"] = row[key] / base
