@@ -41,6 +41,7 @@ from punica.lora.dummy import save_random_adapter
 from punica.models.loader import dummy_model
 
 PAGE_SIZE = 16
+SLACK = 64  # output tokens beyond warmup + steps: requests prefilled in earlier steps must not finish
 
 
 def cpu_copy_bandwidth() -> float:
@@ -61,17 +62,19 @@ def sync(device: torch.device) -> None:
 
 
 def decode_step_seconds(engine: Engine, prompts: list[list[int]], adapters: list[str | None], warmup: int,
-                        steps: int, device: torch.device) -> list[float]:
-    """Seconds of each of `steps` decode-only steps of these requests (see the module docstring)."""
-    params = SamplingParams(max_tokens=warmup + steps + 2, temperature=0, ignore_eos=True)
+                        steps: int, device: torch.device) -> tuple[list[float], float]:
+    """Seconds of each of `steps` decode-only steps of these requests (see the module docstring),
+    and the requests' mean context over those steps."""
+    params = SamplingParams(max_tokens=warmup + steps + SLACK, temperature=0, ignore_eos=True)
     ids = [engine.add_request(p, params, a) for p, a in zip(prompts, adapters)]
     started: set[str] = set()
     while len(started) < len(ids):  # prefill (fused with early decodes) until all have a first token
         started.update(o.request_id for o in engine.step())
     for _ in range(warmup):
         engine.step()
-    times = []
+    times, contexts = [], []
     for _ in range(steps):
+        contexts.extend(engine.requests[i].num_tokens for i in ids)
         sync(device)
         start = time.perf_counter()
         outputs = engine.step()
@@ -80,7 +83,7 @@ def decode_step_seconds(engine: Engine, prompts: list[list[int]], adapters: list
         assert len(outputs) == len(ids), f"a timed step decoded {len(outputs)} of {len(ids)} requests"
     for request_id in ids:
         engine.abort(request_id)
-    return times
+    return times, statistics.mean(contexts)
 
 
 def weight_bytes(model, batch: int) -> int:
@@ -142,11 +145,10 @@ def main() -> None:
     print(f"copy bandwidth {bandwidth / 1e9:.1f} GB/s (read + written)", flush=True)
     model = dummy_model(config, dtype, device)
     max_batch = max(args.batches)
-    kv_tokens = max_batch * (max(args.contexts) + args.warmup + args.steps + 2 * PAGE_SIZE)
+    kv_tokens = max_batch * (max(args.contexts) + args.warmup + args.steps + SLACK + 2 * PAGE_SIZE)
     engine_config = EngineConfig(max_batch_size=max_batch, max_loras=max_batch, max_lora_rank=args.rank,
                                  page_size=PAGE_SIZE, kv_cache_tokens=kv_tokens, enforce_eager=args.enforce_eager)
     per_token_kv, per_adapter = kv_bytes_per_token(model), adapter_bytes(config, args.rank, model.embed.weight.element_size())
-    mean_extra = args.warmup + (args.steps + 1) / 2  # timed steps' mean context beyond the prompt
     rng = random.Random(0)
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
@@ -159,10 +161,11 @@ def main() -> None:
                 for batch in args.batches:
                     prompts = [[rng.randrange(3, config.vocab_size) for _ in range(context)] for _ in range(batch)]
                     adapters = list(names)[:batch] if names else [None] * batch
-                    step = statistics.median(decode_step_seconds(engine, prompts, adapters, args.warmup,
-                                                                 args.steps, device))
+                    times, mean_context = decode_step_seconds(engine, prompts, adapters, args.warmup,
+                                                              args.steps, device)
+                    step = statistics.median(times)
                     nbytes = {"weight": weight_bytes(model, batch),
-                              "kv": int(batch * (context + mean_extra) * per_token_kv),
+                              "kv": int(batch * mean_context * per_token_kv),
                               "lora": per_adapter * len(set(adapters) - {None})}
                     floor = sum(nbytes.values()) / bandwidth
                     rows.append({"lora": lora, "context": context, "batch": batch, "step_ms": 1e3 * step,

@@ -70,7 +70,8 @@ def test_graph_engine_generates_what_eager_engine_does(setup, monkeypatch):
     base, paths, _ = setup
     for eager in (True, False):
         model = load_hf_dir(base, dtype=torch.float32, device="cuda")
-        engine = Engine(model, None, EngineConfig(max_batch_size=12, enforce_eager=eager), adapters=paths)
+        engine = Engine(model, None, EngineConfig(max_batch_size=12, kv_cache_tokens=4096, enforce_eager=eager),
+                        adapters=paths)
         assert (engine.runner.graphs is None) == eager
         outputs[eager] = [o.token_ids for o in run_all(engine, requests, greedy)]
     assert outputs[False] == outputs[True]
