@@ -12,7 +12,8 @@ A step's inputs live in one int64 device buffer per bucket that the graph reads:
 A batch of n < size requests is padded to its bucket with rows that read and write only the
 scratch page (a page of the KV cache the allocator never hands out) and use no adapter (slot -1).
 The LoRA ops run per token (BGMV: decode batches up to 64 tokens are measured faster that way,
-punica.ops.lora.prefer_bgmv), so the adapter mix is data, not graph structure. The page table
+punica.ops.lora.prefer_bgmv), so the adapter mix is data, not graph structure; each bucket also
+has a graph without the LoRA ops, replayed when no request of the step uses an adapter. The page table
 is as wide as the longest context, and the attention kernels read each row's length on the
 device, so one graph serves every context length.
 """
@@ -68,8 +69,9 @@ class StaticDecodeBatch:
         if self.copied is not None:
             self.copied.record()
 
-    def forward(self, model: LlamaForCausalLM, kv_cache: torch.Tensor) -> torch.Tensor:
-        """Logits [size, V] float32 of every row: only device ops, so it can be captured."""
+    def forward(self, model: LlamaForCausalLM, kv_cache: torch.Tensor, with_lora: bool) -> torch.Tensor:
+        """Logits [size, V] float32 of every row (LoRA deltas only if `with_lora`): only device
+        ops, so it can be captured."""
         size, x = self.size, self.inputs
         token_slots = x[4 * size:5 * size].to(torch.int32)
         attn = AttnBatch(
@@ -81,12 +83,12 @@ class StaticDecodeBatch:
         )
         # every token its own segment, so the SGMV view agrees with the per-token one
         lora = LoraBatch(seg_indptr=self.query_start, seg_slots=token_slots, token_slots=token_slots,
-                         use_bgmv=True, any_lora=True)
+                         use_bgmv=True, any_lora=with_lora)
         return model(x[:size], attn, lora, kv_cache)
 
 
 class DecodeGraphs:
-    """One captured decode step per bucket, sharing one memory pool."""
+    """Two captured decode steps per bucket (with and without LoRA), sharing one memory pool."""
 
     def __init__(self, model: LlamaForCausalLM, kv_cache: torch.Tensor, page_size: int,
                  max_batch_size: int, max_pages: int, scratch_page: int):
@@ -94,21 +96,22 @@ class DecodeGraphs:
         device = kv_cache.device
         self.batches = {size: StaticDecodeBatch(size, max_pages, page_size, scratch_page, device)
                         for size in graph_batch_sizes(max_batch_size)}
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.outputs: dict[int, torch.Tensor] = {}
+        self.graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[tuple[int, bool], torch.Tensor] = {}
         pool = torch.cuda.graph_pool_handle()
         for size in sorted(self.batches, reverse=True):  # the largest first: the others reuse its memory
-            batch = self.batches[size]
-            stream = torch.cuda.Stream(device)
-            stream.wait_stream(torch.cuda.current_stream(device))
-            with torch.cuda.stream(stream):  # compile the kernels and settle the allocator outside capture
-                for _ in range(2):
-                    batch.forward(model, kv_cache)
-            torch.cuda.current_stream(device).wait_stream(stream)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                self.outputs[size] = batch.forward(model, kv_cache)
-            self.graphs[size] = graph
+            for with_lora in (True, False):
+                batch, key = self.batches[size], (size, with_lora)
+                stream = torch.cuda.Stream(device)
+                stream.wait_stream(torch.cuda.current_stream(device))
+                with torch.cuda.stream(stream):  # compile the kernels and settle the allocator outside capture
+                    for _ in range(2):
+                        batch.forward(model, kv_cache, with_lora)
+                torch.cuda.current_stream(device).wait_stream(stream)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool):
+                    self.outputs[key] = batch.forward(model, kv_cache, with_lora)
+                self.graphs[key] = graph
         torch.cuda.synchronize(device)
 
     @property
@@ -118,6 +121,7 @@ class DecodeGraphs:
     def run(self, decodes: list[Request]) -> torch.Tensor:
         """Logits [len(decodes), V] float32, from the smallest bucket that holds the batch."""
         size = min(s for s in self.batches if s >= len(decodes))
+        key = (size, any(r.slot >= 0 for r in decodes))
         self.batches[size].fill(decodes)
-        self.graphs[size].replay()
-        return self.outputs[size][:len(decodes)].clone()
+        self.graphs[key].replay()
+        return self.outputs[key][:len(decodes)].clone()

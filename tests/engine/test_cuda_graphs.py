@@ -52,7 +52,7 @@ def test_static_batch_matches_eager_step(setup, num_requests, size):
                                runner.device)
     static.fill(decodes)
     with torch.inference_mode():
-        logits = static.forward(engine.model, runner.kv_cache)
+        logits = static.forward(engine.model, runner.kv_cache, with_lora=True)
     assert logits.shape == (size, eager.shape[1])
     torch.testing.assert_close(logits[:num_requests], eager, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(runner.kv_cache[:, :num_pages], eager_cache[:, :num_pages], rtol=1e-5, atol=1e-5)
@@ -64,15 +64,19 @@ def test_static_batch_matches_eager_step(setup, num_requests, size):
 def test_graph_engine_generates_what_eager_engine_does(setup, monkeypatch):
     replays = []
     run = DecodeGraphs.run
-    monkeypatch.setattr(DecodeGraphs, "run", lambda self, decodes: replays.append(len(decodes)) or run(self, decodes))
-    requests = workload(28, seed=11)
-    outputs = {}
+    monkeypatch.setattr(DecodeGraphs, "run", lambda self, decodes: replays.append(
+        (len(decodes), any(r.slot >= 0 for r in decodes))) or run(self, decodes))
+    mixed = workload(28, seed=11)
+    base_only = [(prompt, None, max_tokens) for prompt, _, max_tokens in workload(6, seed=12)]
     base, paths, _ = setup
+    outputs = {}
     for eager in (True, False):
         model = load_hf_dir(base, dtype=torch.float32, device="cuda")
         engine = Engine(model, None, EngineConfig(max_batch_size=12, kv_cache_tokens=4096, enforce_eager=eager),
                         adapters=paths)
         assert (engine.runner.graphs is None) == eager
-        outputs[eager] = [o.token_ids for o in run_all(engine, requests, greedy)]
+        outputs[eager] = [[o.token_ids for o in run_all(engine, requests, greedy)] for requests in (mixed, base_only)]
     assert outputs[False] == outputs[True]
-    assert len(set(replays)) > 3 and max(replays) == 12, replays
+    sizes = {n for n, _ in replays}
+    assert len(sizes) > 3 and max(sizes) == 12, replays
+    assert {with_lora for _, with_lora in replays} == {True, False}, "both graphs of a bucket replayed"
