@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from punica.config import ceil_div
+from punica.ops.layers import rope_ref
 
 
 @dataclass(frozen=True)
@@ -29,18 +30,14 @@ class AttnBatch:
     query_start: torch.Tensor     # [B + 1] int32: token offset of each request's queries
     context_lens: torch.Tensor    # [B] int32: tokens in cache for each request after this step
     logits_indices: torch.Tensor  # [num_logits] int64: token rows whose logits are computed
+    num_prefills: int
     num_prefill_tokens: int
-    prefill_query_lens: tuple[int, ...]    # host copies of the prefill requests' lengths (the
-    prefill_context_lens: tuple[int, ...]  # decodes' live only on the device: see punica.engine.cuda_graphs)
+    # Every per-request length lives on the device only, so that a CUDA graph captured for one
+    # batch shape serves any lengths (punica.engine.cuda_graphs).
 
     def __post_init__(self):
-        assert len(self.prefill_query_lens) == len(self.prefill_context_lens) <= self.page_table.shape[0]
-        assert all(0 < q <= c for q, c in zip(self.prefill_query_lens, self.prefill_context_lens))
-        assert sum(self.prefill_query_lens) == self.num_prefill_tokens
-
-    @property
-    def num_prefills(self) -> int:
-        return len(self.prefill_query_lens)
+        assert 0 <= self.num_prefills <= self.page_table.shape[0]
+        assert 0 <= self.num_prefill_tokens <= self.positions.shape[0]
 
     @property
     def num_tokens(self) -> int:
@@ -75,9 +72,8 @@ class AttnBatch:
             query_start=tensor(starts, torch.int32),
             context_lens=tensor(context_lens, torch.int32),
             logits_indices=tensor(logits_rows, torch.int64),
+            num_prefills=num_prefills,
             num_prefill_tokens=starts[num_prefills],
-            prefill_query_lens=tuple(query_lens[:num_prefills]),
-            prefill_context_lens=tuple(context_lens[:num_prefills]),
         )
 
 
@@ -87,6 +83,13 @@ def write_kv_ref(kv_layer: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_
     pages, offsets = slot_mapping // page_size, slot_mapping % page_size
     kv_layer[pages, 0, offsets] = k.to(kv_layer.dtype)
     kv_layer[pages, 1, offsets] = v.to(kv_layer.dtype)
+
+
+def rope_and_write_kv_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
+                          sin: torch.Tensor, kv_layer: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    q_rot, k_rot = rope_ref(q, k, cos, sin)
+    q.copy_(q_rot)
+    write_kv_ref(kv_layer, k_rot, v, slot_mapping)
 
 
 def paged_attention_ref(q: torch.Tensor, kv_layer: torch.Tensor, batch: AttnBatch, scale: float) -> torch.Tensor:
@@ -101,9 +104,10 @@ def paged_attention_ref(q: torch.Tensor, kv_layer: torch.Tensor, batch: AttnBatc
     page_size, num_kv_heads = kv_layer.shape[2], kv_layer.shape[3]
     group = num_heads // num_kv_heads
     out = torch.empty_like(q)
+    starts, context_lens = batch.query_start.tolist(), batch.context_lens.tolist()
     start = 0
     for i in range(batch.num_prefills):
-        q_len, ctx = batch.prefill_query_lens[i], batch.prefill_context_lens[i]
+        q_len, ctx = starts[i + 1] - starts[i], context_lens[i]
         pages = batch.page_table[i, : ceil_div(ctx, page_size)].long()
         k = kv_layer[pages, 0].reshape(-1, num_kv_heads, head_dim)[:ctx].float()
         v = kv_layer[pages, 1].reshape(-1, num_kv_heads, head_dim)[:ctx].float()
@@ -142,6 +146,29 @@ def write_kv(kv_layer: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapp
         from punica.ops.attention_triton import write_kv_triton
         return write_kv_triton(kv_layer, k, v, slot_mapping)
     return write_kv_ref(kv_layer, k, v, slot_mapping)
+
+
+def rope_and_write_kv_(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
+                       sin: torch.Tensor, kv_layer: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Rotary embedding of q in place, and each token's rotated key and its value appended to
+    the paged cache: `rope_` then `write_kv` in one kernel (one launch instead of two).
+
+        q: [T, Hq, D], k, v: [T, Hkv, D] (views are fine, last dim contiguous), cos, sin: [T, D/2]
+        float32, kv_layer: [P, 2, page_size, Hkv, D], slot_mapping: [T] int64
+        q_rot, k_rot = rope_ref(q, k, cos, sin)       (punica.ops.layers.rope_: rotated, rounded to
+        q[:] = q_rot                                    their dtype)
+        write_kv(kv_layer, k_rot, v, slot_mapping)     (then cast to the cache dtype)
+
+    k itself is left as given (unrotated): after this the model reads only q and the cache, so
+    the kernel saves writing k back. A caller that needs rotated k calls rope_ and write_kv.
+    """
+    assert q.shape[0] == k.shape[0] == cos.shape[0] and q.shape[2] == k.shape[2] == 2 * cos.shape[1], \
+        (q.shape, k.shape, cos.shape)
+    assert v.shape == k.shape and kv_layer.shape[3:] == k.shape[1:], (k.shape, v.shape, kv_layer.shape)
+    if q.is_cuda:
+        from punica.ops.attention_triton import rope_and_write_kv_triton_
+        return rope_and_write_kv_triton_(q, k, v, cos, sin, kv_layer, slot_mapping)
+    rope_and_write_kv_ref(q, k, v, cos, sin, kv_layer, slot_mapping)
 
 
 def paged_attention(q: torch.Tensor, kv_layer: torch.Tensor, batch: AttnBatch, scale: float) -> torch.Tensor:

@@ -1,6 +1,7 @@
 """Triton kernels for attention on the paged KV cache; semantics and layout: punica.ops.attention.
 
-* KV append: one program per token copies its K and V rows into its slot.
+* KV append: one program per token copies its K and V rows into its slot. Fused with rotary:
+  one program per (token, block of heads) rotates q in place and writes rotated K and V.
 * Prefill: flash attention over each prefill request's pages. One program per (tile of
   BLOCK_M queries of one request, query head). The tiles of all prefill requests share one
   grid axis sized by an upper bound (prefill tokens // BLOCK_M + prefills); a program finds
@@ -12,7 +13,9 @@
   partition) attends all query heads of its KV head, so K and V are read once per group, and
   writes an unnormalised partial output with its running max and sum. A second kernel merges
   each request's partitions. The split count depends on shapes only: enough programs to fill
-  the SMs, partitions of at least MIN_PARTITION tokens.
+  the SMs, partitions of at least MIN_PARTITION tokens. With one split (large batches: e.g. 32
+  requests x 32 KV heads already fill 132 SMs) the partition kernel normalises and writes the
+  output itself: one launch, no partial buffers.
 
 Every per-request length is read on the device, and the grids depend only on tensor shapes and
 `num_prefills`, so the calls are safe under CUDA-graph capture. Scores, softmax statistics
@@ -36,6 +39,7 @@ MIN_PARTITION = 256         # fewest tokens a decode partition covers
 # bf16/fp16 tiles for head_dim <= 128, from the sweep of benchmarks/attention.py (docs/benchmarks.md)
 PREFILL_CONFIG = (128, 64, 8, 3)  # BLOCK_M, BLOCK_N, num_warps, num_stages
 DECODE_CONFIG = (64, 2, 3)        # BLOCK_N, num_warps, num_stages
+ROPE_TILE = 512  # elements (heads x D/2) of q, and of k, one rotary + KV-append program handles
 
 
 @triton.jit
@@ -141,15 +145,17 @@ def _prefill_kernel(
 
 @triton.jit
 def _decode_partition_kernel(
-    q, kv, part_acc, part_max, part_sum, page_table, context_lens, query_start, num_prefills,
+    q, kv, out, part_acc, part_max, part_sum, page_table, context_lens, query_start, num_prefills,
     group, qk_scale, partition_size,
-    stride_q_token, stride_q_head, stride_q_dim,
+    stride_q_token, stride_q_head, stride_q_dim, stride_o_token, stride_o_head, stride_o_dim,
     stride_kv_page, stride_kv_kv, stride_kv_token, stride_kv_head, stride_kv_dim, stride_table,
     stride_pa_request, stride_pa_head, stride_pa_split, stride_pa_dim,
     stride_pm_request, stride_pm_head, stride_pm_split,
     HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_G: tl.constexpr,
-    BLOCK_N: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_N: tl.constexpr, SINGLE_SPLIT: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
 ):
+    """One partition of one decode request and KV head: its partial output and statistics, or
+    with SINGLE_SPLIT (one partition covers every context) the normalised output itself."""
     decode, kv_head_index, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     request = num_prefills + decode
     context_len = tl.load(context_lens + request)
@@ -179,6 +185,11 @@ def _decode_partition_kernel(
     acc, m, l = _attend(acc, m, l, qt, kv_head, pages_row, full_end, hi, query_pos, qk_scale,
                         stride_kv_page, stride_kv_kv, stride_kv_token, stride_kv_dim,
                         HEAD_DIM, PAGE_SIZE, BLOCK_N, True, UPCAST, PRECISION)
+    if SINGLE_SPLIT:
+        o = acc / l[:, None]
+        tl.store(out + token * stride_o_token + heads[:, None] * stride_o_head + dims[None, :] * stride_o_dim,
+                 o.to(out.dtype.element_ty), mask=g_ok[:, None])
+        return
     stats = decode.to(tl.int64) * stride_pm_request + heads * stride_pm_head + split * stride_pm_split
     tl.store(part_max + stats, m, mask=g_ok)
     tl.store(part_sum + stats, l, mask=g_ok)
@@ -231,6 +242,41 @@ def _write_kv_kernel(
     vt = tl.load(v + t * stride_v_token + heads[:, None] * stride_v_head + dims[None, :] * stride_v_dim, mask=ok)
     tl.store(dst, kt.to(kv.dtype.element_ty), mask=ok)
     tl.store(dst + stride_kv_kv, vt.to(kv.dtype.element_ty), mask=ok)
+
+
+@triton.jit
+def _rope_and_write_kv_kernel(
+    q, k, v, kv, cos, sin, slot_mapping, num_heads, num_kv_heads, half,
+    stride_q_token, stride_q_head, stride_k_token, stride_k_head, stride_v_token, stride_v_head,
+    stride_kv_page, stride_kv_kv, stride_kv_token, stride_kv_head, stride_cos, stride_sin,
+    PAGE_SIZE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    """Heads of one block of one token: q's rotated in place, k's rotated and v's copied into
+    the token's slot (k rounded to its own dtype first, as rope_ then write_kv round)."""
+    token = tl.program_id(0).to(tl.int64)
+    heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    dims = tl.arange(0, BLOCK_D)
+    dim_ok = dims < half
+    c = tl.load(cos + token * stride_cos + dims, mask=dim_ok, other=0.0)[None, :]
+    s = tl.load(sin + token * stride_sin + dims, mask=dim_ok, other=0.0)[None, :]
+    q_ok = (heads < num_heads)[:, None] & dim_ok[None, :]
+    first = q + token * stride_q_token + heads[:, None] * stride_q_head + dims[None, :]
+    x1 = tl.load(first, mask=q_ok, other=0.0).to(tl.float32)
+    x2 = tl.load(first + half, mask=q_ok, other=0.0).to(tl.float32)
+    tl.store(first, (x1 * c - x2 * s).to(q.dtype.element_ty), mask=q_ok)
+    tl.store(first + half, (x2 * c + x1 * s).to(q.dtype.element_ty), mask=q_ok)
+    kv_ok = (heads < num_kv_heads)[:, None] & dim_ok[None, :]
+    slot = tl.load(slot_mapping + token).to(tl.int64)
+    dst = (kv + (slot // PAGE_SIZE) * stride_kv_page + (slot % PAGE_SIZE) * stride_kv_token
+           + heads[:, None] * stride_kv_head + dims[None, :])
+    first = k + token * stride_k_token + heads[:, None] * stride_k_head + dims[None, :]
+    x1 = tl.load(first, mask=kv_ok, other=0.0).to(tl.float32)
+    x2 = tl.load(first + half, mask=kv_ok, other=0.0).to(tl.float32)
+    tl.store(dst, (x1 * c - x2 * s).to(k.dtype.element_ty).to(kv.dtype.element_ty), mask=kv_ok)
+    tl.store(dst + half, (x2 * c + x1 * s).to(k.dtype.element_ty).to(kv.dtype.element_ty), mask=kv_ok)
+    first = v + token * stride_v_token + heads[:, None] * stride_v_head + dims[None, :]
+    tl.store(dst + stride_kv_kv, tl.load(first, mask=kv_ok).to(kv.dtype.element_ty), mask=kv_ok)
+    tl.store(dst + stride_kv_kv + half, tl.load(first + half, mask=kv_ok).to(kv.dtype.element_ty), mask=kv_ok)
 
 
 def _precision(dtype: torch.dtype) -> str:
@@ -290,6 +336,28 @@ def write_kv_triton(kv_layer: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sl
     )
 
 
+def rope_and_write_kv_triton_(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
+                              sin: torch.Tensor, kv_layer: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """punica.ops.attention.rope_and_write_kv_ (q in place, k untouched). Grid: (token, block of
+    heads), each program rotating ROPE_TILE elements (heads x D/2) of q and as many of k."""
+    num_tokens, num_heads, head_dim = q.shape
+    num_kv_heads, half = k.shape[1], head_dim // 2
+    assert head_dim % 2 == 0 and q.stride(2) == k.stride(2) == v.stride(2) == kv_layer.stride(4) == 1, \
+        (q.stride(), k.stride(), v.stride(), kv_layer.stride())
+    assert cos.stride(1) == sin.stride(1) == 1 and cos.dtype == sin.dtype == torch.float32, (cos, sin)
+    if num_tokens == 0:
+        return
+    block_d = triton.next_power_of_2(half)
+    max_heads = max(num_heads, num_kv_heads)
+    block_h = min(2 if interpreting() else max(1, ROPE_TILE // block_d), triton.next_power_of_2(max_heads))
+    _rope_and_write_kv_kernel[(num_tokens, triton.cdiv(max_heads, block_h))](
+        q, k, v, kv_layer, cos, sin, slot_mapping, num_heads, num_kv_heads, half,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        *kv_layer.stride()[:4], cos.stride(0), sin.stride(0),
+        PAGE_SIZE=kv_layer.shape[2], BLOCK_H=block_h, BLOCK_D=block_d,
+    )
+
+
 def paged_attention_triton(q: torch.Tensor, kv_layer: torch.Tensor, batch: AttnBatch, scale: float,
                            num_splits: int | None = None) -> torch.Tensor:
     """punica.ops.attention.paged_attention; `num_splits` overrides the decode split count."""
@@ -318,19 +386,26 @@ def paged_attention_triton(q: torch.Tensor, kv_layer: torch.Tensor, batch: AttnB
         max_context = batch.page_table.shape[1] * page_size
         partition, splits = decode_partition(num_decodes, num_kv_heads, max_context, block_n, q.device,
                                              num_splits)
-        part_acc = torch.empty(num_decodes, num_heads, splits, head_dim, dtype=torch.float32, device=q.device)
-        part_max = torch.empty(num_decodes, num_heads, splits, dtype=torch.float32, device=q.device)
-        part_sum = torch.empty_like(part_max)
+        single = splits == 1  # the partition kernel writes the output: no partials, no merge
+        if single:  # never read or written: pass out in their place
+            part_acc = part_max = part_sum = out
+            pa_strides, pm_strides = (0, 0, 0, 0), (0, 0, 0)
+        else:
+            part_acc = torch.empty(num_decodes, num_heads, splits, head_dim, dtype=torch.float32, device=q.device)
+            part_max = torch.empty(num_decodes, num_heads, splits, dtype=torch.float32, device=q.device)
+            part_sum = torch.empty_like(part_max)
+            pa_strides, pm_strides = part_acc.stride(), part_max.stride()
         _decode_partition_kernel[(num_decodes, num_kv_heads, splits)](
-            q, kv_layer, part_acc, part_max, part_sum, batch.page_table, batch.context_lens,
-            batch.query_start, num_prefills, group, qk_scale, partition, *q.stride(), *kv_layer.stride(),
-            batch.page_table.stride(0), *part_acc.stride(), *part_max.stride(),
-            BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n, num_warps=warps,
-            num_stages=stages, **common,
+            q, kv_layer, out, part_acc, part_max, part_sum, batch.page_table, batch.context_lens,
+            batch.query_start, num_prefills, group, qk_scale, partition, *q.stride(), *out.stride(),
+            *kv_layer.stride(), batch.page_table.stride(0), *pa_strides, *pm_strides,
+            BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n, SINGLE_SPLIT=single,
+            num_warps=warps, num_stages=stages, **common,
         )
-        _decode_merge_kernel[(num_decodes, num_heads)](
-            out, part_acc, part_max, part_sum, batch.context_lens, batch.query_start, num_prefills,
-            partition, *out.stride(), *part_acc.stride(), *part_max.stride(), HEAD_DIM=head_dim,
-            BLOCK_S=max(2, triton.next_power_of_2(splits)), num_warps=4,
-        )
+        if not single:
+            _decode_merge_kernel[(num_decodes, num_heads)](
+                out, part_acc, part_max, part_sum, batch.context_lens, batch.query_start, num_prefills,
+                partition, *out.stride(), *part_acc.stride(), *part_max.stride(), HEAD_DIM=head_dim,
+                BLOCK_S=max(2, triton.next_power_of_2(splits)), num_warps=4,
+            )
     return out

@@ -115,6 +115,111 @@ def test_write_kv_matches_reference(dtype, page_size):
     assert not torch.equal(got, kv)
 
 
+class Unlaunchable:
+    def __getitem__(self, grid):
+        raise AssertionError("merge kernel launched")
+
+
+def test_single_split_writes_the_output_without_the_merge(monkeypatch):
+    """One split: the partition kernel normalises and writes the output; the merge never runs
+    (with two it does)."""
+    monkeypatch.setattr(kernels, "_decode_merge_kernel", Unlaunchable())
+    check_attention([1] * 3, [40, 1, 33], 0, page_size=5, num_heads=9, num_kv_heads=3, head_dim=32,
+                    dtype=torch.bfloat16, seed=5, num_splits=1, pad_pages=2)
+    check_attention(**MIXED, page_size=16, num_heads=4, num_kv_heads=4, head_dim=64, dtype=torch.float32,
+                    seed=6, num_splits=1)
+    with pytest.raises(AssertionError, match="merge kernel launched"):
+        check_attention([1] * 3, [40, 1, 33], 0, page_size=5, num_heads=9, num_kv_heads=3, head_dim=32,
+                        dtype=torch.bfloat16, seed=5, num_splits=2)
+
+
+# ---- rotary + KV append, fused -----------------------------------------------------------
+
+def split_qkv(qkv, num_heads, num_kv_heads, head_dim):
+    """q, k, v as views of one fused qkv row, as the model has them."""
+    q, k, v = qkv.split([num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], dim=1)
+    return q.view(-1, num_heads, head_dim), k.view(-1, num_kv_heads, head_dim), v.view(-1, num_kv_heads, head_dim)
+
+
+def rope_kv_inputs(num_tokens, num_heads, num_kv_heads, head_dim, page_size, dtype, cache_dtype, seed):
+    """A fused qkv, cos/sin of random positions, a random cache and scattered slots in it."""
+    gen = torch.Generator().manual_seed(seed)
+    qkv = torch.randn(num_tokens, (num_heads + 2 * num_kv_heads) * head_dim, generator=gen).to(dtype).to(DEVICE)
+    positions = torch.randint(0, 4096, (num_tokens,), generator=gen)
+    inv_freq = 1.0 / (10000.0 ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+    freqs = positions.float()[:, None] * inv_freq[None, :]
+    num_pages = ceil_div(num_tokens, page_size) + 3
+    kv = torch.randn(num_pages, 2, page_size, num_kv_heads, head_dim, generator=gen).to(cache_dtype).to(DEVICE)
+    slots = torch.randperm(num_pages * page_size, generator=gen)[:num_tokens].to(DEVICE)
+    return qkv, freqs.cos().to(DEVICE), freqs.sin().to(DEVICE), kv, slots
+
+
+def check_rope_and_write_kv(num_tokens, num_heads, num_kv_heads, head_dim, page_size, dtype, seed,
+                            cache_dtype=None, fn=kernels.rope_and_write_kv_triton_):
+    """fn against the reference: q rotated in place, k and v untouched, rotated k and v in their
+    slots of the cache and nothing else written. Returns the cache fn wrote, and which
+    (page, offset) slots it wrote."""
+    heads = (num_heads, num_kv_heads, head_dim)
+    qkv, cos, sin, kv, slots = rope_kv_inputs(num_tokens, *heads, page_size, dtype, cache_dtype or dtype, seed)
+    expect_qkv, expect_kv, got_qkv, got_kv = qkv.clone(), kv.clone(), qkv.clone(), kv.clone()
+    ops.rope_and_write_kv_ref(*split_qkv(expect_qkv, *heads), cos, sin, expect_kv, slots)
+    fn(*split_qkv(got_qkv, *heads), cos, sin, got_kv, slots)
+    rtol, atol = TOL[dtype]
+    q_end = num_heads * head_dim
+    torch.testing.assert_close(got_qkv, expect_qkv, rtol=rtol, atol=atol)
+    assert not torch.equal(got_qkv[:, :q_end], qkv[:, :q_end])
+    assert torch.equal(got_qkv[:, q_end:], qkv[:, q_end:])  # k and v untouched
+    torch.testing.assert_close(got_kv, expect_kv, rtol=rtol, atol=atol)
+    assert torch.equal(got_kv[:, 1], expect_kv[:, 1])  # values are copied exactly
+    written = torch.zeros(kv.shape[0], page_size, dtype=torch.bool, device=kv.device)
+    written[slots // page_size, slots % page_size] = True
+    assert torch.equal(got_kv.transpose(1, 2)[~written], kv.transpose(1, 2)[~written])  # other slots untouched
+    assert not torch.equal(got_kv.transpose(1, 2)[written], kv.transpose(1, 2)[written])
+    return got_kv, written
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("num_tokens,num_heads,num_kv_heads,head_dim,page_size", [
+    (1, 4, 4, 16, 16),    # one token, no GQA
+    (11, 9, 3, 64, 5),    # GQA 3, odd page size, ragged head blocks for k
+    (9, 3, 1, 20, 7),     # half head_dim 10: not a power of 2
+    (4, 1, 3, 8, 3),      # more kv heads than q heads
+])
+def test_rope_and_write_kv_matches_reference(dtype, num_tokens, num_heads, num_kv_heads, head_dim, page_size):
+    check_rope_and_write_kv(num_tokens, num_heads, num_kv_heads, head_dim, page_size, dtype,
+                            seed=num_tokens * head_dim)
+
+
+def test_rope_and_write_kv_rounds_k_to_its_dtype_before_the_cache():
+    """bf16 q/k/v into an fp32 cache: the cache gets k rotated and rounded to bf16, as the
+    reference (rope_ then write_kv) gives it, not the fp32 rotation."""
+    got_kv, written = check_rope_and_write_kv(6, 4, 2, 32, 4, torch.bfloat16, seed=2, cache_dtype=torch.float32)
+    keys = got_kv[:, 0][written]
+    assert torch.equal(keys, keys.to(torch.bfloat16).float())
+
+
+@pytest.mark.parametrize("path", ["public", "kernels"])
+def test_rope_and_write_kv_equals_rope_then_write_kv(path):
+    """The fused op is the two ops it replaces, bit for bit on CPU (the reference, and the
+    kernels under the interpreter); on the GPU within rounding."""
+    from punica.ops import layers, layers_triton
+    fused, rope, write = ((ops.rope_and_write_kv_, layers.rope_, ops.write_kv) if path == "public" else
+                          (kernels.rope_and_write_kv_triton_, layers_triton.rope_triton_, kernels.write_kv_triton))
+    heads = (6, 2, 64)
+    qkv, cos, sin, kv, slots = rope_kv_inputs(13, *heads, 4, torch.bfloat16, torch.bfloat16, seed=8)
+    fused_qkv, fused_kv = qkv.clone(), kv.clone()
+    fused(*split_qkv(fused_qkv, *heads), cos, sin, fused_kv, slots)
+    q, k, v = split_qkv(qkv, *heads)
+    rope(q, k, cos, sin)
+    write(kv, k, v, slots)
+    got_q, expect_q = fused_qkv[:, :6 * 64], qkv[:, :6 * 64]
+    if DEVICE == "cpu":
+        assert torch.equal(got_q, expect_q) and torch.equal(fused_kv, kv)
+    else:
+        torch.testing.assert_close(got_q, expect_q, rtol=2e-2, atol=2e-2)
+        torch.testing.assert_close(fused_kv, kv, rtol=2e-2, atol=2e-2)
+
+
 # ---- GPU, real shapes -------------------------------------------------------------------
 
 def real_mixed_batch(rng, num_decodes, max_context):
