@@ -1,24 +1,31 @@
-"""CUDA graphs for decode-only steps, one per batch-size bucket.
+"""CUDA graphs for steps with few prefill tokens: every bucket's whole model run is captured.
 
 A decode step of a 7B model launches ~1,000 kernels; run eagerly, Python and the launches take
-longer than the GPU work. So each bucket's step (embedding, every layer with its LoRA deltas,
-lm_head) is captured once and replayed: a step costs one host-to-device copy of its inputs and
+longer than the GPU work. So the step (embedding, every layer with its LoRA deltas, lm_head) is
+captured once per bucket and replayed: a step costs one host-to-device copy of its inputs and
 one graph launch, whatever the mix of adapters.
 
-A step's inputs live in one int64 device buffer per bucket that the graph reads:
+A bucket is a batch shape: `num_prefills` prefill requests with `prefill_tokens` query tokens
+between them, then `num_decodes` decode rows. Decode-only buckets (no prefills) cover batch
+sizes 1, 2, 4, then multiples of 8; mixed buckets hold up to MIXED_PREFILLS - 1 new requests
+beside a full batch of decodes, so that steps admitting short prompts replay a graph too. A
+step's inputs live in one int64 device buffer per bucket that its graph reads:
 
-    [token ids | positions | KV slots | context lengths | adapter slots | page table (size x max_pages)]
+    [token ids | positions | KV slots | adapter slots]  (one each per token)
+    [query starts (requests + 1) | context lengths | page table (requests x max_pages)]
 
-A batch of n < size requests is padded to its bucket with rows that read and write only the
-scratch page (a page of the KV cache the allocator never hands out) and use no adapter (slot -1).
-The LoRA ops run per token (BGMV: decode batches up to 64 tokens are measured faster that way,
-punica.ops.lora.prefer_bgmv), so the adapter mix is data, not graph structure; each bucket also
-has a graph without the LoRA ops, replayed when no request of the step uses an adapter. The page table
-is as wide as the longest context, and the attention kernels read each row's length on the
-device, so one graph serves every context length.
+A smaller batch is padded to its bucket: padded decode rows, and one padded prefill request
+that takes every spare prefill token, read and write only the scratch page (a page of the KV
+cache the allocator never hands out) and use no adapter (slot -1). The LoRA ops run per token
+(BGMV), so the adapter mix is data, not graph structure; each bucket also has a graph without
+the LoRA ops, replayed when no request of the step uses an adapter. The page table is as wide
+as the longest context and the attention kernels read every length on the device, so one graph
+serves every context length.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -28,80 +35,128 @@ from punica.lora.batch import LoraBatch
 from punica.models.llama import LlamaForCausalLM
 from punica.ops.attention import AttnBatch
 
+MIXED_PREFILLS = 4                        # prefill requests of a mixed bucket, the padding one included
+MIXED_PREFILL_TOKENS = (32, 64, 128, 256)  # prefill tokens of the mixed buckets
 
-def graph_batch_sizes(max_batch_size: int) -> list[int]:
-    """The buckets: 1, 2, 4, then multiples of 8, and max_batch_size itself."""
+
+def decode_batch_sizes(max_batch_size: int) -> list[int]:
+    """The decode-only buckets: 1, 2, 4, then multiples of 8, and max_batch_size itself."""
     sizes = {s for s in (1, 2, 4) if s < max_batch_size} | set(range(8, max_batch_size, 8))
     return sorted(sizes | {max_batch_size})
 
 
-class StaticDecodeBatch:
+@dataclass(frozen=True)
+class Bucket:
+    num_prefills: int
+    prefill_tokens: int
+    num_decodes: int
+
+    @property
+    def num_tokens(self) -> int:
+        return self.prefill_tokens + self.num_decodes
+
+    @property
+    def num_requests(self) -> int:
+        return self.num_prefills + self.num_decodes
+
+    def fits(self, prefills: list[Request], decodes: list[Request]) -> bool:
+        if not prefills:
+            return self.num_prefills == 0 and len(decodes) <= self.num_decodes
+        tokens = sum(r.num_tokens - r.num_cached for r in prefills)
+        padding = self.num_prefills - len(prefills)  # padding requests, of at least one token each
+        return padding > 0 and tokens + padding <= self.prefill_tokens and len(decodes) <= self.num_decodes
+
+
+def buckets(max_batch_size: int) -> list[Bucket]:
+    """Every bucket, smallest first."""
+    decode = [Bucket(0, 0, size) for size in decode_batch_sizes(max_batch_size)]
+    return decode + [Bucket(MIXED_PREFILLS, tokens, max_batch_size) for tokens in MIXED_PREFILL_TOKENS]
+
+
+class StaticBatch:
     """The device inputs of one bucket: refilled in place by `fill`, read by `forward`."""
 
-    def __init__(self, size: int, max_pages: int, page_size: int, scratch_page: int, device: torch.device):
-        self.size, self.max_pages, self.page_size, self.scratch_page = size, max_pages, page_size, scratch_page
-        self.host = torch.empty(5 * size + size * max_pages, dtype=torch.int64,
-                                pin_memory=device.type == "cuda")
+    def __init__(self, bucket: Bucket, max_pages: int, page_size: int, scratch_page: int, device: torch.device):
+        self.bucket, self.max_pages, self.page_size, self.scratch_page = bucket, max_pages, page_size, scratch_page
+        t, b = bucket.num_tokens, bucket.num_requests
+        self.sizes = (t, t, t, t, b + 1, b, b * max_pages)
+        self.host = torch.empty(sum(self.sizes), dtype=torch.int64, pin_memory=device.type == "cuda")
         self.inputs = torch.empty_like(self.host, device=device)
-        self.query_start = torch.arange(size + 1, dtype=torch.int32, device=device)
-        self.logits_indices = torch.arange(size, dtype=torch.int64, device=device)
         self.copied = torch.cuda.Event() if device.type == "cuda" else None
-        self.fill([])
+        self.fill([], [])
 
-    def fill(self, decodes: list[Request]) -> None:
-        """Copy the inputs of these decode requests (at most `size`) to the device, padded."""
-        n, size = len(decodes), self.size
-        assert n <= size, (n, size)
+    def fill(self, prefills: list[Request], decodes: list[Request]) -> None:
+        """Copy the inputs of these requests (that the bucket `fits`) to the device, padded."""
         if self.copied is not None:
             self.copied.synchronize()  # the previous step's copy has read the host buffer
-        host = self.host.numpy()
-        ids, positions, kv_slots, context, adapters = host[:5 * size].reshape(5, size)
-        table = host[5 * size:].reshape(size, self.max_pages)
-        ids[:], positions[:], context[:], adapters[:] = 0, 0, 1, -1
-        kv_slots[:] = self.scratch_page * self.page_size
-        table[:] = self.scratch_page
+        bucket, page_size, scratch = self.bucket, self.page_size, self.scratch_page
+        ids, positions, kv_slots, adapters, starts, context, table = np.split(
+            self.host.numpy(), np.cumsum(self.sizes)[:-1])
+        table = table.reshape(bucket.num_requests, self.max_pages)
+        ids[:], positions[:], adapters[:], context[:] = 0, 0, -1, 1
+        kv_slots[:] = scratch * page_size
+        table[:] = scratch
+        starts[:] = np.arange(bucket.num_requests + 1) + bucket.prefill_tokens - bucket.num_prefills
+        starts[0] = 0  # the prefill requests' bounds follow
+        token = 0
+        for i, request in enumerate(prefills):
+            lo, hi = request.num_cached, request.num_tokens
+            rows = slice(token, token + hi - lo)
+            pos = np.arange(lo, hi)
+            ids[rows], positions[rows], adapters[rows] = request.token_ids[lo:hi], pos, request.slot
+            pages = np.asarray(request.pages)
+            kv_slots[rows] = pages[pos // page_size] * page_size + pos % page_size
+            table[i, :len(pages)] = pages
+            context[i] = hi
+            token += hi - lo
+            starts[i + 1] = token
+        if bucket.num_prefills:  # padding requests: one token each, the last takes what is left
+            for i in range(len(prefills), bucket.num_prefills):
+                token = bucket.prefill_tokens if i == bucket.num_prefills - 1 else token + 1
+                starts[i + 1] = token
+                context[i] = token - starts[i]
+                positions[starts[i]:token] = np.arange(token - starts[i])
         for i, request in enumerate(decodes):
-            pos = request.num_tokens - 1
-            ids[i], positions[i], context[i], adapters[i] = request.token_ids[-1], pos, pos + 1, request.slot
-            kv_slots[i] = request.pages[pos // self.page_size] * self.page_size + pos % self.page_size
-            table[i, :len(request.pages)] = request.pages
+            row, pos = bucket.prefill_tokens + i, request.num_tokens - 1
+            ids[row], positions[row], adapters[row] = request.token_ids[-1], pos, request.slot
+            kv_slots[row] = request.pages[pos // page_size] * page_size + pos % page_size
+            table[bucket.num_prefills + i, :len(request.pages)] = request.pages
+            context[bucket.num_prefills + i] = pos + 1
         self.inputs.copy_(self.host, non_blocking=True)
         if self.copied is not None:
             self.copied.record()
 
     def forward(self, model: LlamaForCausalLM, kv_cache: torch.Tensor, with_lora: bool) -> torch.Tensor:
-        """Logits [size, V] float32 of every row (LoRA deltas only if `with_lora`): only device
-        ops, so it can be captured."""
-        size, x = self.size, self.inputs
-        token_slots = x[4 * size:5 * size].to(torch.int32)
+        """Logits [num_requests, V] float32 of every request row (LoRA deltas only if
+        `with_lora`): only device ops, so it can be captured."""
+        bucket = self.bucket
+        ids, positions, kv_slots, adapters, starts, context, table = self.inputs.split(self.sizes)
+        token_slots, query_start = adapters.to(torch.int32), starts.to(torch.int32)
         attn = AttnBatch(
-            positions=x[size:2 * size], slot_mapping=x[2 * size:3 * size],
-            page_table=x[5 * size:].view(size, self.max_pages).to(torch.int32),
-            query_start=self.query_start, context_lens=x[3 * size:4 * size].to(torch.int32),
-            logits_indices=self.logits_indices, num_prefill_tokens=0,
-            prefill_query_lens=(), prefill_context_lens=(),
+            positions=positions, slot_mapping=kv_slots,
+            page_table=table.view(bucket.num_requests, self.max_pages).to(torch.int32),
+            query_start=query_start, context_lens=context.to(torch.int32), logits_indices=starts[1:] - 1,
+            num_prefills=bucket.num_prefills, num_prefill_tokens=bucket.prefill_tokens,
         )
-        # every token its own segment, so the SGMV view agrees with the per-token one
-        lora = LoraBatch(seg_indptr=self.query_start, seg_slots=token_slots, token_slots=token_slots,
-                         use_bgmv=True, any_lora=with_lora)
-        return model(x[:size], attn, lora, kv_cache)
+        lora = LoraBatch(seg_indptr=torch.arange(bucket.num_tokens + 1, dtype=torch.int32, device=ids.device),
+                         seg_slots=token_slots, token_slots=token_slots, use_bgmv=True, any_lora=with_lora)
+        return model(ids, attn, lora, kv_cache)
 
 
-class DecodeGraphs:
-    """Two captured decode steps per bucket (with and without LoRA), sharing one memory pool."""
+class CudaGraphs:
+    """Two captured steps per bucket (with and without LoRA), sharing one memory pool."""
 
     def __init__(self, model: LlamaForCausalLM, kv_cache: torch.Tensor, page_size: int,
                  max_batch_size: int, max_pages: int, scratch_page: int):
-        self.model, self.kv_cache = model, kv_cache
         device = kv_cache.device
-        self.batches = {size: StaticDecodeBatch(size, max_pages, page_size, scratch_page, device)
-                        for size in graph_batch_sizes(max_batch_size)}
-        self.graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}
-        self.outputs: dict[tuple[int, bool], torch.Tensor] = {}
+        self.batches = [StaticBatch(b, max_pages, page_size, scratch_page, device) for b in buckets(max_batch_size)]
+        self.graphs: dict[tuple[Bucket, bool], torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[tuple[Bucket, bool], torch.Tensor] = {}
         pool = torch.cuda.graph_pool_handle()
-        for size in sorted(self.batches, reverse=True):  # the largest first: the others reuse its memory
+        by_size = sorted(self.batches, key=lambda batch: batch.bucket.num_tokens, reverse=True)
+        for batch in by_size:  # the largest first: the others reuse its memory
             for with_lora in (True, False):
-                batch, key = self.batches[size], (size, with_lora)
+                key = (batch.bucket, with_lora)
                 stream = torch.cuda.Stream(device)
                 stream.wait_stream(torch.cuda.current_stream(device))
                 with torch.cuda.stream(stream):  # compile the kernels and settle the allocator outside capture
@@ -114,14 +169,17 @@ class DecodeGraphs:
                 self.graphs[key] = graph
         torch.cuda.synchronize(device)
 
-    @property
-    def max_batch_size(self) -> int:
-        return max(self.batches)
-
-    def run(self, decodes: list[Request]) -> torch.Tensor:
-        """Logits [len(decodes), V] float32, from the smallest bucket that holds the batch."""
-        size = min(s for s in self.batches if s >= len(decodes))
-        key = (size, any(r.slot >= 0 for r in decodes))
-        self.batches[size].fill(decodes)
+    def run(self, prefills: list[Request], decodes: list[Request]) -> torch.Tensor | None:
+        """Logits [len(prefills) + len(decodes), V] float32 from the smallest bucket that fits
+        the step, or None when none does (the caller runs it eagerly)."""
+        batch = next((b for b in self.batches if b.bucket.fits(prefills, decodes)), None)
+        if batch is None:
+            return None
+        bucket = batch.bucket
+        key = (bucket, any(r.slot >= 0 for r in prefills + decodes))
+        batch.fill(prefills, decodes)
         self.graphs[key].replay()
-        return self.outputs[key][:len(decodes)].clone()
+        out = self.outputs[key]
+        if not prefills:
+            return out[:len(decodes)].clone()
+        return torch.cat([out[:len(prefills)], out[bucket.num_prefills:bucket.num_prefills + len(decodes)]])

@@ -8,7 +8,7 @@ import time
 import torch
 
 from punica.config import ceil_div
-from punica.engine.cuda_graphs import DecodeGraphs
+from punica.engine.cuda_graphs import CudaGraphs
 from punica.engine.request import Request
 from punica.lora.batch import LoraBatch
 from punica.models.llama import LlamaForCausalLM
@@ -23,7 +23,8 @@ def kv_bytes_per_token(model: LlamaForCausalLM) -> int:
 
 
 class ModelRunner:
-    """Runs mixed steps eagerly; on CUDA, decode-only steps replay captured graphs unless `eager`.
+    """On CUDA (unless `eager`), steps that fit a bucket of punica.engine.cuda_graphs replay a
+    captured graph; other steps, and every step on the CPU, run eagerly.
 
     The KV cache holds `num_pages` pages for requests plus one scratch page (the last) that
     padded rows of graph batches write to.
@@ -35,15 +36,15 @@ class ModelRunner:
         self.device = model.embed.weight.device
         self.page_size = page_size
         self.kv_cache = model.new_kv_cache(num_pages + 1, page_size)
-        self.graphs: DecodeGraphs | None = None
+        self.graphs: CudaGraphs | None = None
         if self.device.type == "cuda" and not eager:
             start = time.perf_counter()
             max_pages = ceil_div(max_model_len or num_pages * page_size, page_size)
             with torch.inference_mode():
-                self.graphs = DecodeGraphs(model, self.kv_cache, page_size, max_batch_size, max_pages,
-                                           scratch_page=num_pages)
-            log.info("captured decode CUDA graphs for batch sizes %s in %.1f s",
-                     sorted(self.graphs.batches), time.perf_counter() - start)
+                self.graphs = CudaGraphs(model, self.kv_cache, page_size, max_batch_size, max_pages,
+                                         scratch_page=num_pages)
+            log.info("captured CUDA graphs of %d batch shapes in %.1f s", len(self.graphs.batches),
+                     time.perf_counter() - start)
 
     @torch.inference_mode()
     def run(self, prefills: list[Request], decodes: list[Request]) -> torch.Tensor:
@@ -52,8 +53,10 @@ class ModelRunner:
         A prefill runs every token not yet cached (a whole prompt, or prompt + generated tokens
         when recomputing after a preemption); a decode runs its last token.
         """
-        if not prefills and self.graphs is not None and len(decodes) <= self.graphs.max_batch_size:
-            return self.graphs.run(decodes)
+        if self.graphs is not None:
+            logits = self.graphs.run(prefills, decodes)
+            if logits is not None:
+                return logits
         ids: list[int] = []
         query_lens, context_lens, tables, slots = [], [], [], []
         for i, request in enumerate(prefills + decodes):

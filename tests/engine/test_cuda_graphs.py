@@ -1,5 +1,5 @@
-"""Decode steps as CUDA graphs: the padded static batch equals the eager step (CPU), and an
-engine replaying graphs generates exactly what an eager engine does (GPU)."""
+"""Steps as CUDA graphs: a padded static batch equals the eager step (CPU), and an engine
+replaying graphs generates exactly what an eager engine does (GPU)."""
 
 from __future__ import annotations
 
@@ -7,66 +7,101 @@ import pytest
 import torch
 
 from punica.config import EngineConfig, ceil_div
+from punica.engine.cuda_graphs import Bucket, CudaGraphs, StaticBatch, buckets, decode_batch_sizes
 from punica.engine.engine import Engine
-from punica.engine.cuda_graphs import DecodeGraphs, StaticDecodeBatch, graph_batch_sizes
+from punica.engine.request import Request
+from punica.engine.sampling_params import SamplingParams
 from punica.models.loader import load_hf_dir
 from test_engine import greedy, make_engine, run_all, setup, workload  # noqa: F401  (setup: fixture)
 
 
-def test_graph_batch_sizes():
-    assert graph_batch_sizes(32) == [1, 2, 4, 8, 16, 24, 32]
-    assert graph_batch_sizes(12) == [1, 2, 4, 8, 12]
-    assert graph_batch_sizes(3) == [1, 2, 3]
-    assert graph_batch_sizes(1) == [1]
+def test_decode_batch_sizes():
+    assert decode_batch_sizes(32) == [1, 2, 4, 8, 16, 24, 32]
+    assert decode_batch_sizes(12) == [1, 2, 4, 8, 12]
+    assert decode_batch_sizes(3) == [1, 2, 3]
+    assert decode_batch_sizes(1) == [1]
 
 
-def decode_batch(engine, num_requests):
-    """Run requests of mixed adapters until a step schedules only decodes; that step's batch."""
-    for prompt, adapter, _ in workload(num_requests, seed=3):
+def prefill(num_tokens: int, num_cached: int = 0) -> Request:
+    request = Request("r", list(range(num_tokens)), SamplingParams())
+    request.num_cached = num_cached
+    return request
+
+
+def test_bucket_fits_and_order():
+    decodes = [prefill(9, 8)] * 3
+    assert Bucket(0, 0, 4).fits([], decodes) and not Bucket(0, 0, 2).fits([], decodes)
+    assert not Bucket(0, 0, 4).fits([prefill(5)], decodes)
+    mixed = Bucket(4, 32, 8)
+    assert mixed.fits([prefill(29)], decodes)          # 29 tokens + 3 padding requests of one token
+    assert not mixed.fits([prefill(30)], decodes)
+    assert mixed.fits([prefill(30, 20)] * 3, decodes)  # only uncached tokens count: 30 + 1 padding
+    assert not mixed.fits([prefill(5)] * 4, decodes)   # the padding request needs a place
+    assert not mixed.fits([], decodes)
+    all_buckets = buckets(32)
+    assert all_buckets == sorted(all_buckets, key=lambda b: (b.num_prefills > 0, b.num_tokens))
+
+
+def scheduled_step(engine, num_decodes, new_prompts):
+    """Requests of mixed adapters until `num_decodes` run; then add `new_prompts`: the next batch."""
+    for prompt, adapter, _ in workload(max(num_decodes, 4), seed=3)[:num_decodes]:
         engine.add_request(prompt, greedy(30), adapter)
     for _ in range(20):  # adapters load off the engine thread; their requests join when ready
         engine.step()
-        if len(engine.scheduler.running) == num_requests:
+        if len(engine.scheduler.running) == num_decodes:
             break
+    for i, length in enumerate(new_prompts):
+        adapter = [None, "a", "c"][i % 3] if num_decodes >= 4 else None  # resident: admitted at once
+        engine.add_request(list(range(3, 3 + length)), greedy(30), adapter)
     batch = engine.scheduler.schedule()
-    assert not batch.prefills and len(batch.decodes) == num_requests
-    assert {r.slot for r in batch.decodes} >= {-1, 0, 1, 2}, "a base row and every adapter in the batch"
-    assert max(len(r.pages) for r in batch.decodes) > 1
-    return batch.decodes
+    assert len(batch.prefills) == len(new_prompts) and len(batch.decodes) == num_decodes
+    return sorted(batch.prefills, key=lambda r: r.slot), sorted(batch.decodes, key=lambda r: r.slot)
 
 
-@pytest.mark.parametrize("num_requests,size", [(6, 8), (8, 8), (1, 4)])
-def test_static_batch_matches_eager_step(setup, num_requests, size):
+@pytest.mark.parametrize("bucket,num_decodes,new_prompts", [
+    (Bucket(0, 0, 8), 6, []), (Bucket(0, 0, 8), 8, []), (Bucket(0, 0, 4), 1, []),
+    (Bucket(4, 64, 8), 5, [17]), (Bucket(4, 128, 8), 8, [5, 40, 30]), (Bucket(4, 32, 4), 0, [2, 3]),
+])
+def test_static_batch_matches_eager_step(setup, bucket, num_decodes, new_prompts):
     engine = make_engine(setup, max_batch_size=16, kv_cache_tokens=1024)
-    decodes = decode_batch(engine, max(num_requests, 4))[:num_requests]
+    prefills, decodes = scheduled_step(engine, num_decodes, new_prompts)
+    assert bucket.fits(prefills, decodes)
+    if len(decodes) >= 4:
+        assert {r.slot for r in decodes} >= {-1, 0, 1, 2}, "a base row and every adapter in the batch"
+        assert max(len(r.pages) for r in decodes) > 1
     runner, page_size = engine.runner, engine.config.page_size
     num_pages = engine.allocator.num_pages
     assert runner.kv_cache.shape[1] == num_pages + 1, "one scratch page beyond the allocator's"
     before = runner.kv_cache.clone()
-    eager = runner.run([], decodes)
+    eager = runner.run(prefills, decodes)
     eager_cache = runner.kv_cache.clone()
 
     runner.kv_cache.copy_(before)
     runner.kv_cache[:, num_pages] = 1e3  # garbage in the scratch page is never read by real rows
-    static = StaticDecodeBatch(size, ceil_div(engine.max_model_len, page_size), page_size, num_pages,
-                               runner.device)
-    static.fill(decodes)
+    static = StaticBatch(bucket, ceil_div(engine.max_model_len, page_size), page_size, num_pages, runner.device)
+    static.fill(prefills, decodes)
     with torch.inference_mode():
         logits = static.forward(engine.model, runner.kv_cache, with_lora=True)
-    assert logits.shape == (size, eager.shape[1])
-    torch.testing.assert_close(logits[:num_requests], eager, rtol=1e-5, atol=1e-5)
+    assert logits.shape == (bucket.num_requests, eager.shape[1])
+    real_rows = list(range(len(prefills))) + [bucket.num_prefills + i for i in range(len(decodes))]
+    torch.testing.assert_close(logits[real_rows], eager, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(runner.kv_cache[:, :num_pages], eager_cache[:, :num_pages], rtol=1e-5, atol=1e-5)
-    if num_requests < size:
-        assert torch.isfinite(logits[num_requests:]).all()
+    assert torch.isfinite(logits).all()
 
 
 @pytest.mark.cuda
 def test_graph_engine_generates_what_eager_engine_does(setup, monkeypatch):
     replays = []
-    run = DecodeGraphs.run
-    monkeypatch.setattr(DecodeGraphs, "run", lambda self, decodes: replays.append(
-        (len(decodes), any(r.slot >= 0 for r in decodes))) or run(self, decodes))
-    mixed = workload(28, seed=11)
+    run = CudaGraphs.run
+
+    def spy(self, prefills, decodes):
+        logits = run(self, prefills, decodes)
+        if logits is not None:
+            replays.append((len(prefills), len(decodes), any(r.slot >= 0 for r in prefills + decodes)))
+        return logits
+
+    monkeypatch.setattr(CudaGraphs, "run", spy)
+    mixed = workload(28, seed=11)  # the first step admits 12 prompts: too many for a bucket, eager
     base_only = [(prompt, None, max_tokens) for prompt, _, max_tokens in workload(6, seed=12)]
     base, paths, _ = setup
     outputs = {}
@@ -77,6 +112,7 @@ def test_graph_engine_generates_what_eager_engine_does(setup, monkeypatch):
         assert (engine.runner.graphs is None) == eager
         outputs[eager] = [[o.token_ids for o in run_all(engine, requests, greedy)] for requests in (mixed, base_only)]
     assert outputs[False] == outputs[True]
-    sizes = {n for n, _ in replays}
+    sizes = {d for p, d, _ in replays if not p}
     assert len(sizes) > 3 and max(sizes) == 12, replays
-    assert {with_lora for _, with_lora in replays} == {True, False}, "both graphs of a bucket replayed"
+    assert any(p for p, _, _ in replays), "steps admitting short prompts replayed mixed graphs"
+    assert {with_lora for _, _, with_lora in replays} == {True, False}, "both graphs of a bucket replayed"
