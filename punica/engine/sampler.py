@@ -43,10 +43,12 @@ def filter_probs(logits: torch.Tensor, temperature: float, top_k: int, top_p: fl
     return probs / probs.sum()
 
 
-def sample(logits: torch.Tensor, requests: list[Request]) -> tuple[list[int], list[float]]:
-    """One token per row of logits [N, V] float32, and its log-probability under the model."""
-    logprobs_all = logits.log_softmax(-1)
-    logits = apply_penalties(logits.clone(), requests)
+def sample(logits: torch.Tensor, requests: list[Request]) -> tuple[list[int], list[float | None]]:
+    """One token per row of logits [N, V] float32, and its log-probability under the model
+    (None for every row when no request asks for logprobs)."""
+    logprobs_all = logits.log_softmax(-1) if any(r.params.logprobs for r in requests) else None
+    if any(r.params.uses_penalties for r in requests):
+        logits = apply_penalties(logits.clone(), requests)
     greedy = logits.argmax(-1)
     tokens = greedy.tolist()
     for row, request in enumerate(requests):
@@ -60,5 +62,7 @@ def sample(logits: torch.Tensor, requests: list[Request]) -> tuple[list[int], li
             generator = torch.Generator(device=logits.device)
             generator.manual_seed(p.seed * SEED_STRIDE + len(request.output_token_ids))
         tokens[row] = int(torch.multinomial(probs, 1, generator=generator))
+    if logprobs_all is None:
+        return tokens, [None] * len(tokens)
     chosen = logprobs_all.gather(1, torch.tensor(tokens, device=logits.device)[:, None])[:, 0].tolist()
     return tokens, chosen
