@@ -21,15 +21,25 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 
-def _rank_main(rank: int, fn: Callable[..., Any], world_size: int, backend: str, workdir: str,
-               timeout_s: float, args: tuple) -> None:
+def init_rank(rank: int, world_size: int, backend: str, workdir: str | Path, timeout_s: float) -> torch.device:
+    """Join this process to the default group as `rank` (rendezvous in `workdir`); its device.
+
+    NCCL: rank r uses cuda:r, made the current device. Collectives time out after `timeout_s`.
+    """
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     os.environ.setdefault("NCCL_SOCKET_IFNAME", "lo")
+    device = torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
     if backend == "nccl":
-        torch.cuda.set_device(rank)
+        torch.cuda.set_device(device)
     store = dist.FileStore(str(Path(workdir) / "store"), world_size)
     dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
                             timeout=timedelta(seconds=timeout_s))
+    return device
+
+
+def _rank_main(rank: int, fn: Callable[..., Any], world_size: int, backend: str, workdir: str,
+               timeout_s: float, args: tuple) -> None:
+    init_rank(rank, world_size, backend, workdir, timeout_s)
     try:
         result = fn(dist.group.WORLD, *args)
         if rank == 0:

@@ -7,7 +7,6 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from helpers import make_peft_adapter, tiny_llama
 from punica.lora.adapter import load_adapter
 from punica.lora.batch import LoraBatch
 from punica.lora.pool import LoraPool
@@ -88,6 +87,8 @@ def scenario(group, base_dir, adapter_paths, prompts):
 
 
 def test_tensor_parallel_2_ranks_match_1(tmp_path):
+    from helpers import make_peft_adapter, tiny_llama  # here, not at the top: the spawned ranks import this module
+
     hf_model = tiny_llama(seed=3)  # 4 heads, 2 kv heads, intermediate 96
     hf_model.save_pretrained(tmp_path / "base")
     paths = {name: make_peft_adapter(hf_model, tmp_path / name, r=r, alpha=alpha, targets=targets,
