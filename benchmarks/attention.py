@@ -9,7 +9,8 @@ prefill: one fresh prompt of 2048 tokens (causal). Each point is timed with K co
 call (own queries and pages, together over ROTATE_L2 times the L2 size, so every copy starts
 cold) captured in one CUDA graph, median of triton.testing.do_bench per replay / K.
 
-* triton: punica.ops.attention_triton.paged_attention_triton (decode: partitions + merge).
+* triton: punica.ops.attention_triton.paged_attention_triton (decode: partitions + merge; with
+  one split, as the default gives batch 32 here, the partition kernel alone).
 * sdpa: SDPA on K/V already contiguous as [batch, heads, context, head_dim] (what a
   non-paged cache would give; no gather).
 * gather_sdpa: gather each request's pages into that layout, then SDPA (a paged cache
@@ -18,8 +19,8 @@ cold) captured in one CUDA graph, median of triton.testing.do_bench per replay /
 Floors: decode moves the KV cache once: bytes / copy bandwidth (1 GiB device-to-device copy,
 bytes read + written, same run). Prefill: the larger of causal FLOPs / measured bf16 matmul
 rate (8192^3, same run) and (q, k, v, out) bytes / copy bandwidth. A sweep of the decode split
-count at context 2048 checks the default policy (punica.ops.attention_triton.decode_partition),
-and a sweep of tile configurations (PREFILL_CONFIG, DECODE_CONFIG there) at a few points checks
+count at context 2048 (splits 1: one launch, no merge) checks the default policy
+(punica.ops.attention_triton.decode_partition), and a sweep of tile configurations (PREFILL_CONFIG, DECODE_CONFIG there) at a few points checks
 the defaults, each configuration's output checked against the reference first.
 Writes attention.json under --out and prints a table last.
 """

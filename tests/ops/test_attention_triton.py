@@ -301,3 +301,72 @@ def test_cuda_graph_replay_equals_eager(num_prefills):
         out.fill_(float("nan"))
         graph.replay()
         torch.testing.assert_close(out, ops.paged_attention_ref(q, kv, new, 0.1), rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim",
+                         [(32, 32, 128), (32, 8, 128), (40, 40, 128), (9, 3, 64)])
+@pytest.mark.parametrize("num_tokens", [1, 32, 4096])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
+def test_real_shapes_rope_and_write_kv(num_heads, num_kv_heads, head_dim, num_tokens, dtype):
+    check_rope_and_write_kv(num_tokens, num_heads, num_kv_heads, head_dim, 16, dtype,
+                            seed=num_heads + num_tokens, fn=ops.rope_and_write_kv_)
+
+
+@pytest.mark.cuda
+def test_cuda_graph_rope_write_kv_then_single_split_decode():
+    """A decode layer's attention at Llama-7B heads, 32 requests (one split by default on an
+    H200: the partition kernel writes the output): rotary + KV append then attention, captured
+    once and replayed on new tokens, positions, pages and context lengths."""
+    rng = random.Random(0)
+    gen = torch.Generator().manual_seed(0)
+    page_size, max_pages, num_decodes, heads, head_dim = 16, 128, 32, 32, 128
+    block_n = kernels._decode_blocks(head_dim, torch.bfloat16)[0]
+    splits = kernels.decode_partition(num_decodes, heads, max_pages * page_size, block_n, torch.device(DEVICE))[1]
+    assert splits == 1
+    num_pages = max_pages * num_decodes + 8
+
+    def new_batch():
+        pool = rng.sample(range(num_pages), max_pages * num_decodes)  # requests never share a page
+        tables = [pool[i * max_pages:(i + 1) * max_pages] for i in range(num_decodes)]
+        context_lens = [rng.randint(1, max_pages * page_size) for _ in range(num_decodes)]
+        return AttnBatch.build([1] * num_decodes, context_lens, tables, page_size, 0, device=DEVICE)
+
+    def cos_sin(positions):
+        dims = torch.arange(0, head_dim, 2, dtype=torch.float32, device=DEVICE)
+        inv_freq = 1.0 / (10000.0 ** (dims / head_dim))
+        freqs = positions.float()[:, None] * inv_freq[None, :]
+        return freqs.cos(), freqs.sin()
+
+    batch = new_batch()
+    qkv = torch.randn(num_decodes, 3 * heads * head_dim, generator=gen).to(torch.bfloat16).to(DEVICE)
+    kv = torch.randn(num_pages, 2, page_size, heads, head_dim, generator=gen).to(torch.bfloat16).to(DEVICE)
+    cos, sin = cos_sin(batch.positions)
+    q, k, v = split_qkv(qkv, heads, heads, head_dim)
+
+    def step():
+        ops.rope_and_write_kv_(q, k, v, cos, sin, kv, batch.slot_mapping)
+        return ops.paged_attention(q, kv, batch, 0.1)
+
+    step()  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step()
+    for _ in range(3):
+        new = new_batch()
+        for name in ("page_table", "context_lens", "query_start", "slot_mapping", "positions"):
+            getattr(batch, name).copy_(getattr(new, name))
+        new_cos, new_sin = cos_sin(new.positions)
+        cos.copy_(new_cos)
+        sin.copy_(new_sin)
+        qkv.copy_(torch.randn(qkv.shape, generator=gen).to(qkv.dtype))
+        kv.copy_(torch.randn(kv.shape, generator=gen).to(kv.dtype))
+        expect_qkv, expect_kv = qkv.clone(), kv.clone()
+        expect_q, expect_k, expect_v = split_qkv(expect_qkv, heads, heads, head_dim)
+        ops.rope_and_write_kv_ref(expect_q, expect_k, expect_v, new_cos, new_sin, expect_kv, new.slot_mapping)
+        expect_out = ops.paged_attention_ref(expect_q, expect_kv, new, 0.1)
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.testing.assert_close(kv, expect_kv, rtol=2e-2, atol=2e-2)
+        torch.testing.assert_close(out, expect_out, rtol=2e-2, atol=2e-2)
