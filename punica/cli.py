@@ -24,7 +24,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if args.use is not None and args.use not in adapters:
         raise SystemExit(f"--use {args.use!r} names no --adapter (given: {', '.join(adapters) or 'none'})")
     llm = LLM(model=args.model, adapters=adapters, dtype=args.dtype, device=args.device,
-              enforce_eager=args.enforce_eager)
+              enforce_eager=args.enforce_eager, tensor_parallel_size=args.tensor_parallel_size)
     prompt = args.prompt if args.raw else llm.chat_prompt(args.prompt)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed)
     out = llm.generate(prompt, params, adapter=args.use)[0]
@@ -58,7 +58,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     serve(args.host, args.port, model=args.model, adapters=parse_adapters(args.adapter) or None,
           adapter_dirs=args.adapter_dir, api_key=args.api_key or os.environ.get("PUNICA_API_KEY"),
           max_queue=args.max_queue, served_model_name=args.served_model_name, device=args.device,
-          dtype=args.dtype, workers=args.workers, **engine_kwargs)
+          dtype=args.dtype, workers=args.workers, tensor_parallel_size=args.tensor_parallel_size, **engine_kwargs)
     return 0
 
 
@@ -68,6 +68,8 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
     p.add_argument("--enforce-eager", action="store_true", help="CUDA: do not capture decode steps as CUDA graphs")
+    p.add_argument("--tensor-parallel-size", type=int, default=1, metavar="N",
+                   help="shard the model over N devices (N processes; GPUs 0..N-1 on CUDA)")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -101,12 +101,16 @@ class Engine:
         model.set_lora(self.pool)  # before the runner captures CUDA graphs that read the pool
         self.runner = ModelRunner(model, num_pages, config.page_size, config.max_batch_size, self.max_model_len,
                                   eager=config.enforce_eager)
-        self.adapters = AdapterManager(model.config, self.pool, config.lora_host_bytes)
+        self.adapters = self._adapter_manager()
         for name, path in (adapters or {}).items():
             self.adapters.register(name, path)
         self.requests: dict[str, Request] = {}
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
         self._ids = itertools.count()
+
+    def _adapter_manager(self) -> AdapterManager:
+        """Reads adapters for the model and writes them into self.pool (tensor parallelism overrides it)."""
+        return AdapterManager(self.model.config, self.pool, self.config.lora_host_bytes)
 
     def load_adapter(self, name: str, path: str, pinned: bool = False) -> None:
         """Register an adapter at run time; it is read and copied to the GPU when first used."""

@@ -14,7 +14,7 @@ from punica.config import EngineConfig
 from punica.engine.engine import Engine, RequestOutput
 from punica.engine.sampling_params import SamplingParams
 from punica.lora.adapter import adapter_rank
-from punica.models.loader import default_dtype, load_model
+from punica.models.loader import default_dtype, load_hf_dir, resolve_model_dir
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -44,18 +44,34 @@ def generation_eos_ids(model_dir: Path) -> tuple[int, ...]:
     return tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
 
 
+def build_engine(model_dir: Path, tokenizer, config: EngineConfig, adapters: dict[str, str] | None,
+                 dtype: torch.dtype, device: str, tensor_parallel_size: int = 1) -> Engine:
+    """The engine over a model directory, in this process or over `tensor_parallel_size` processes
+    (one per device; this one is rank 0 and runs the engine)."""
+    if tensor_parallel_size < 1:
+        raise ValueError(f"tensor_parallel_size must be >= 1, got {tensor_parallel_size}")
+    if tensor_parallel_size > 1:
+        from punica.parallel.engine import start_engine
+
+        return start_engine(model_dir, tokenizer, config, adapters, generation_eos_ids(model_dir), dtype, device,
+                            tensor_parallel_size)
+    return Engine(load_hf_dir(model_dir, dtype, device), tokenizer, config, adapters, generation_eos_ids(model_dir))
+
+
 class LLM:
     def __init__(self, model: str | None = None, adapters: dict[str, str] | None = None,
                  max_batch_size: int = 32, dtype: str | torch.dtype | None = None,
-                 kv_cache_tokens: int | None = None, device: str | None = None, **engine_kwargs):
+                 kv_cache_tokens: int | None = None, device: str | None = None, tensor_parallel_size: int = 1,
+                 **engine_kwargs):
         from transformers import AutoTokenizer
 
         device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-        loaded, model_dir = load_model(model, resolve_dtype(dtype, device), device)
+        model_dir = resolve_model_dir(model)
         self.tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
         engine_kwargs = with_lora_rank_for(adapters or {}, engine_kwargs)
         config = EngineConfig(max_batch_size=max_batch_size, kv_cache_tokens=kv_cache_tokens, **engine_kwargs)
-        self.engine = Engine(loaded, self.tokenizer, config, adapters, generation_eos_ids(model_dir))
+        self.engine = build_engine(model_dir, self.tokenizer, config, adapters, resolve_dtype(dtype, device), device,
+                                   tensor_parallel_size)
 
     def chat_prompt(self, user_message: str) -> str:
         """The prompt for one user turn, through the tokenizer's chat template if it has one."""

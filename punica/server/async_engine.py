@@ -86,7 +86,7 @@ class AsyncEngine:
 
     async def load_adapter(self, name: str, path: str) -> None:
         """Read the adapter once (so a broken one fails here), then register it."""
-        await asyncio.to_thread(load_adapter, path, self.engine.model.config, name)
+        await asyncio.to_thread(load_adapter, path, self.engine.adapters.config, name)
         await self.call(lambda: self.engine.load_adapter(name, path))
 
     async def unload_adapter(self, name: str) -> None:

@@ -8,9 +8,8 @@ from pathlib import Path
 import torch
 
 from punica.config import EngineConfig
-from punica.engine.engine import Engine
-from punica.engine.llm import generation_eos_ids, resolve_dtype, with_lora_rank_for
-from punica.models.loader import load_model, resolve_model_dir
+from punica.engine.llm import build_engine, resolve_dtype, with_lora_rank_for
+from punica.models.loader import resolve_model_dir
 from punica.server.app import ServerState, build_app
 from punica.server.async_engine import AsyncEngine
 from punica.server.demo import demo_adapters
@@ -28,9 +27,9 @@ def adapters_in(directory: Path) -> dict[str, str]:
 def build_state(model: str | None = None, adapters: dict[str, str] | None = None,
                 adapter_dirs: list[str] | None = None, api_key: str | None = None, max_queue: int = 1024,
                 served_model_name: str | None = None, device: str | None = None, dtype: str | None = None,
-                workers: int = 0, **engine_kwargs) -> ServerState:
-    """The server's state: one engine in this process, or `workers` Ray workers behind the
-    Punica cluster scheduler."""
+                workers: int = 0, tensor_parallel_size: int = 1, **engine_kwargs) -> ServerState:
+    """The server's state: one engine in this process (over `tensor_parallel_size` devices), or
+    `workers` Ray workers behind the Punica cluster scheduler."""
     from transformers import AutoTokenizer
 
     model_dir = resolve_model_dir(model)
@@ -46,6 +45,8 @@ def build_state(model: str | None = None, adapters: dict[str, str] | None = None
         raise ValueError(f"an adapter is named like the base model ({name!r}); rename it")
     for adapter, path in all_adapters.items():
         log.info("adapter %s <- %s", adapter, path)
+    if workers and tensor_parallel_size > 1:
+        raise ValueError("--workers and --tensor-parallel-size do not combine (yet)")
     if workers:
         from punica.cluster.ray_backend import build_cluster_engine
         from punica.server.cluster_backend import ClusterBackend, start_ray
@@ -55,12 +56,12 @@ def build_state(model: str | None = None, adapters: dict[str, str] | None = None
         log.info("model %s from %s on %d workers (Punica placement and migration)", name, model_dir, workers)
         return ServerState(ClusterBackend(cluster, all_adapters), tokenizer, name, [], api_key, max_queue)
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-    loaded, _ = load_model(str(model_dir), resolve_dtype(dtype, device), device)
-    engine = Engine(loaded, tokenizer, EngineConfig(**engine_kwargs), all_adapters, generation_eos_ids(model_dir))
+    engine = build_engine(model_dir, tokenizer, EngineConfig(**engine_kwargs), all_adapters,
+                          resolve_dtype(dtype, device), device, tensor_parallel_size)
     state = ServerState(AsyncEngine(engine), tokenizer, name, dirs, api_key, max_queue)
     state.backend.on_step = state.metrics.on_step
-    log.info("model %s from %s on %s (%s), context %d tokens, KV cache %d pages of %d tokens",
-             name, model_dir, device, loaded.embed.weight.dtype, engine.max_model_len,
+    log.info("model %s from %s on %s x%d (%s), context %d tokens, KV cache %d pages of %d tokens",
+             name, model_dir, device, tensor_parallel_size, engine.model.embed.weight.dtype, engine.max_model_len,
              engine.allocator.num_pages, engine.config.page_size)
     return state
 

@@ -1,0 +1,123 @@
+"""The Engine over N tensor-parallel ranks: this process is rank 0, punica.parallel.worker the rest.
+
+Rank 0 is an ordinary Engine over its own shard, with two differences:
+
+  - its runner sends each step to the workers (a StepRow per request: the tokens not yet
+    cached, the cached count, pages, slot) before running its shard; every rank runs the
+    same batch, the model's all-reduces combine the shards, and rank 0's logits (lm_head is
+    replicated) go to the sampler;
+  - its AdapterManager reads whole adapters and packs every rank's shard of one (on its read
+    thread, into the host tier); writing a slot sends worker r its packed shard, which it
+    copies into the same slot of its pool, and copies rank 0's into rank 0's pool.
+
+The KV cache of each rank holds its kv heads; all ranks use the same pages, the fewest any
+rank's memory allows. Workers keep no request state: whatever rank 0 schedules, preempts or
+aborts, each step's message is all they need.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from punica.config import EngineConfig, ModelConfig
+from punica.engine.engine import Engine, kv_cache_pages
+from punica.engine.request import Request
+from punica.engine.runner import ModelRunner
+from punica.lora.adapter import LoraAdapter
+from punica.lora.manager import AdapterManager
+from punica.lora.pool import LoraPool
+from punica.models.llama import LlamaForCausalLM
+from punica.parallel.driver import Workers
+from punica.parallel.tensor_parallel import rank_config, shard_adapter
+from punica.parallel.worker import load_shard, step_row, with_kv_pages
+
+TIMEOUT_S = 300.0  # start-up, and any collective a dead or hung rank never joins
+
+
+class TensorParallelRunner:
+    """Rank 0's runner: the step goes to the workers, then rank 0 runs its shard."""
+
+    def __init__(self, local: ModelRunner, workers: Workers):
+        self.local, self.workers = local, workers
+
+    def run(self, prefills: list[Request], decodes: list[Request]) -> torch.Tensor:
+        self.workers.send(("step", [step_row(r) for r in prefills], [step_row(r) for r in decodes]))
+        try:
+            return self.local.run(prefills, decodes)
+        except Exception as e:  # the workers ran (or wait in) this step: the group cannot go on
+            raise self.workers.fail(e) from e
+
+
+class ShardingPool:
+    """The pool rank 0's AdapterManager writes into: whole adapters in, each rank's shard to its pool.
+
+    It has what the manager uses of a LoraPool: `pack` (on the read thread: every rank's
+    packed shard, [world_size, slot_numel]), `write_packed`, and `buffer`, `max_loras`,
+    `max_rank` (rank 0's pool's).
+    """
+
+    def __init__(self, pool: LoraPool, workers: Workers, full_config: ModelConfig):
+        self.pool, self.workers, self.full_config = pool, workers, full_config
+        self.buffer, self.max_loras, self.max_rank = pool.buffer, pool.max_loras, pool.max_rank
+
+    def pack(self, adapter: LoraAdapter, pin_memory: bool = False) -> torch.Tensor:
+        n = self.workers.world_size
+        packed = torch.empty(n, self.pool.slot_numel, dtype=self.buffer.dtype, pin_memory=pin_memory)
+        for rank in range(n):
+            packed[rank] = self.pool.pack(shard_adapter(adapter, self.full_config, rank, n))
+        return packed
+
+    def write_packed(self, slot: int, packed: torch.Tensor, scale: float, non_blocking: bool = False) -> None:
+        self.workers.send(("write", slot, scale), [shard.view(torch.uint8).numpy() for shard in packed[1:]])
+        self.pool.write_packed(slot, packed[0], scale, non_blocking=non_blocking)
+
+
+class TensorParallelEngine(Engine):
+    """Rank 0 of a tensor-parallel group (see the module docstring); `close` stops the workers."""
+
+    def __init__(self, model: LlamaForCausalLM, tokenizer, config: EngineConfig, adapters: dict[str, str] | None,
+                 eos_token_ids: tuple[int, ...], workers: Workers, full_config: ModelConfig):
+        self.workers, self.full_config = workers, full_config
+        super().__init__(model, tokenizer, config, adapters, eos_token_ids)
+        self.runner = TensorParallelRunner(self.runner, workers)
+
+    def _adapter_manager(self) -> AdapterManager:
+        pool = ShardingPool(self.pool, self.workers, self.full_config)
+        return AdapterManager(self.full_config, pool, self.config.lora_host_bytes)
+
+    def close(self) -> None:
+        self.workers.stop()
+
+
+def backend_for(device: torch.device, world_size: int) -> str:
+    """gloo for CPU ranks, NCCL for GPU ranks (rank r on cuda:r)."""
+    if device.type == "cpu":
+        return "gloo"
+    if device.type != "cuda":
+        raise ValueError(f"tensor parallelism runs on cpu or cuda, not {device.type}")
+    if device.index not in (None, 0):
+        raise ValueError(f"with tensor parallelism rank r uses cuda:r; pass the device 'cuda', not {device}")
+    if torch.cuda.device_count() < world_size:
+        raise ValueError(f"tensor parallel size {world_size} needs {world_size} GPUs; "
+                         f"{torch.cuda.device_count()} are visible")
+    return "nccl"
+
+
+def start_engine(model_dir: str | Path, tokenizer, config: EngineConfig, adapters: dict[str, str] | None,
+                 eos_token_ids: tuple[int, ...], dtype: torch.dtype, device: str | torch.device,
+                 tensor_parallel_size: int, timeout_s: float = TIMEOUT_S) -> TensorParallelEngine:
+    """Start ranks 1..N-1, load this process's shard as rank 0, and return the engine over all N."""
+    full_config = ModelConfig.from_dir(Path(model_dir))
+    rank_config(full_config, tensor_parallel_size)  # the heads must split: fail before starting anything
+    backend = backend_for(torch.device(device), tensor_parallel_size)
+    workers = Workers(tensor_parallel_size, backend, model_dir, dtype, config, timeout_s)
+    try:
+        model = load_shard(model_dir, dtype, workers.device)
+        num_pages = workers.agree(kv_cache_pages(model, config))
+        return TensorParallelEngine(model, tokenizer, with_kv_pages(config, num_pages), adapters, eos_token_ids,
+                                    workers, full_config)
+    except BaseException:
+        workers.stop()
+        raise

@@ -1,0 +1,163 @@
+"""The Engine over 2 gloo ranks (this process is rank 0) against the Engine in one process."""
+
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from helpers import make_peft_adapter, tiny_llama
+from punica.config import EngineConfig
+from punica.engine.engine import Engine
+from punica.engine.sampling_params import SamplingParams
+from punica.models.loader import load_hf_dir
+from punica.parallel.driver import WorkerError
+from punica.parallel.engine import start_engine
+
+# name -> (rank, alpha, targets): row-parallel o/down and column-parallel projections, mixed ranks
+ADAPTERS = {
+    "attn": (8, 16, ("q_proj", "k_proj", "v_proj", "o_proj")),
+    "mlp": (16, 8, ("gate_proj", "up_proj", "down_proj")),
+    "mixed": (4, 12, ("v_proj", "o_proj", "up_proj", "down_proj")),
+    "all": (8, 32, ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")),
+}
+# 4 adapters through 2 slots: slots are rewritten while requests run; a small KV cache preempts
+CONFIG = EngineConfig(max_batch_size=6, max_loras=2, page_size=4, kv_cache_tokens=48)
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("tp_engine")
+    hf = tiny_llama(seed=11)  # 4 heads, 2 kv heads: one kv head per rank
+    hf.save_pretrained(tmp / "base")
+    paths = {name: str(make_peft_adapter(hf, tmp / name, r=r, alpha=alpha, targets=targets, seed=i + 1))
+             for i, (name, (r, alpha, targets)) in enumerate(ADAPTERS.items())}
+    return tmp / "base", paths
+
+
+def workload():
+    """(step at which it arrives, prompt, adapter, max_tokens): the same prompt under every adapter
+    and the base model, and requests that join while others decode."""
+    rng = random.Random(4)
+    shared = [rng.randrange(3, 128) for _ in range(9)]
+    names = [None, *ADAPTERS]
+    requests = [(0, shared, name, 10) for name in names]
+    for i in range(8):
+        requests.append((1 + 2 * i, [rng.randrange(3, 128) for _ in range(rng.randint(2, 20))],
+                         names[i % len(names)], rng.randint(3, 14)))
+    return requests
+
+
+def run_workload(engine):
+    """Greedy token ids of every request, in workload order."""
+    pending = sorted(enumerate(workload()), key=lambda item: item[1][0])
+    ids, outs, step = {}, {}, 0
+    while pending or engine.has_unfinished():
+        while pending and pending[0][1][0] <= step:
+            i, (_, prompt, adapter, max_tokens) = pending.pop(0)
+            ids[i] = engine.add_request(prompt, SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True),
+                                        adapter)
+        for out in engine.step():
+            if out.finished:
+                outs[out.request_id] = out
+        step += 1
+    return [outs[ids[i]].token_ids for i in range(len(ids))]
+
+
+def test_two_ranks_match_one_process(setup):
+    base, paths = setup
+    expect = run_workload(Engine(load_hf_dir(base, torch.float32), None, CONFIG, adapters=paths))
+    engine = start_engine(base, None, CONFIG, paths, (), torch.float32, "cpu", 2, timeout_s=60)
+    try:
+        got = run_workload(engine)
+        assert engine.runner.local.kv_cache.shape[-2] == 1  # rank 0 caches its one kv head
+        assert engine.num_preemptions > 0
+        assert engine.adapters.num_loads == len(ADAPTERS)  # every adapter read once, written into 2 slots
+    finally:
+        engine.close()
+    assert got == expect
+    base_tokens = expect[0]
+    for adapted in expect[1:len(ADAPTERS) + 1]:  # each adapter changes the shared prompt's output
+        assert adapted != base_tokens
+    assert [p.exitcode for p in engine.workers.processes] == [0]  # the worker left when told to
+    assert mp.active_children() == []
+
+
+def test_killed_worker_fails_every_later_step_loudly(setup):
+    base, paths = setup
+    engine = start_engine(base, None, CONFIG, paths, (), torch.float32, "cpu", 2, timeout_s=60)
+    try:
+        engine.add_request([5, 6, 7], SamplingParams(max_tokens=50, temperature=0, ignore_eos=True), "attn")
+        for _ in range(3):
+            engine.step()
+        worker = engine.workers.processes[0]
+        os.kill(worker.pid, signal.SIGKILL)
+        worker.join(10)
+        start = time.monotonic()
+        for _ in range(2):
+            with pytest.raises(WorkerError, match=r"rank 1 \(pid \d+\) exited with code -9"):
+                engine.step()
+        assert time.monotonic() - start < 10
+    finally:
+        engine.close()
+    assert mp.active_children() == []
+
+
+def test_cli_generate_with_two_ranks(setup, tmp_path):
+    """`punica generate --tensor-parallel-size 2` prints what LLM prints in one process."""
+    from punica import LLM
+    from punica.models.loader import resolve_model_dir
+
+    tokenizer_dir = resolve_model_dir(None)  # the embedded model's tokenizer, on a tiny model of its vocabulary
+    hf = tiny_llama(seed=2, vocab_size=49152)
+    hf.save_pretrained(tmp_path / "base")
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(tokenizer_dir / name, tmp_path / "base" / name)
+    adapter = make_peft_adapter(hf, tmp_path / "ad", r=8, alpha=32, seed=3)
+    prompt = "The quick brown fox"
+    llm = LLM(model=str(tmp_path / "base"), adapters={"ad": str(adapter)}, device="cpu")
+    expect = llm.generate(prompt, SamplingParams(max_tokens=8, temperature=0), adapter="ad")[0]
+    assert len(expect.token_ids) == 8 and expect.text.strip()
+
+    result = subprocess.run(
+        [sys.executable, "-m", "punica.cli", "generate", "--model", str(tmp_path / "base"), "--prompt", prompt,
+         "--raw", "--max-tokens", "8", "--adapter", f"ad={adapter}", "--use", "ad", "--device", "cpu",
+         "--tensor-parallel-size", "2"], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == expect.text + "\n"
+
+
+RANK_0_THEN_DIE = """
+import os, signal, sys, torch
+from punica.config import EngineConfig
+from punica.parallel.engine import start_engine
+engine = start_engine(sys.argv[1], None, EngineConfig(kv_cache_tokens=64), None, (), torch.float32, "cpu", 2)
+print(engine.workers.processes[0].pid, flush=True)
+os.kill(os.getpid(), signal.SIGKILL)  # no clean-up of any kind
+"""
+
+
+def running(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")  # a zombie has exited
+    except FileNotFoundError:
+        return False
+
+
+def test_workers_exit_when_rank_0_dies(setup):
+    base, _ = setup
+    result = subprocess.run([sys.executable, "-c", RANK_0_THEN_DIE, str(base)], capture_output=True, text=True,
+                            timeout=120)
+    assert result.returncode == -signal.SIGKILL, result.stderr
+    worker_pid = int(result.stdout)
+    deadline = time.monotonic() + 10
+    while running(worker_pid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not running(worker_pid)
