@@ -7,7 +7,14 @@ Canonical weight layout (one per projection of one layer, shared by every op her
     scales : [num_slots] float32            lora_alpha / r (or / sqrt(r) with rsLoRA)
 
 A slot is an index into the GPU adapter pool; slot -1 means "no LoRA" and its rows are left
-untouched (shrink writes zeros for them). The intermediate `v` is float32 whatever the input
+untouched (shrink writes zeros for them).
+
+Projections that share an input (q/k/v, gate/up) run as one *group*: their A matrices stacked
+along the rank axis, lora_a [S, n*R, h_in] (rows i*R:(i+1)*R are projection i's), so one
+shrink computes every projection's v [T, n*R]; their B matrices stacked along the output
+axis, lora_b [S, sum h_out_i, R], and one *sliced* expand adds each column slice's delta from
+its own ranks of v. `slice_bounds` (b_0 = 0 <= b_1 <= ... <= b_n = h_out, plain ints taken
+from shapes) names the slices; None means one slice, the plain expand. The intermediate `v` is float32 whatever the input
 dtype. The PyTorch references (`*_ref`) are the spec; each public function runs the Triton
 kernel of punica.ops.lora_triton when its tensors are on CUDA, and the reference otherwise.
 """
@@ -39,7 +46,27 @@ def sgmv_shrink_ref(x, lora_a, seg_indptr, seg_slots):
     return v
 
 
-def sgmv_expand_ref(y, v, lora_b, seg_indptr, seg_slots, scales):
+def check_slice_bounds(slice_bounds, h_out):
+    """(slice_bounds or (0, h_out)), checked: non-decreasing from 0 to h_out."""
+    bounds = tuple(slice_bounds) if slice_bounds is not None else (0, h_out)
+    assert len(bounds) >= 2 and bounds[0] == 0 and bounds[-1] == h_out, (bounds, h_out)
+    assert all(lo <= hi for lo, hi in zip(bounds, bounds[1:])), bounds
+    return bounds
+
+
+def _expand_sliced_ref(expand, y, v, lora_b, slice_bounds):
+    """Run a one-slice expand reference on every slice: its columns of y and B, its ranks of v."""
+    bounds, max_rank = check_slice_bounds(slice_bounds, y.shape[1]), lora_b.shape[2]
+    assert v.shape == (y.shape[0], (len(bounds) - 1) * max_rank), (v.shape, bounds, max_rank)
+    for i, (lo, hi) in enumerate(zip(bounds, bounds[1:])):
+        expand(y[:, lo:hi], v[:, i * max_rank:(i + 1) * max_rank], lora_b[:, lo:hi])
+
+
+def sgmv_expand_ref(y, v, lora_b, seg_indptr, seg_slots, scales, slice_bounds=None):
+    if slice_bounds is not None:
+        return _expand_sliced_ref(lambda y_i, v_i, b_i: sgmv_expand_ref(y_i, v_i, b_i, seg_indptr,
+                                                                         seg_slots, scales),
+                                  y, v, lora_b, slice_bounds)
     bounds = seg_indptr.tolist()
     for i, slot in enumerate(seg_slots.tolist()):
         if slot >= 0:
@@ -57,7 +84,10 @@ def bgmv_shrink_ref(x, lora_a, token_slots):
     return v
 
 
-def bgmv_expand_ref(y, v, lora_b, token_slots, scales):
+def bgmv_expand_ref(y, v, lora_b, token_slots, scales, slice_bounds=None):
+    if slice_bounds is not None:
+        return _expand_sliced_ref(lambda y_i, v_i, b_i: bgmv_expand_ref(y_i, v_i, b_i, token_slots, scales),
+                                  y, v, lora_b, slice_bounds)
     for slot in torch.unique(token_slots).tolist():
         if slot >= 0:
             rows = (token_slots == slot).nonzero().squeeze(1)
@@ -94,18 +124,22 @@ def sgmv_shrink(x: torch.Tensor, lora_a: torch.Tensor, seg_indptr: torch.Tensor,
 
 
 def sgmv_expand(y: torch.Tensor, v: torch.Tensor, lora_b: torch.Tensor, seg_indptr: torch.Tensor,
-                seg_slots: torch.Tensor, scales: torch.Tensor) -> None:
+                seg_slots: torch.Tensor, scales: torch.Tensor,
+                slice_bounds: tuple[int, ...] | None = None) -> None:
     """Segmented expand, accumulating into y in place (y may be a column slice of a wider tensor).
 
-        y: [T, h_out], v: [T, R] fp32, lora_b: [S, h_out, R], scales: [S]
-        for i in range(n):
+        y: [T, h_out], v: [T, n*R] fp32, lora_b: [S, h_out, R], scales: [S],
+        slice_bounds: (b_0 = 0, b_1, ..., b_n = h_out), default (0, h_out)
+        for i in range(num_segments):
             s = seg_slots[i]; rows = seg_indptr[i] : seg_indptr[i+1]
-            y[rows] += scales[s] * v[rows] @ lora_b[s].T   if s >= 0
+            for j in range(n):                            # slice j: its columns, its ranks of v
+                cols = b_j : b_{j+1}
+                y[rows, cols] += scales[s] * v[rows, j*R : (j+1)*R] @ lora_b[s, cols].T   if s >= 0
     """
     if y.is_cuda:
         from punica.ops.lora_triton import sgmv_expand_triton
-        return sgmv_expand_triton(y, v, lora_b, seg_indptr, seg_slots, scales)
-    return sgmv_expand_ref(y, v, lora_b, seg_indptr, seg_slots, scales)
+        return sgmv_expand_triton(y, v, lora_b, seg_indptr, seg_slots, scales, slice_bounds=slice_bounds)
+    return sgmv_expand_ref(y, v, lora_b, seg_indptr, seg_slots, scales, slice_bounds)
 
 
 def bgmv_shrink(x: torch.Tensor, lora_a: torch.Tensor, token_slots: torch.Tensor) -> torch.Tensor:
@@ -121,28 +155,36 @@ def bgmv_shrink(x: torch.Tensor, lora_a: torch.Tensor, token_slots: torch.Tensor
 
 
 def bgmv_expand(y: torch.Tensor, v: torch.Tensor, lora_b: torch.Tensor, token_slots: torch.Tensor,
-                scales: torch.Tensor) -> None:
+                scales: torch.Tensor, slice_bounds: tuple[int, ...] | None = None) -> None:
     """Batched-gather expand, accumulating into y in place.
 
-        y: [T, h_out], v: [T, R] fp32, lora_b: [S, h_out, R], token_slots: [T], scales: [S]
-        y[t] += scales[s] * v[t] @ lora_b[s].T   where s = token_slots[t], if s >= 0
+        y: [T, h_out], v: [T, n*R] fp32, lora_b: [S, h_out, R], token_slots: [T], scales: [S],
+        slice_bounds: (b_0 = 0, b_1, ..., b_n = h_out), default (0, h_out)
+        for j in range(n):
+            cols = b_j : b_{j+1}
+            y[t, cols] += scales[s] * v[t, j*R : (j+1)*R] @ lora_b[s, cols].T
+                          where s = token_slots[t], if s >= 0
     """
     if y.is_cuda:
         from punica.ops.lora_triton import bgmv_expand_triton
-        return bgmv_expand_triton(y, v, lora_b, token_slots, scales)
-    return bgmv_expand_ref(y, v, lora_b, token_slots, scales)
+        return bgmv_expand_triton(y, v, lora_b, token_slots, scales, slice_bounds=slice_bounds)
+    return bgmv_expand_ref(y, v, lora_b, token_slots, scales, slice_bounds)
 
 
 def add_lora(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,
-             scales: torch.Tensor, indices: LoraIndices) -> None:
-    """Add every token's adapter delta to the base projection's output, in place.
+             scales: torch.Tensor, indices: LoraIndices,
+             slice_bounds: tuple[int, ...] | None = None) -> None:
+    """Add every token's adapter delta to the base projection's output, in place: one shrink
+    and one expand, for one projection or a group of n sharing x (see the module docstring).
 
-        y: [T, h_out], x: [T, h_in]; per segment (or per token with BGMV) of slot s >= 0:
-        y[rows] += (x[rows] @ lora_a[s].T) @ lora_b[s].T * scales[s]
+        y: [T, h_out], x: [T, h_in], lora_a: [S, n*R, h_in], lora_b: [S, h_out, R],
+        slice_bounds: (b_0 = 0, ..., b_n = h_out), default (0, h_out);
+        per segment (or per token with BGMV) of slot s >= 0, per slice j, cols = b_j : b_{j+1}:
+        y[rows, cols] += (x[rows] @ lora_a[s, j*R:(j+1)*R].T) @ lora_b[s, cols].T * scales[s]
     """
     if indices.use_bgmv:
         v = bgmv_shrink(x, lora_a, indices.token_slots)
-        bgmv_expand(y, v, lora_b, indices.token_slots, scales)
+        bgmv_expand(y, v, lora_b, indices.token_slots, scales, slice_bounds)
     else:
         v = sgmv_shrink(x, lora_a, indices.seg_indptr, indices.seg_slots)
-        sgmv_expand(y, v, lora_b, indices.seg_indptr, indices.seg_slots, scales)
+        sgmv_expand(y, v, lora_b, indices.seg_indptr, indices.seg_slots, scales, slice_bounds)

@@ -9,7 +9,13 @@ Two schedules, both sync-free and allocation-free beyond the returned `v`:
 * tiled (SGMV with long segments): one program per tile of BLOCK_M tokens, `tl.dot` on tensor
   cores. A tile loops over the segments it overlaps, found by a FAN-ary search of seg_indptr.
   Shrink splits h_in across programs when tiles alone cannot fill the GPU, adding into a
-  zeroed fp32 `v` with atomics.
+  zeroed fp32 `v` with atomics, and the ranks into blocks of at most 128 (a group's stacked A
+  has n*R rows).
+
+A sliced expand (a projection group, punica.ops.lora) passes the starts of slices 1 and 2 as
+plain ints (h_out for slices that do not exist; at most MAX_SLICES slices). A program's column
+block may straddle a slice boundary: it loops over the slices its columns touch (almost
+always one), each time with that slice's ranks of v and its columns of B.
 
 Every per-batch quantity the kernels read (slots, segment bounds) is a device tensor; the
 launch configuration depends only on tensor shapes, so the calls are safe under CUDA-graph
@@ -29,7 +35,7 @@ import torch
 import triton
 import triton.language as tl
 
-from punica.ops.lora import prefer_bgmv
+from punica.ops.lora import check_slice_bounds, prefer_bgmv
 from punica.ops.triton_env import interpreting, num_sms
 
 FAN = 64              # probes per step of the segment search
@@ -40,7 +46,9 @@ TILE_BLOCK_N = 128     # expand tiles: h_out columns per program
 TILE_WARPS = 4
 TILE_STAGES = 3
 TILE_PROGRAMS_PER_SM = 8  # shrink splits h_in until tiles x splits reach this many per SM
+TILE_MAX_BLOCK_R = 128  # shrink tiles: ranks per program (a group's n*R ranks may take several)
 ENABLE_PDL = True      # programmatic dependent launch on Hopper+ (see the module docstring)
+MAX_SLICES = 3         # slices of one sliced expand (q/k/v)
 
 
 @triton.jit
@@ -70,6 +78,12 @@ def _row_slot(t, token_slots, seg_indptr, seg_slots, num_segments, num_steps,
     else:
         slot = tl.load(token_slots + t)
     return slot
+
+
+@triton.jit
+def _slice_of(col, slice1_start, slice2_start):
+    """The slice (0, 1 or 2) of a sliced expand that holds column `col`."""
+    return (col >= slice1_start).to(tl.int32) + (col >= slice2_start).to(tl.int32)
 
 
 @triton.jit
@@ -116,12 +130,14 @@ def _shrink_rowwise_kernel(
 @triton.jit
 def _expand_rowwise_kernel(
     y, v, lora_b, scales, token_slots, seg_indptr, seg_slots, num_segments, num_steps, h_out,
-    max_rank, stride_yt, stride_yn, stride_vt, stride_vr, stride_bs, stride_bn, stride_br,
+    max_rank, slice1_start, slice2_start, stride_yt, stride_yn, stride_vt, stride_vr, stride_bs,
+    stride_bn, stride_br,
     SEGMENTED: tl.constexpr, FAN: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
     PDL: tl.constexpr,
 ):
     t = tl.program_id(0)
-    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col0 = tl.program_id(1) * BLOCK_N
+    cols = col0 + tl.arange(0, BLOCK_N)
     ranks = tl.arange(0, BLOCK_R)
     slot = _row_slot(t, token_slots, seg_indptr, seg_slots, num_segments, num_steps, SEGMENTED, FAN)
     valid = slot >= 0
@@ -132,9 +148,17 @@ def _expand_rowwise_kernel(
                 + ranks[None, :] * stride_br,
                 mask=col_ok[:, None] & rank_ok[None, :], other=0.0)
     scale = tl.load(scales + safe_slot, mask=valid, other=0.0).to(tl.float32)
+    b = b.to(tl.float32)
+    col_slice = _slice_of(cols, slice1_start, slice2_start)
+    first = _slice_of(col0, slice1_start, slice2_start)
+    last = _slice_of(tl.minimum(col0 + BLOCK_N, h_out) - 1, slice1_start, slice2_start)
     _previous_kernel_done(PDL)  # v and y are read after it
-    vt = tl.load(v + t.to(tl.int64) * stride_vt + ranks * stride_vr, mask=rank_ok, other=0.0)
-    delta = tl.sum(b.to(tl.float32) * vt.to(tl.float32)[None, :], axis=1) * scale
+    v_row = v + t.to(tl.int64) * stride_vt
+    delta = tl.zeros([BLOCK_N], tl.float32)
+    for i in range(first, last + 1):  # the slices this block's columns belong to
+        vt = tl.load(v_row + (i * max_rank + ranks) * stride_vr, mask=rank_ok, other=0.0)
+        delta = tl.where(col_slice == i, tl.sum(b * vt.to(tl.float32)[None, :], axis=1), delta)
+    delta = delta * scale
     y_row = y + t.to(tl.int64) * stride_yt + cols * stride_yn
     old = tl.load(y_row, mask=col_ok, other=0.0)
     tl.store(y_row, (old.to(tl.float32) + delta).to(y.dtype.element_ty), mask=col_ok)
@@ -149,7 +173,7 @@ def _sgmv_shrink_tile_kernel(
 ):
     row0 = tl.program_id(0) * BLOCK_M
     rows = row0 + tl.arange(0, BLOCK_M)
-    ranks = tl.arange(0, BLOCK_R)
+    ranks = tl.program_id(2) * BLOCK_R + tl.arange(0, BLOCK_R)
     k_lo = tl.program_id(1) * k_per_split
     k_hi = tl.minimum(k_lo + k_per_split, h_in)
     first = _find_segment(seg_indptr, num_segments, row0, num_steps, FAN)
@@ -187,15 +211,20 @@ def _sgmv_shrink_tile_kernel(
 @triton.jit
 def _sgmv_expand_tile_kernel(
     y, v, lora_b, scales, seg_indptr, seg_slots, num_tokens, num_segments, num_steps, h_out,
-    max_rank, stride_yt, stride_yn, stride_vt, stride_vr, stride_bs, stride_bn, stride_br,
+    max_rank, slice1_start, slice2_start, stride_yt, stride_yn, stride_vt, stride_vr, stride_bs,
+    stride_bn, stride_br,
     FAN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
     PRECISION: tl.constexpr, PDL: tl.constexpr,
 ):
     row0 = tl.program_id(0) * BLOCK_M
     rows = row0 + tl.arange(0, BLOCK_M)
-    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col0 = tl.program_id(1) * BLOCK_N
+    cols = col0 + tl.arange(0, BLOCK_N)
     ranks = tl.arange(0, BLOCK_R)
     rank_ok = ranks < max_rank
+    col_slice = _slice_of(cols, slice1_start, slice2_start)
+    first_slice = _slice_of(col0, slice1_start, slice2_start)
+    last_slice = _slice_of(tl.minimum(col0 + BLOCK_N, h_out) - 1, slice1_start, slice2_start)
     first = _find_segment(seg_indptr, num_segments, row0, num_steps, FAN)
     last = _find_segment(seg_indptr, num_segments, tl.minimum(row0 + BLOCK_M, num_tokens) - 1,
                          num_steps, FAN)
@@ -209,12 +238,16 @@ def _sgmv_expand_tile_kernel(
             out = y + rows[:, None].to(tl.int64) * stride_yt + cols[None, :] * stride_yn
             out_ok = in_seg[:, None] & (cols < h_out)[None, :]
             old = tl.load(out, mask=out_ok, other=0.0)  # the largest load first
-            vt = tl.load(v + rows[:, None].to(tl.int64) * stride_vt + ranks[None, :] * stride_vr,
-                         mask=in_seg[:, None] & rank_ok[None, :], other=0.0)
-            b = tl.load(lora_b + slot.to(tl.int64) * stride_bs + cols[None, :].to(tl.int64) * stride_bn
-                        + ranks[:, None] * stride_br,
-                        mask=rank_ok[:, None] & (cols < h_out)[None, :], other=0.0)
-            delta = tl.dot(vt.to(tl.float32), b.to(tl.float32), input_precision=PRECISION)
+            delta = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+            for i in range(first_slice, last_slice + 1):  # each slice: its ranks, its columns
+                vt = tl.load(v + rows[:, None].to(tl.int64) * stride_vt
+                             + (i * max_rank + ranks)[None, :] * stride_vr,
+                             mask=in_seg[:, None] & rank_ok[None, :], other=0.0)
+                b_ok = (cols < h_out) & (col_slice == i)
+                b = tl.load(lora_b + slot.to(tl.int64) * stride_bs
+                            + cols[None, :].to(tl.int64) * stride_bn + ranks[:, None] * stride_br,
+                            mask=rank_ok[:, None] & b_ok[None, :], other=0.0)
+                delta = tl.dot(vt.to(tl.float32), b.to(tl.float32), delta, input_precision=PRECISION)
             delta = delta * tl.load(scales + slot).to(tl.float32)
             tl.store(out, (old.to(tl.float32) + delta).to(y.dtype.element_ty), mask=out_ok)
 
@@ -271,13 +304,20 @@ def _shrink_out(x: torch.Tensor, max_rank: int, out: torch.Tensor | None) -> tor
 
 def _check_shrink(x: torch.Tensor, lora_a: torch.Tensor) -> None:
     assert x.dim() == 2 and lora_a.dim() == 3 and x.shape[1] == lora_a.shape[2], (x.shape, lora_a.shape)
-    assert lora_a.shape[1] <= 128, f"max_rank {lora_a.shape[1]} above 128"
 
 
-def _check_expand(y: torch.Tensor, v: torch.Tensor, lora_b: torch.Tensor) -> None:
-    assert v.dtype == torch.float32 and v.shape == (y.shape[0], lora_b.shape[2]), (v.dtype, v.shape)
+def _check_expand(y: torch.Tensor, v: torch.Tensor, lora_b: torch.Tensor,
+                  slice_bounds: tuple[int, ...] | None) -> tuple[int, int]:
+    """Check the shapes; return the starts of slices 1 and 2 (h_out where there is none)."""
     assert lora_b.dim() == 3 and y.shape[1] == lora_b.shape[1], (y.shape, lora_b.shape)
     assert lora_b.shape[2] <= 128, f"max_rank {lora_b.shape[2]} above 128"
+    bounds = check_slice_bounds(slice_bounds, y.shape[1])
+    num_slices = len(bounds) - 1
+    assert num_slices <= MAX_SLICES, f"{num_slices} slices, above {MAX_SLICES}"
+    assert v.dtype == torch.float32 and v.shape == (y.shape[0], num_slices * lora_b.shape[2]), (
+        v.dtype, v.shape, bounds)
+    starts = list(bounds[1:-1]) + [y.shape[1]] * (MAX_SLICES - num_slices)
+    return starts[0], starts[1]
 
 
 def _shrink_rowwise(x, lora_a, v, token_slots, seg_indptr, seg_slots, segmented):
@@ -295,7 +335,7 @@ def _shrink_rowwise(x, lora_a, v, token_slots, seg_indptr, seg_slots, segmented)
     return v
 
 
-def _expand_rowwise(y, v, lora_b, scales, token_slots, seg_indptr, seg_slots, segmented):
+def _expand_rowwise(y, v, lora_b, scales, token_slots, seg_indptr, seg_slots, segmented, starts):
     num_tokens, h_out = y.shape
     max_rank = lora_b.shape[2]
     block_n, block_r = _rowwise_expand_blocks(h_out, max_rank)
@@ -303,7 +343,8 @@ def _expand_rowwise(y, v, lora_b, scales, token_slots, seg_indptr, seg_slots, se
     grid = (num_tokens, triton.cdiv(h_out, block_n))
     _expand_rowwise_kernel[grid](
         y, v, lora_b, scales, token_slots, seg_indptr, seg_slots, num_segments,
-        _search_steps(num_segments), h_out, max_rank, *y.stride(), *v.stride(), *lora_b.stride(),
+        _search_steps(num_segments), h_out, max_rank, *starts, *y.stride(), *v.stride(),
+        *lora_b.stride(),
         SEGMENTED=segmented, FAN=FAN, BLOCK_N=block_n, BLOCK_R=block_r, PDL=_pdl(y.device),
         num_warps=ROWWISE_WARPS, launch_pdl=_pdl(y.device),
     )
@@ -326,13 +367,15 @@ def sgmv_shrink_triton(x: torch.Tensor, lora_a: torch.Tensor, seg_indptr: torch.
     if block_m == 1:
         return _shrink_rowwise(x, lora_a, v, seg_slots, seg_indptr, seg_slots, segmented=True)
     v.zero_()
-    block_r = max(16, triton.next_power_of_2(max_rank))
+    block_r = min(TILE_MAX_BLOCK_R, max(16, triton.next_power_of_2(max_rank)))
     block_k = max(16, min(TILE_BLOCK_K, triton.next_power_of_2(h_in)))
     num_tiles = triton.cdiv(num_tokens, block_m)
+    num_rank_blocks = triton.cdiv(max_rank, block_r)
     num_k_blocks = triton.cdiv(h_in, block_k)
-    split_k = min(num_k_blocks, max(1, TILE_PROGRAMS_PER_SM * num_sms(x.device) // num_tiles))
+    split_k = min(num_k_blocks, max(1, TILE_PROGRAMS_PER_SM * num_sms(x.device)
+                                    // (num_tiles * num_rank_blocks)))
     k_per_split = triton.cdiv(num_k_blocks, split_k) * block_k
-    grid = (num_tiles, triton.cdiv(h_in, k_per_split))
+    grid = (num_tiles, triton.cdiv(h_in, k_per_split), num_rank_blocks)
     _sgmv_shrink_tile_kernel[grid](
         x, lora_a, v, seg_indptr, seg_slots, num_tokens, num_segments, _search_steps(num_segments),
         h_in, max_rank, k_per_split, *x.stride(), *lora_a.stride(), *v.stride(),
@@ -345,9 +388,9 @@ def sgmv_shrink_triton(x: torch.Tensor, lora_a: torch.Tensor, seg_indptr: torch.
 
 def sgmv_expand_triton(y: torch.Tensor, v: torch.Tensor, lora_b: torch.Tensor,
                        seg_indptr: torch.Tensor, seg_slots: torch.Tensor, scales: torch.Tensor,
-                       block_m: int | None = None) -> None:
+                       block_m: int | None = None, slice_bounds: tuple[int, ...] | None = None) -> None:
     """punica.ops.lora.sgmv_expand; `block_m` overrides sgmv_block_m."""
-    _check_expand(y, v, lora_b)
+    starts = _check_expand(y, v, lora_b, slice_bounds)
     num_tokens, h_out = y.shape
     max_rank = lora_b.shape[2]
     num_segments = seg_slots.numel()
@@ -355,15 +398,15 @@ def sgmv_expand_triton(y: torch.Tensor, v: torch.Tensor, lora_b: torch.Tensor,
         return
     block_m = block_m or sgmv_block_m(num_tokens, num_segments)
     if block_m == 1:
-        _expand_rowwise(y, v, lora_b, scales, seg_slots, seg_indptr, seg_slots, segmented=True)
+        _expand_rowwise(y, v, lora_b, scales, seg_slots, seg_indptr, seg_slots, True, starts)
         return
     block_r = max(16, triton.next_power_of_2(max_rank))
     block_n = max(16, min(TILE_BLOCK_N, triton.next_power_of_2(h_out)))
     grid = (triton.cdiv(num_tokens, block_m), triton.cdiv(h_out, block_n))
     _sgmv_expand_tile_kernel[grid](
         y, v, lora_b, scales, seg_indptr, seg_slots, num_tokens, num_segments,
-        _search_steps(num_segments), h_out, max_rank, *y.stride(), *v.stride(), *lora_b.stride(),
-        FAN=FAN, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_R=block_r,
+        _search_steps(num_segments), h_out, max_rank, *starts, *y.stride(), *v.stride(),
+        *lora_b.stride(), FAN=FAN, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_R=block_r,
         PRECISION=_precision(lora_b.dtype), PDL=_pdl(y.device), num_warps=TILE_WARPS,
         num_stages=TILE_STAGES, launch_pdl=_pdl(y.device),
     )
@@ -380,9 +423,10 @@ def bgmv_shrink_triton(x: torch.Tensor, lora_a: torch.Tensor, token_slots: torch
 
 
 def bgmv_expand_triton(y: torch.Tensor, v: torch.Tensor, lora_b: torch.Tensor,
-                       token_slots: torch.Tensor, scales: torch.Tensor) -> None:
+                       token_slots: torch.Tensor, scales: torch.Tensor,
+                       slice_bounds: tuple[int, ...] | None = None) -> None:
     """punica.ops.lora.bgmv_expand."""
-    _check_expand(y, v, lora_b)
+    starts = _check_expand(y, v, lora_b, slice_bounds)
     if y.shape[0] == 0:
         return
-    _expand_rowwise(y, v, lora_b, scales, token_slots, token_slots, token_slots, segmented=False)
+    _expand_rowwise(y, v, lora_b, scales, token_slots, token_slots, token_slots, False, starts)

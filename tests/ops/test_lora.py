@@ -90,3 +90,24 @@ def test_lora_batch_merges_neighbouring_equal_slots():
     assert batch.token_slots.tolist() == [3, 3, 3, -1, -1, -1, -1, 0, 0, 3, 3]
     assert batch.any_lora
     assert not LoraBatch.build([-1, -1], [2, 2]).any_lora
+
+
+@pytest.mark.parametrize("use_bgmv", [False, True])
+def test_add_lora_on_a_group_equals_one_add_lora_per_projection(use_bgmv):
+    """q/k/v as one group: stacked A [S, 3R, h], stacked B [S, q+2kv, R], one call on the fused
+    output; equal to the plain meaning, one projection (column slice) at a time, in float64."""
+    gen = torch.Generator().manual_seed(4)
+    bounds, rank, h_in = (0, 24, 32, 40), 8, 16
+    parts = [make_pool(4, [8, 3, 5, 1], h_in, hi - lo, torch.float32, gen) for lo, hi in zip(bounds, bounds[1:])]
+    scales = parts[0][2]
+    a = torch.cat([p[0] for p in parts], dim=1)
+    b = torch.cat([p[1] for p in parts], dim=1)
+    req_slots, req_lens = [3, 3, -1, 0, 2, 1], [2, 1, 4, 5, 1, 3]
+    x = torch.randn(sum(req_lens), h_in, generator=gen)
+    y0 = torch.randn(sum(req_lens), bounds[-1], generator=gen)
+    expect = torch.cat([naive(y0[:, lo:hi], x, p[0], p[1], scales, req_slots, req_lens)
+                        for (lo, hi), p in zip(zip(bounds, bounds[1:]), parts)], dim=1)
+    y = y0.clone()
+    ops.add_lora(y, x, a, b, scales, LoraBatch.build(req_slots, req_lens, use_bgmv=use_bgmv), bounds)
+    torch.testing.assert_close(y.double(), expect, rtol=1e-5, atol=1e-5)
+    assert torch.equal(y[3:7], y0[3:7])  # the request without LoRA

@@ -33,6 +33,14 @@ def make_pool(num_slots, ranks, h_in, h_out, dtype, gen, device=DEVICE):
     return a.to(device), b.to(device), scales.to(device)
 
 
+def make_group_pool(num_slots, ranks, h_in, slice_bounds, dtype, gen, device=DEVICE):
+    """A projection group's stacked weights: lora_a [S, n*R, h_in], lora_b [S, sum h_out, R]."""
+    parts = [make_pool(num_slots, ranks, h_in, hi - lo, dtype, gen, device)
+             for lo, hi in zip(slice_bounds, slice_bounds[1:])]
+    return (torch.cat([a for a, _, _ in parts], dim=1), torch.cat([b for _, b, _ in parts], dim=1),
+            parts[0][2])
+
+
 def make_requests(workload, num_requests, max_len, rng):
     """Slots sorted so equal slots neighbour, plus one request without LoRA in the middle."""
     slots = sorted(adapter_ids(workload, num_requests, rng))
@@ -40,21 +48,23 @@ def make_requests(workload, num_requests, max_len, rng):
     return slots, [rng.randint(1, max_len) for _ in slots]
 
 
-def check_all_kernels(x, y0, a, b, scales, batch, y_tol, block_ms=(None,)):
-    """Every kernel (both SGMV schedules when asked) equals its reference."""
+def check_all_kernels(x, y0, a, b, scales, batch, y_tol, block_ms=(None,), slice_bounds=None):
+    """Every kernel (both SGMV schedules when asked) equals its reference; with slice_bounds, a
+    projection group: shrink over the stacked A, sliced expand."""
     v_ref = ops.sgmv_shrink_ref(x, a, batch.seg_indptr, batch.seg_slots)
     y_ref = y0.clone()
-    ops.sgmv_expand_ref(y_ref, v_ref, b, batch.seg_indptr, batch.seg_slots, scales)
+    ops.sgmv_expand_ref(y_ref, v_ref, b, batch.seg_indptr, batch.seg_slots, scales, slice_bounds)
     no_lora = batch.token_slots < 0
     results = []
     for block_m in block_ms:
         v = kernels.sgmv_shrink_triton(x, a, batch.seg_indptr, batch.seg_slots, block_m=block_m)
         y = y0.clone()
-        kernels.sgmv_expand_triton(y, v_ref, b, batch.seg_indptr, batch.seg_slots, scales, block_m=block_m)
+        kernels.sgmv_expand_triton(y, v_ref, b, batch.seg_indptr, batch.seg_slots, scales,
+                                   block_m=block_m, slice_bounds=slice_bounds)
         results.append((f"sgmv block_m={block_m}", v, y))
     v = kernels.bgmv_shrink_triton(x, a, batch.token_slots)
     y = y0.clone()
-    kernels.bgmv_expand_triton(y, v_ref, b, batch.token_slots, scales)
+    kernels.bgmv_expand_triton(y, v_ref, b, batch.token_slots, scales, slice_bounds=slice_bounds)
     results.append(("bgmv", v, y))
     for name, v, y in results:
         torch.testing.assert_close(v, v_ref, rtol=1e-4, atol=1e-4, msg=lambda m: f"{name} shrink: {m}")
@@ -145,6 +155,67 @@ def test_expand_into_column_slice_and_shrink_into_out():
         assert torch.equal(wide[:, :10], before[:, :10]) and torch.equal(wide[:, 34:], before[:, 34:])
 
 
+# (h_in, slice_bounds, rank): odd sizes; bounds off every block multiple; with rank 64 the
+# expand's column blocks are 128 wide (row-wise and tiled), so blocks lie inside one slice,
+# straddle one boundary or two, and the tiled shrink takes its 192 ranks in two blocks
+GROUP_SHAPES = [(37, (0, 23, 30, 41), 5), (29, (0, 45, 90), 8), (19, (0, 33), 13),
+                (24, (0, 130, 211, 300), 64), (40, (0, 0, 17, 17), 4)]
+
+
+@pytest.mark.parametrize("workload", WORKLOADS)
+@pytest.mark.parametrize("h_in,slice_bounds,rank", GROUP_SHAPES, ids=str)
+def test_group_kernels_match_reference(workload, h_in, slice_bounds, rank):
+    """A projection group: one shrink over stacked A, one sliced expand (mixed ranks, slot -1)."""
+    rng = random.Random(f"{workload}{slice_bounds}")
+    gen = torch.Generator().manual_seed(rng.randrange(2**31))
+    dtype = torch.bfloat16 if rank == 64 else torch.float32
+    slots, lens = make_requests(workload, 5, 12 if rank == 64 else 20, rng)
+    num_slots = max(slots) + 2
+    ranks = [rank] + [rng.randint(1, rank) for _ in range(num_slots - 1)]
+    a, b, scales = make_group_pool(num_slots, ranks, h_in, slice_bounds, dtype, gen)
+    batch = LoraBatch.build(slots, lens, device=DEVICE)
+    x = torch.randn(sum(lens), h_in, generator=gen).to(dtype).to(DEVICE)
+    y0 = torch.randn(sum(lens), slice_bounds[-1], generator=gen).to(dtype).to(DEVICE)
+    check_all_kernels(x, y0, a, b, scales, batch, Y_TOL[dtype], block_ms=(1, 16), slice_bounds=slice_bounds)
+
+
+def test_group_sliced_expand_equals_one_expand_per_projection():
+    """The sliced expand into the fused output equals one plain expand per column slice."""
+    gen = torch.Generator().manual_seed(9)
+    bounds, rank = (0, 150, 170, 190), 16
+    a, b, scales = make_group_pool(4, [16, 7, 3, 12], 21, bounds, torch.float32, gen)
+    batch = LoraBatch.build([3, -1, 0, 2, 1], [40, 3, 50, 9, 60], device=DEVICE)
+    v = ops.sgmv_shrink_ref(torch.randn(162, 21, generator=gen).to(DEVICE), a, batch.seg_indptr,
+                            batch.seg_slots)
+    y0 = torch.randn(162, bounds[-1], generator=gen).to(DEVICE)
+    expect = y0.clone()
+    for i, (lo, hi) in enumerate(zip(bounds, bounds[1:])):
+        kernels.sgmv_expand_triton(expect[:, lo:hi], v[:, i * rank:(i + 1) * rank].contiguous(),
+                                   b[:, lo:hi], batch.seg_indptr, batch.seg_slots, scales, block_m=16)
+    for block_m in (1, 16, 32):
+        y = y0.clone()
+        kernels.sgmv_expand_triton(y, v, b, batch.seg_indptr, batch.seg_slots, scales,
+                                   block_m=block_m, slice_bounds=bounds)
+        torch.testing.assert_close(y, expect, rtol=1e-5, atol=1e-5)
+    y = y0.clone()
+    kernels.bgmv_expand_triton(y, v, b, batch.token_slots, scales, slice_bounds=bounds)
+    torch.testing.assert_close(y, expect, rtol=1e-5, atol=1e-5)
+
+
+def test_sliced_expand_rejects_mismatched_shapes():
+    gen = torch.Generator().manual_seed(2)
+    a, b, scales = make_group_pool(2, [4, 4], 8, (0, 5, 9), torch.float32, gen)
+    batch = LoraBatch.build([0, 1], [2, 2], device=DEVICE)
+    y, v = torch.zeros(4, 9, device=DEVICE), torch.zeros(4, 8, device=DEVICE)
+    with pytest.raises(AssertionError):  # v has 2 slices of ranks, bounds name 3
+        kernels.bgmv_expand_triton(y, v, b, batch.token_slots, scales, slice_bounds=(0, 3, 5, 9))
+    with pytest.raises(AssertionError):  # bounds do not end at h_out
+        kernels.bgmv_expand_triton(y, v, b, batch.token_slots, scales, slice_bounds=(0, 5, 8))
+    with pytest.raises(AssertionError):  # more slices than the kernels take
+        kernels.bgmv_expand_triton(y, torch.zeros(4, 16, device=DEVICE), b, batch.token_slots, scales,
+                                   slice_bounds=(0, 2, 4, 6, 9))
+
+
 def test_sgmv_runs_rowwise_exactly_where_bgmv_is_preferred():
     for num_tokens, num_segments, block_m in [(64, 64, 1), (64, 1, 1), (4096, 4096, 1),
                                               (4096, 300, 1), (4096, 16, 64), (512, 20, 16)]:
@@ -197,36 +268,91 @@ def test_real_shapes_dtypes_through_public_ops(dtype):
         torch.testing.assert_close(y, y_ref, rtol=Y_TOL[dtype][0], atol=Y_TOL[dtype][1])
 
 
+# (h_in, slice_bounds) of projection groups at real shapes: 7B q/k/v, GQA q/k/v, 7B gate/up
+GROUP_REAL_SHAPES = {"qkv_7b": (4096, (0, 4096, 8192, 12288)), "qkv_gqa": (4096, (0, 4096, 5120, 6144)),
+                     "gate_up_7b": (4096, (0, 11008, 22016))}
+
+
 @pytest.mark.cuda
+@pytest.mark.parametrize("workload", WORKLOADS)
+@pytest.mark.parametrize("rank", [16, 128])
+@pytest.mark.parametrize("group", GROUP_REAL_SHAPES)
+def test_group_real_shapes(group, rank, workload):
+    """One shrink over a group's stacked A (n*R up to 384 ranks), one sliced expand."""
+    rng = random.Random(f"{group}{rank}{workload}")
+    gen = torch.Generator().manual_seed(rng.randrange(2**31))
+    dtype = torch.bfloat16
+    h_in, bounds = GROUP_REAL_SHAPES[group]
+    for num_requests, max_len in ((64, 1), (15, 4096 // 15)):
+        slots, lens = make_requests(workload, num_requests, max_len, rng)
+        num_slots = max(slots) + 1
+        ranks = [rank] + [rng.randint(1, rank) for _ in range(num_slots - 1)]
+        a, b, scales = make_group_pool(num_slots, ranks, h_in, bounds, dtype, gen)
+        batch = LoraBatch.build(slots, lens, device=DEVICE)
+        x = torch.randn(sum(lens), h_in, generator=gen).to(dtype).to(DEVICE)
+        y0 = torch.randn(sum(lens), bounds[-1], generator=gen).to(dtype).to(DEVICE)
+        check_all_kernels(x, y0, a, b, scales, batch, Y_TOL[dtype], block_ms=(None, 1, 64),
+                          slice_bounds=bounds)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("group", GROUP_REAL_SHAPES)
+def test_group_real_shapes_through_add_lora(group):
+    """add_lora on a group (Triton on CUDA) equals one reference add_lora per projection."""
+    rng = random.Random(group)
+    gen = torch.Generator().manual_seed(13)
+    h_in, bounds = GROUP_REAL_SHAPES[group]
+    slots, lens = make_requests("skewed", 40, 100, rng)
+    num_slots = max(slots) + 1
+    a, b, scales = make_group_pool(num_slots, [16] * num_slots, h_in, bounds, torch.bfloat16, gen)
+    x = torch.randn(sum(lens), h_in, generator=gen).to(torch.bfloat16).to(DEVICE)
+    y0 = torch.randn(sum(lens), bounds[-1], generator=gen).to(torch.bfloat16).to(DEVICE)
+    for use_bgmv in (False, True):
+        batch = LoraBatch.build(slots, lens, device=DEVICE, use_bgmv=use_bgmv)
+        y, y_ref = y0.clone(), y0.clone()
+        ops.add_lora(y, x, a, b, scales, batch, slice_bounds=bounds)
+        for i, (lo, hi) in enumerate(zip(bounds, bounds[1:])):
+            a_i = a[:, i * 16:(i + 1) * 16]
+            v_ref = ops.sgmv_shrink_ref(x, a_i, batch.seg_indptr, batch.seg_slots)
+            ops.sgmv_expand_ref(y_ref[:, lo:hi], v_ref, b[:, lo:hi], batch.seg_indptr, batch.seg_slots, scales)
+        torch.testing.assert_close(y, y_ref, rtol=Y_TOL[torch.bfloat16][0], atol=Y_TOL[torch.bfloat16][1])
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("slice_bounds", [None, (0, 4096, 5120, 6144)], ids=["one", "qkv_gqa"])
 @pytest.mark.parametrize("num_requests,max_len", [(64, 1), (12, 300)])
-def test_cuda_graph_replay_equals_eager(num_requests, max_len):
+def test_cuda_graph_replay_equals_eager(num_requests, max_len, slice_bounds):
     """Capture once; replays on new inputs (new slots and segment bounds too) equal eager runs.
 
     Inside the graph, kernels write x and y just before the LoRA ops read them, which checks
     that reads of x, v and y wait for the previous kernel under programmatic dependent launch.
+    With slice_bounds, a projection group: stacked A, sliced expand.
     """
     rng = random.Random(num_requests)
     gen = torch.Generator().manual_seed(num_requests)
-    dtype, h_in, h_out = torch.bfloat16, 4096, 5120
-    a, b, scales = make_pool(num_requests, [rng.randint(1, 16) for _ in range(num_requests)],
-                             h_in, h_out, dtype, gen)
+    dtype, h_in = torch.bfloat16, 4096
+    bounds = slice_bounds or (0, 5120)
+    h_out, num_slices = bounds[-1], len(bounds) - 1
+    a, b, scales = make_group_pool(num_requests, [rng.randint(1, 16) for _ in range(num_requests)],
+                                   h_in, bounds, dtype, gen)
     slots, lens = make_requests("uniform", num_requests - 1, max_len, rng)
     num_tokens = sum(lens)
     static = LoraBatch.build(slots, lens, device=DEVICE)
     x_src = torch.randn(num_tokens, h_in, generator=gen).to(dtype).to(DEVICE)
     y_src = torch.randn(num_tokens, h_out, generator=gen).to(dtype).to(DEVICE)
     x, y, y_tok = torch.empty_like(x_src), torch.empty_like(y_src), torch.empty_like(y_src)
-    v_seg = torch.empty(num_tokens, 16, device=DEVICE)
-    v_tok = torch.empty(num_tokens, 16, device=DEVICE)
+    v_seg = torch.empty(num_tokens, 16 * num_slices, device=DEVICE)
+    v_tok = torch.empty(num_tokens, 16 * num_slices, device=DEVICE)
 
     def step():
         torch.mul(y_src, 1.0, out=y)  # kernels, not copies, so that PDL applies
         torch.mul(x_src, 1.0, out=x)
         kernels.sgmv_shrink_triton(x, a, static.seg_indptr, static.seg_slots, out=v_seg)
-        kernels.sgmv_expand_triton(y, v_seg, b, static.seg_indptr, static.seg_slots, scales)
+        kernels.sgmv_expand_triton(y, v_seg, b, static.seg_indptr, static.seg_slots, scales,
+                                   slice_bounds=slice_bounds)
         torch.mul(y_src, 1.0, out=y_tok)
         kernels.bgmv_shrink_triton(x, a, static.token_slots, out=v_tok)
-        kernels.bgmv_expand_triton(y_tok, v_tok, b, static.token_slots, scales)
+        kernels.bgmv_expand_triton(y_tok, v_tok, b, static.token_slots, scales, slice_bounds=slice_bounds)
 
     step()  # compile outside the capture
     torch.cuda.synchronize()
@@ -251,15 +377,16 @@ def test_cuda_graph_replay_equals_eager(num_requests, max_len):
         graph.replay()
         y_eager, y_tok_eager = y_src.clone(), y_src.clone()
         v = kernels.sgmv_shrink_triton(x_src, a, static.seg_indptr, static.seg_slots)
-        kernels.sgmv_expand_triton(y_eager, v, b, static.seg_indptr, static.seg_slots, scales)
+        kernels.sgmv_expand_triton(y_eager, v, b, static.seg_indptr, static.seg_slots, scales,
+                                   slice_bounds=slice_bounds)
         v_t = kernels.bgmv_shrink_triton(x_src, a, static.token_slots)
-        kernels.bgmv_expand_triton(y_tok_eager, v_t, b, static.token_slots, scales)
+        kernels.bgmv_expand_triton(y_tok_eager, v_t, b, static.token_slots, scales, slice_bounds=slice_bounds)
         torch.testing.assert_close(v_seg, v, rtol=1e-5, atol=1e-5)  # split-K atomics: any order
         assert torch.equal(v_tok, v_t) and torch.equal(y_tok, y_tok_eager)
         torch.testing.assert_close(y, y_eager, rtol=1e-2, atol=1e-2)
         # and the padded metadata means what the unpadded batch means
         y_ref = y_src.clone()
         v_ref = ops.sgmv_shrink_ref(x_src, a, batch.seg_indptr, batch.seg_slots)
-        ops.sgmv_expand_ref(y_ref, v_ref, b, batch.seg_indptr, batch.seg_slots, scales)
+        ops.sgmv_expand_ref(y_ref, v_ref, b, batch.seg_indptr, batch.seg_slots, scales, slice_bounds)
         torch.testing.assert_close(v_seg, v_ref, rtol=1e-4, atol=1e-4)
         torch.testing.assert_close(y, y_ref, rtol=2e-2, atol=2e-2)
