@@ -1,14 +1,22 @@
 """GPU adapter pool: preallocated slots in the canonical layout of punica.ops.lora.
 
 Each slot is one contiguous run of `buffer` [max_loras, slot_numel], so loading an adapter is
-a single host-to-device copy of its packed form (`pack`). The per-projection views index it as
+a single host-to-device copy of its packed form (`pack`). Projections that share an input form
+a group (GROUPS: q/k/v, o, gate/up, down), stored so that one shrink and one sliced expand
+serve the whole group (punica.ops.lora.add_lora with slice_bounds):
 
-    a[projection]: [num_layers, max_loras, max_rank, h_in]   (slot stride: slot_numel)
-    b[projection]: [num_layers, max_loras, h_out, max_rank]
-    scales:        [max_loras] float32
+    group_a[group]: [num_layers, max_loras, n*max_rank, h_in]   A of the n projections stacked
+                                                                 along the ranks (slot stride:
+                                                                 slot_numel)
+    group_b[group]: [num_layers, max_loras, sum h_out, max_rank] B stacked along the outputs
+    a[projection]:  [num_layers, max_loras, max_rank, h_in]     views into group_a / group_b,
+    b[projection]:  [num_layers, max_loras, h_out, max_rank]     for code that reads or writes
+                                                                 one projection
+    scales:         [max_loras] float32
 
 Indexing a layer gives the [S, R, h] tensors the operators take, without a copy. An adapter's
-rows beyond its rank, and projections it does not target, are zero in its slot.
+rows beyond its rank, and projections it does not target, are zero in its slot, so a group's
+fused delta is exact for adapters that target only some of its projections.
 """
 
 from __future__ import annotations
@@ -16,7 +24,10 @@ from __future__ import annotations
 import torch
 
 from punica.config import ModelConfig
-from punica.lora.adapter import PROJECTIONS, LoraAdapter
+from punica.lora.adapter import LoraAdapter
+
+# groups of projections that share their input, in the column order of the model's fused GEMMs
+GROUPS = {"qkv": ("q", "k", "v"), "o": ("o",), "gate_up": ("gate", "up"), "down": ("down",)}
 
 
 class LoraPool:
@@ -35,21 +46,50 @@ class LoraPool:
         shapes = config.projection_shapes()
         self.slot_numel = sum(L * R * (h_in + h_out) for h_in, h_out in shapes.values())
         self.buffer = torch.zeros(self.max_loras, self.slot_numel, dtype=dtype, device=device)
-        self.a, self.b = self._views(self.buffer)
+        self.group_a, self.group_b = self._group_views(self.buffer)
+        self.a, self.b = self._projection_views(self.group_a, self.group_b)
+        self.slice_bounds = {g: self._slice_bounds(g) for g in GROUPS}
 
-    def _views(self, flat: torch.Tensor) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-        """Per-projection [L, S, R, h_in] and [L, S, h_out, R] views of flat [S, slot_numel]."""
+    def _slice_bounds(self, group: str) -> tuple[int, ...]:
+        """Where each projection's output columns start in the group's stacked B, and the end."""
+        bounds = [0]
+        for p in GROUPS[group]:
+            bounds.append(bounds[-1] + self.config.projection_shapes()[p][1])
+        return tuple(bounds)
+
+    def _group_views(self, flat: torch.Tensor) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+        """Per-group [L, S, n*R, h_in] and [L, S, sum h_out, R] views of flat [S, slot_numel]."""
         L, R, S = self.config.num_layers, self.max_rank, flat.shape[0]
+        shapes = self.config.projection_shapes()
         a, b, offset = {}, {}, 0
-        for p, (h_in, h_out) in self.config.projection_shapes().items():
-            a[p] = flat[:, offset:offset + L * R * h_in].view(S, L, R, h_in).transpose(0, 1)
-            offset += L * R * h_in
-            b[p] = flat[:, offset:offset + L * h_out * R].view(S, L, h_out, R).transpose(0, 1)
+        for group, projections in GROUPS.items():
+            h_in = shapes[projections[0]][0]
+            assert all(shapes[p][0] == h_in for p in projections), (group, shapes)
+            rows, h_out = len(projections) * R, sum(shapes[p][1] for p in projections)
+            a[group] = flat[:, offset:offset + L * rows * h_in].view(S, L, rows, h_in).transpose(0, 1)
+            offset += L * rows * h_in
+            b[group] = flat[:, offset:offset + L * h_out * R].view(S, L, h_out, R).transpose(0, 1)
             offset += L * h_out * R
+        assert offset == flat.shape[1], (offset, flat.shape)
         return a, b
 
-    def weights(self, layer: int, projection: str) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.a[projection][layer], self.b[projection][layer]
+    def _projection_views(self, group_a: dict[str, torch.Tensor], group_b: dict[str, torch.Tensor]
+                          ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+        """Per-projection [L, S, R, h_in] and [L, S, h_out, R] views of the group views."""
+        R, shapes = self.max_rank, self.config.projection_shapes()
+        a, b = {}, {}
+        for group, projections in GROUPS.items():
+            col = 0
+            for i, p in enumerate(projections):
+                h_out = shapes[p][1]
+                a[p] = group_a[group][:, :, i * R:(i + 1) * R]
+                b[p] = group_b[group][:, :, col:col + h_out]
+                col += h_out
+        return a, b
+
+    def weights(self, layer: int, group: str) -> tuple[torch.Tensor, torch.Tensor, tuple[int, ...]]:
+        """(lora_a [S, n*R, h_in], lora_b [S, sum h_out, R], slice_bounds) of one layer's group."""
+        return self.group_a[group][layer], self.group_b[group][layer], self.slice_bounds[group]
 
     def pack(self, adapter: LoraAdapter, pin_memory: bool = False) -> torch.Tensor:
         """The adapter as one slot's contents [slot_numel] in host memory (zero-padded to max_rank)."""
@@ -57,7 +97,7 @@ class LoraPool:
             raise ValueError(f"adapter {adapter.name!r} has rank {adapter.rank}, over the pool's "
                              f"max_lora_rank {self.max_rank}")
         packed = torch.zeros(1, self.slot_numel, dtype=self.buffer.dtype, pin_memory=pin_memory)
-        a, b = self._views(packed)
+        a, b = self._projection_views(*self._group_views(packed))
         r = adapter.rank
         for p in adapter.lora_a:
             a[p][:, 0, :r].copy_(adapter.lora_a[p])

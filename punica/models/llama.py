@@ -4,7 +4,9 @@ The forward pass takes one fused batch (prefill tokens first, decode tokens afte
 per-step metadata as explicit frozen dataclasses: `AttnBatch` (positions, pages, lengths)
 and `LoraBatch` (which adapter slot each token uses). LoRA weights live in a `LoraWeights`
 source (the GPU adapter pool) attached once with `set_lora`; the model never copies them.
-q/k/v and gate/up run as one fused base GEMM each; their LoRA deltas land on column slices.
+q/k/v and gate/up run as one fused base GEMM each, and so does each group's LoRA: one shrink
+over the group's stacked A and one sliced expand into the fused output (2 LoRA kernels for
+q/k/v, gate/up, o and down each: 8 per layer).
 The elementwise work runs fused (punica.ops.layers): each residual add folds into the RMSNorm
 after it, so a layer takes and returns (output, residual stream) as vLLM's layers do, rotary
 rotates q and k in place in one call, and SiLU-and-mul reads the gate/up GEMM's output once.
@@ -21,8 +23,8 @@ from torch import nn
 
 from punica.config import ModelConfig, RopeConfig
 from punica.lora.batch import LoraBatch
-from punica.ops.attention import AttnBatch, paged_attention, write_kv
-from punica.ops.layers import rms_norm, rope_, silu_and_mul
+from punica.ops.attention import AttnBatch, paged_attention, rope_and_write_kv_
+from punica.ops.layers import rms_norm, silu_and_mul
 from punica.ops.lora import add_lora
 
 
@@ -31,8 +33,10 @@ class LoraWeights(Protocol):
 
     scales: torch.Tensor  # [num_slots] float32
 
-    def weights(self, layer: int, projection: str) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """(lora_a [S, R, h_in], lora_b [S, h_out, R]) of one layer's projection, or None."""
+    def weights(self, layer: int, group: str
+                ) -> tuple[torch.Tensor, torch.Tensor, tuple[int, ...]] | None:
+        """(lora_a [S, n*R, h_in], lora_b [S, h_out, R], slice_bounds) of one layer's projection
+        group ("qkv", "o", "gate_up", "down"; see punica.ops.lora.add_lora), or None."""
 
 
 class RMSNorm(nn.Module):
@@ -82,14 +86,15 @@ class LlamaLayer(nn.Module):
         # hold a shard of o_proj and down_proj; their partial outputs are summed over it.
         self.tp_group: dist.ProcessGroup | None = None
 
-    def _project(self, linear: nn.Linear, x: torch.Tensor, slices: dict[str, tuple[int, int]],
-                 lora: LoraBatch, lora_weights: LoraWeights | None) -> torch.Tensor:
+    def _project(self, linear: nn.Linear, x: torch.Tensor, group: str, lora: LoraBatch,
+                 lora_weights: LoraWeights | None) -> torch.Tensor:
+        """The fused base GEMM of a projection group plus its LoRA deltas (one add_lora)."""
         y = linear(x)
         if lora_weights is not None and lora.any_lora:
-            for projection, (lo, hi) in slices.items():
-                w = lora_weights.weights(self.index, projection)
-                if w is not None:
-                    add_lora(y[:, lo:hi], x, w[0], w[1], lora_weights.scales, lora)
+            w = lora_weights.weights(self.index, group)
+            if w is not None:
+                lora_a, lora_b, slice_bounds = w
+                add_lora(y, x, lora_a, lora_b, lora_weights.scales, lora, slice_bounds)
         return y
 
     def _all_reduce(self, y: torch.Tensor) -> torch.Tensor:
@@ -106,19 +111,18 @@ class LlamaLayer(nn.Module):
         the stream after the layer is their sum, which the next norm computes."""
         num_tokens, hidden = x.shape
         h, residual = (self.input_norm(x), x) if residual is None else self.input_norm(x, residual)
-        qkv = self._project(self.qkv_proj, h, self.qkv_slices, lora, lora_weights)
+        qkv = self._project(self.qkv_proj, h, "qkv", lora, lora_weights)
         q_end, k_end = self.qkv_slices["k"][0], self.qkv_slices["v"][0]
         q = qkv[:, :q_end].view(num_tokens, self.num_heads, self.head_dim)
         k = qkv[:, q_end:k_end].view(num_tokens, self.num_kv_heads, self.head_dim)
         v = qkv[:, k_end:].view(num_tokens, self.num_kv_heads, self.head_dim)
-        rope_(q, k, cos, sin)  # in place, inside qkv
-        write_kv(kv_layer, k, v, attn.slot_mapping)
+        rope_and_write_kv_(q, k, v, cos, sin, kv_layer, attn.slot_mapping)  # q rotated in place, k into the cache
         o = paged_attention(q, kv_layer, attn, self.head_dim ** -0.5).reshape(num_tokens, -1)
-        o = self._project(self.o_proj, o, {"o": (0, hidden)}, lora, lora_weights)
+        o = self._project(self.o_proj, o, "o", lora, lora_weights)
         h, residual = self.post_norm(self._all_reduce(o), residual)
-        gate_up = self._project(self.gate_up_proj, h, self.gate_up_slices, lora, lora_weights)
+        gate_up = self._project(self.gate_up_proj, h, "gate_up", lora, lora_weights)
         act = silu_and_mul(gate_up)
-        down = self._project(self.down_proj, act, {"down": (0, hidden)}, lora, lora_weights)
+        down = self._project(self.down_proj, act, "down", lora, lora_weights)
         return self._all_reduce(down), residual
 
 

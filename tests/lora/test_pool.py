@@ -1,0 +1,57 @@
+"""LoraPool layout: per-group stacked weights, per-projection views into them, one packed copy."""
+
+import torch
+
+from helpers import punica_config, tiny_llama
+from punica.lora.adapter import LoraAdapter
+from punica.lora.pool import GROUPS, LoraPool
+
+
+def random_adapter(config, rank, targets, seed):
+    gen = torch.Generator().manual_seed(seed)
+    shapes = config.projection_shapes()
+    L = config.num_layers
+    lora_a = {p: torch.randn(L, rank, shapes[p][0], generator=gen) for p in targets}
+    lora_b = {p: torch.randn(L, shapes[p][1], rank, generator=gen) for p in targets}
+    return LoraAdapter(name=f"a{seed}", rank=rank, scale=0.5, lora_a=lora_a, lora_b=lora_b)
+
+
+def test_group_weights_stack_the_projections_of_each_group():
+    config = punica_config(tiny_llama())  # GQA: q 64, k = v 32, intermediate 96
+    pool = LoraPool(config, max_loras=3, max_rank=8, dtype=torch.float32, device="cpu")
+    adapter = random_adapter(config, 5, ("q", "v", "o", "up", "down"), seed=1)  # no k, no gate
+    pool.write(1, adapter)
+    shapes, R = config.projection_shapes(), 8
+    for layer in range(config.num_layers):
+        for group, projections in GROUPS.items():
+            lora_a, lora_b, bounds = pool.weights(layer, group)
+            h_in = shapes[projections[0]][0]
+            assert lora_a.shape == (3, len(projections) * R, h_in)
+            assert lora_b.shape == (3, bounds[-1], R)
+            assert bounds == tuple([0] + [sum(shapes[p][1] for p in projections[:i + 1])
+                                          for i in range(len(projections))])
+            for i, p in enumerate(projections):
+                a_p = lora_a[1, i * R:(i + 1) * R]
+                b_p = lora_b[1, bounds[i]:bounds[i + 1]]
+                assert a_p.data_ptr() == pool.a[p][layer, 1].data_ptr()  # views, not copies
+                assert b_p.data_ptr() == pool.b[p][layer, 1].data_ptr()
+                if p in adapter.lora_a:
+                    assert torch.equal(a_p[:5], adapter.lora_a[p][layer])
+                    assert torch.equal(b_p[:, :5], adapter.lora_b[p][layer])
+                assert not a_p[5 if p in adapter.lora_a else 0:].any()  # padding, untargeted
+                assert not b_p[:, 5 if p in adapter.lora_b else 0:].any()
+            assert not lora_a[[0, 2]].any() and not lora_b[[0, 2]].any()  # other slots untouched
+    assert pool.scales.tolist() == [0.0, 0.5, 0.0]
+
+
+def test_packed_slot_is_the_slot_contents():
+    config = punica_config(tiny_llama())
+    pool = LoraPool(config, max_loras=2, max_rank=4, dtype=torch.float32, device="cpu")
+    adapter = random_adapter(config, 4, ("k", "gate", "down"), seed=2)
+    packed = pool.pack(adapter)
+    assert packed.shape == (pool.slot_numel,)
+    pool.write_packed(0, packed, adapter.scale)
+    assert torch.equal(pool.buffer[0], packed) and not pool.buffer[1].any()
+    assert torch.equal(pool.b["gate"][1, 0, :, :4], adapter.lora_b["gate"][1])
+    assert pool.slot_numel == sum(config.num_layers * 4 * (h_in + h_out)
+                                  for h_in, h_out in config.projection_shapes().values())
