@@ -55,3 +55,31 @@ def test_packed_slot_is_the_slot_contents():
     assert torch.equal(pool.b["gate"][1, 0, :, :4], adapter.lora_b["gate"][1])
     assert pool.slot_numel == sum(config.num_layers * 4 * (h_in + h_out)
                                   for h_in, h_out in config.projection_shapes().values())
+
+
+def test_model_adds_lora_once_per_group(monkeypatch):
+    """q/k/v, o, gate/up and down: four add_lora calls (8 kernels) per layer, each on the whole
+    fused output with the pool's slice bounds; none when no token has an adapter."""
+    import punica.models.llama as llama
+    from punica.lora.batch import LoraBatch
+    from punica.ops.attention import AttnBatch
+
+    hf = tiny_llama(seed=4)
+    model = llama.LlamaForCausalLM(punica_config(hf))
+    pool = LoraPool(model.config, max_loras=1, max_rank=4, dtype=torch.float32, device="cpu")
+    pool.write(0, random_adapter(model.config, 4, ("q", "k", "v", "o", "gate", "up", "down"), seed=3))
+    model.set_lora(pool)
+    calls = []
+    real = llama.add_lora
+    monkeypatch.setattr(llama, "add_lora", lambda y, *args: calls.append((y.shape[1], args[-1])) or real(y, *args))
+    attn = AttnBatch.build([3], [3], [[0]], 4, 1)
+    model(torch.tensor([5, 6, 7]), attn, LoraBatch.build([0], [3]), model.new_kv_cache(2, 4))
+    c = model.config
+    per_layer = [(c.q_size + 2 * c.kv_size, (0, c.q_size, c.q_size + c.kv_size, c.q_size + 2 * c.kv_size)),
+                 (c.hidden_size, (0, c.hidden_size)),
+                 (2 * c.intermediate_size, (0, c.intermediate_size, 2 * c.intermediate_size)),
+                 (c.hidden_size, (0, c.hidden_size))]
+    assert calls == per_layer * c.num_layers
+    calls.clear()
+    model(torch.tensor([5, 6, 7]), attn, LoraBatch.build([-1], [3]), model.new_kv_cache(2, 4))
+    assert calls == []
