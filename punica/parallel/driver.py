@@ -25,6 +25,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from punica.config import EngineConfig
+from punica.models.loader import DummyWeights
 from punica.parallel.launcher import init_rank
 from punica.parallel.worker import worker_main
 
@@ -36,7 +37,7 @@ class WorkerError(RuntimeError):
 
 
 class Workers:
-    def __init__(self, world_size: int, backend: str, model_dir: str | Path, dtype: torch.dtype,
+    def __init__(self, world_size: int, backend: str, source: str | Path | DummyWeights, dtype: torch.dtype,
                  config: EngineConfig, timeout_s: float):
         if dist.is_initialized():
             raise ValueError("this process already belongs to a torch.distributed process group; "
@@ -53,7 +54,7 @@ class Workers:
                 ours, theirs = context.Pipe()
                 process = context.Process(
                     target=worker_main, name=f"punica-tp-rank-{rank}", daemon=True,
-                    args=(rank, world_size, backend, workdir.name, theirs, str(model_dir), dtype, config, timeout_s))
+                    args=(rank, world_size, backend, workdir.name, theirs, source, dtype, config, timeout_s))
                 process.start()
                 theirs.close()  # the worker's end lives in the worker: its death closes the pipe
                 self.processes.append(process)

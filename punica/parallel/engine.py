@@ -29,6 +29,7 @@ from punica.lora.adapter import LoraAdapter
 from punica.lora.manager import AdapterManager
 from punica.lora.pool import LoraPool
 from punica.models.llama import LlamaForCausalLM
+from punica.models.loader import DummyWeights
 from punica.parallel.driver import Workers
 from punica.parallel.tensor_parallel import rank_config, shard_adapter
 from punica.parallel.worker import load_shard, step_row, with_kv_pages
@@ -105,16 +106,19 @@ def backend_for(device: torch.device, world_size: int) -> str:
     return "nccl"
 
 
-def start_engine(model_dir: str | Path, tokenizer, config: EngineConfig, adapters: dict[str, str] | None,
+def start_engine(source: str | Path | DummyWeights, tokenizer, config: EngineConfig, adapters: dict[str, str] | None,
                  eos_token_ids: tuple[int, ...], dtype: torch.dtype, device: str | torch.device,
                  tensor_parallel_size: int, timeout_s: float = TIMEOUT_S) -> TensorParallelEngine:
-    """Start ranks 1..N-1, load this process's shard as rank 0, and return the engine over all N."""
-    full_config = ModelConfig.from_dir(Path(model_dir))
+    """Start ranks 1..N-1, load this process's shard as rank 0, and return the engine over all N.
+
+    `source`: a checkpoint directory or DummyWeights (random weights of a model shape); each
+    rank reads or generates only its own shard."""
+    full_config = source.config if isinstance(source, DummyWeights) else ModelConfig.from_dir(Path(source))
     rank_config(full_config, tensor_parallel_size)  # the heads must split: fail before starting anything
     backend = backend_for(torch.device(device), tensor_parallel_size)
-    workers = Workers(tensor_parallel_size, backend, model_dir, dtype, config, timeout_s)
+    workers = Workers(tensor_parallel_size, backend, source, dtype, config, timeout_s)
     try:
-        model = load_shard(model_dir, dtype, workers.device)
+        model = load_shard(source, dtype, workers.device)
         num_pages = workers.agree(kv_cache_pages(model, config))
         return TensorParallelEngine(model, tokenizer, with_kv_pages(config, num_pages), adapters, eos_token_ids,
                                     workers, full_config)

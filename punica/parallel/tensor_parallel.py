@@ -15,6 +15,10 @@ ranks); this needs num_kv_heads % N == 0. Each rank's KV cache holds its num_kv_
 The embedding and lm_head stay replicated (simplest: every rank computes the full logits, no
 vocab-parallel gather), as do the norms.
 
+`split_model_` says where each split parameter lies in the full model's (loader.Shard), so it
+works on a model still on the meta device: the loader then reads (checkpoint) or generates
+(dummy weights) only the rank's slices, and no rank ever holds the full model.
+
 LoRA, in the canonical pool layout (lora_a [S, R, h_in], lora_b [S, h_out, R]):
 
     column-parallel  lora_a replicated, lora_b split by output rows. Every rank computes the
@@ -47,6 +51,7 @@ from punica.config import ModelConfig
 from punica.lora.adapter import LoraAdapter
 from punica.lora.pool import LoraPool
 from punica.models.llama import LlamaForCausalLM
+from punica.models.loader import Shard
 
 COLUMN_PARALLEL = ("q", "k", "v", "gate", "up")  # output features split: lora_b rows split
 ROW_PARALLEL = ("o", "down")                     # input features split: lora_a columns split
@@ -69,6 +74,12 @@ def _part(size: int, rank: int, world_size: int) -> slice:
     return slice(rank * n, (rank + 1) * n)
 
 
+def _run(size: int, rank: int, world_size: int, offset: int = 0) -> tuple[int, int]:
+    """Rank r's contiguous 1/N of `size` features that start at `offset`, as (first, end)."""
+    part = _part(size, rank, world_size)
+    return offset + part.start, offset + part.stop
+
+
 def _lora_part(config: ModelConfig, projection: str, rank: int, world_size: int) -> slice:
     """The features of a projection rank r keeps: its outputs (column) or its inputs (row)."""
     h_in, h_out = config.projection_shapes()[projection]
@@ -80,28 +91,45 @@ def _set_weight(linear: nn.Linear, weight: torch.Tensor) -> None:
     linear.out_features, linear.in_features = weight.shape
 
 
-def shard_model_(model: LlamaForCausalLM, group: dist.ProcessGroup) -> None:
-    """Keep rank r's shard of every layer in place and sum row-parallel outputs over `group`."""
-    rank, world_size = dist.get_rank(group), dist.get_world_size(group)
+def model_shards(config: ModelConfig, rank: int, world_size: int) -> dict[str, Shard]:
+    """Where each split parameter of rank r's shard lies in the full model's; the rest are replicated."""
+    h, q, kv, inter = config.hidden_size, config.q_size, config.kv_size, config.intermediate_size
+    shards = {}
+    for i in range(config.num_layers):
+        shards[f"layers.{i}.qkv_proj.weight"] = Shard((q + 2 * kv, h), (
+            _run(q, rank, world_size), _run(kv, rank, world_size, q), _run(kv, rank, world_size, q + kv)))
+        shards[f"layers.{i}.gate_up_proj.weight"] = Shard((2 * inter, h), (
+            _run(inter, rank, world_size), _run(inter, rank, world_size, inter)))
+        shards[f"layers.{i}.o_proj.weight"] = Shard((h, q), ((0, h),), _run(q, rank, world_size))
+        shards[f"layers.{i}.down_proj.weight"] = Shard((h, inter), ((0, h),), _run(inter, rank, world_size))
+    return shards
+
+
+def split_model_(model: LlamaForCausalLM, rank: int, world_size: int) -> dict[str, Shard]:
+    """Keep rank r's shard of every layer in place (real or meta tensors); where each lies in the full model."""
     full, local = model.config, rank_config(model.config, world_size)
-    q, kv, inter = full.q_size, full.kv_size, full.intermediate_size
-    q_rows, kv_rows = _part(q, rank, world_size), _part(kv, rank, world_size)
-    inter_rows = _part(inter, rank, world_size)
+    shards = model_shards(full, rank, world_size)
+    params = dict(model.named_parameters())
+    for name, where in shards.items():
+        _set_weight(model.get_submodule(name.removesuffix(".weight")), where.take(params[name]))
     lq, lkv, linter = local.q_size, local.kv_size, local.intermediate_size
     for layer in model.layers:
-        qkv = layer.qkv_proj.weight
-        _set_weight(layer.qkv_proj, torch.cat([qkv[:q][q_rows], qkv[q:q + kv][kv_rows],
-                                               qkv[q + kv:][kv_rows]]))
-        gate_up = layer.gate_up_proj.weight
-        _set_weight(layer.gate_up_proj, torch.cat([gate_up[:inter][inter_rows],
-                                                   gate_up[inter:][inter_rows]]))
-        _set_weight(layer.o_proj, layer.o_proj.weight[:, q_rows])
-        _set_weight(layer.down_proj, layer.down_proj.weight[:, inter_rows])
         layer.num_heads, layer.num_kv_heads = local.num_heads, local.num_kv_heads
         layer.qkv_slices = {"q": (0, lq), "k": (lq, lq + lkv), "v": (lq + lkv, lq + 2 * lkv)}
         layer.gate_up_slices = {"gate": (0, linter), "up": (linter, 2 * linter)}
-        layer.tp_group = group
     model.config = local
+    return shards
+
+
+def shard_model_(model: LlamaForCausalLM, group: dist.ProcessGroup) -> dict[str, Shard]:
+    """Keep this rank's shard of every layer in place and sum row-parallel outputs over `group`.
+
+    Also a loader ShardFn (`shard=lambda m: shard_model_(m, group)`): on the meta device it
+    only reshapes, and the loader fills in the rank's slices."""
+    shards = split_model_(model, dist.get_rank(group), dist.get_world_size(group))
+    for layer in model.layers:
+        layer.tp_group = group
+    return shards
 
 
 def shard_pool_(pool: LoraPool, group: dist.ProcessGroup) -> None:

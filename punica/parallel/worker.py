@@ -34,7 +34,7 @@ from punica.config import EngineConfig
 from punica.engine.engine import Engine, kv_cache_pages
 from punica.engine.request import Request
 from punica.models.llama import LlamaForCausalLM
-from punica.models.loader import load_hf_dir
+from punica.models.loader import DummyWeights, load_weights
 from punica.parallel.launcher import init_rank
 from punica.parallel.tensor_parallel import shard_model_
 
@@ -68,11 +68,10 @@ class StepRequest:
                    row.num_cached, row.pages, row.slot)
 
 
-def load_shard(model_dir: str | Path, dtype: torch.dtype, device: torch.device) -> LlamaForCausalLM:
-    """This rank's shard of the model: the whole model is read into host memory, sharded, then moved."""
-    model = load_hf_dir(model_dir, dtype, "cpu")
-    shard_model_(model, dist.group.WORLD)
-    return model.to(device)
+def load_shard(source: str | Path | DummyWeights, dtype: torch.dtype, device: torch.device) -> LlamaForCausalLM:
+    """This rank's shard of a checkpoint directory's model or of random weights: built on the meta
+    device, sharded there, then only its slices are read or generated, straight onto `device`."""
+    return load_weights(source, dtype, device, shard=lambda model: shard_model_(model, dist.group.WORLD))
 
 
 def with_kv_pages(config: EngineConfig, num_pages: int) -> EngineConfig:
@@ -80,15 +79,15 @@ def with_kv_pages(config: EngineConfig, num_pages: int) -> EngineConfig:
     return dataclasses.replace(config, kv_cache_tokens=num_pages * config.page_size)
 
 
-def worker_main(rank: int, world_size: int, backend: str, workdir: str, conn: Connection, model_dir: str,
-                dtype: torch.dtype, config: EngineConfig, timeout_s: float) -> None:
+def worker_main(rank: int, world_size: int, backend: str, workdir: str, conn: Connection,
+                source: str | Path | DummyWeights, dtype: torch.dtype, config: EngineConfig, timeout_s: float) -> None:
     """A worker process: join the group, load the shard, agree on KV pages, then obey rank 0."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's Ctrl-C is rank 0's to handle
     torch.set_num_threads(max(1, torch.get_num_threads() // world_size))
     try:
         conn.send(("started", None))  # rank 0 joins the group only once every worker could start
         device = init_rank(rank, world_size, backend, workdir, timeout_s)
-        model = load_shard(model_dir, dtype, device)
+        model = load_shard(source, dtype, device)
         conn.send(("ready", kv_cache_pages(model, config)))
         _, num_pages = conn.recv()
         engine = Engine(model, None, with_kv_pages(config, num_pages))

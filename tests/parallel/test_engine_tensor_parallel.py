@@ -12,11 +12,11 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from helpers import make_peft_adapter, tiny_llama
+from helpers import make_peft_adapter, punica_config, tiny_llama
 from punica.config import EngineConfig
 from punica.engine.engine import Engine
 from punica.engine.sampling_params import SamplingParams
-from punica.models.loader import load_hf_dir
+from punica.models.loader import DummyWeights, dummy_model, load_hf_dir
 from punica.parallel.driver import WorkerError
 from punica.parallel.engine import start_engine
 
@@ -87,6 +87,55 @@ def test_two_ranks_match_one_process(setup):
         assert adapted != base_tokens
     assert [p.exitcode for p in engine.workers.processes] == [0]  # the worker left when told to
     assert mp.active_children() == []
+
+
+def test_random_weights_two_ranks_match_one_process(setup):
+    """Each rank generates only its shard of the dummy model, and the shards add up to the model
+    one process generates with the same seed (the same tokens over mixed adapters)."""
+    _, paths = setup
+    config = punica_config(tiny_llama())
+    expect = run_workload(Engine(dummy_model(config, torch.float32, seed=7), None, CONFIG, adapters=paths))
+    engine = start_engine(DummyWeights(config, seed=7), None, CONFIG, paths, (), torch.float32, "cpu", 2,
+                          timeout_s=60)
+    try:
+        got = run_workload(engine)
+        assert engine.model.config.num_kv_heads == 1
+    finally:
+        engine.close()
+    assert got == expect
+    assert len({tuple(tokens[:3]) for tokens in expect}) > len(expect) // 2  # outputs depend on the weights
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_two_gpus_match_one_on_a_7b_shape(tmp_path):
+    """On two GPUs (NCCL, CUDA graphs): a Llama-2-7B-shaped model of random weights over 2 ranks
+    gives the tokens one GPU gives, over mixed adapters rewritten through 2 slots. fp32 (not
+    TF32): the ranks' partial sums differ from one GPU's only in rounding order, far below the
+    gaps between random logits; in bf16 that rounding flips near-tied greedy tokens."""
+    import gc
+
+    from punica.config import preset_config
+    from punica.lora.dummy import save_random_adapter
+
+    config = preset_config("llama-2-7b")
+    adapters = {"attn": (8, ("q", "k", "v", "o")), "mlp": (16, ("gate", "up", "down")),
+                "mixed": (4, ("v", "o", "up", "down")), "all": (16, ("q", "k", "v", "o", "gate", "up", "down"))}
+    paths = {name: str(save_random_adapter(tmp_path / name, config, rank, seed=i, projections=projections))
+             for i, (name, (rank, projections)) in enumerate(adapters.items())}
+    engine = Engine(dummy_model(config, torch.float32, "cuda", seed=7), None, CONFIG, adapters=paths)
+    expect = run_workload(engine)
+    del engine
+    gc.collect()
+    torch.cuda.empty_cache()
+    engine = start_engine(DummyWeights(config, seed=7), None, CONFIG, paths, (), torch.float32, "cuda", 2)
+    try:
+        got = run_workload(engine)
+        assert engine.model.config.num_kv_heads == 16
+    finally:
+        engine.close()
+    assert got == expect
+    assert len({tuple(tokens[:3]) for tokens in expect}) > len(expect) // 2
 
 
 def test_killed_worker_fails_every_later_step_loudly(setup):
