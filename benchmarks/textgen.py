@@ -4,6 +4,7 @@ against HuggingFace transformers + PEFT.
 
 python -m benchmarks.textgen [--preset llama-2-7b] [--requests 64] [--max-total 2048]
     [--workloads backbone distinct ...] [--hf-requests 32] [--hf-max-total 256] [--skip-hf]
+    [--tensor-parallel-size 1]
 
 Requests follow the paper's generator (prompt ~ lognorm(0.8, -1, 18), total ~ uniform up to
 --max-total, fixed seed), FCFS, max batch 32, greedy with ignore_eos so every request runs its
@@ -13,6 +14,13 @@ adapter per request); the adapters' values come from --files files (values do no
 work; each name still gets its own GPU slot and copy). The engines have one GPU slot per request,
 and every adapter of the workload is loaded before the clock starts (on-demand loading is
 benchmarks/adapter_load.py's question).
+
+--tensor-parallel-size N > 1: the engine under test is the tensor-parallel one
+(punica.parallel.engine, N processes, rank r on cuda:r; gloo on CPU), each rank generating only
+its shard of the dummy weights (a Llama-2-70B in bf16 never exists whole on one GPU or in host
+memory). One such engine, with all adapter names registered, runs every workload in turn (a
+fresh group per workload would rebuild the model each time); the pages of one workload are all
+free before the next. The HF+PEFT baseline is skipped (it runs on one device).
 
 HF+PEFT baseline (unless --skip-hf; for backbone, distinct and identical among --workloads):
 transformers' LlamaForCausalLM of the same shape with its own random init (N(0, 0.02) weights
@@ -46,7 +54,7 @@ from punica.config import EngineConfig, ModelConfig, preset_config
 from punica.engine.engine import Engine
 from punica.engine.sampling_params import SamplingParams
 from punica.lora.dummy import save_random_adapter
-from punica.models.loader import dummy_model
+from punica.models.loader import DummyWeights, dummy_model
 from punica.workloads import WORKLOADS, adapter_ids, textgen_lengths
 
 HF_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -198,43 +206,60 @@ def main() -> None:
     parser.add_argument("--hf-max-total", type=int, default=256)
     parser.add_argument("--skip-hf", action="store_true")
     parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs (the eager engine)")
+    parser.add_argument("--tensor-parallel-size", type=int, default=1,
+                        help="N > 1: the tensor-parallel engine over N devices; no HF baseline")
     parser.add_argument("--out", type=Path, default=Path("results/textgen"))
     args = parser.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    tp = args.tensor_parallel_size
     config = preset_config(args.preset)
     rng = random.Random(0)
     lengths = textgen_lengths(args.requests, rng, max_total=args.max_total)
     prompts = [[rng.randrange(3, config.vocab_size) for _ in range(p)] for p, _ in lengths]
-    model = dummy_model(config, torch.bfloat16 if device == "cuda" else torch.float32, device)
+    model = dummy_model(config, dtype, device) if tp == 1 else None
     engine_config = EngineConfig(max_batch_size=32, max_loras=args.requests, max_lora_rank=args.rank,
                                  kv_cache_tokens=32 * args.max_total + 1024, enforce_eager=args.enforce_eager)
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         files = [save_random_adapter(Path(tmp) / f"f{i}", config, args.rank, seed=i) for i in range(args.files)]
         names = {f"lora{i}": str(files[i % len(files)]) for i in range(args.requests)}
-        for workload in [w for w in ("backbone", *WORKLOADS) if w in args.workloads]:
-            if workload == "backbone":
-                engine, adapters = Engine(model, None, engine_config), [None] * args.requests
-            else:
-                engine = Engine(model, None, engine_config, names)
-                adapters = [f"lora{i}" for i in adapter_ids(workload, args.requests, random.Random(1))]
-            warm_up(engine, list(dict.fromkeys(adapters)) if workload != "backbone" else [None] * 32)
-            rows.append({"system": "punica", "workload": workload,
-                         **run(engine, [(p, o, a) for p, (_, o), a in zip(prompts, lengths, adapters)])})
-            print(f"punica {workload}: {rows[-1]['tokens_per_s']:.1f} tokens/s", flush=True)
-            del engine
-            gc.collect()  # the engine holds reference cycles: free its KV cache before the next one
-            if device == "cuda":
-                torch.cuda.empty_cache()
-    if not args.skip_hf:
-        rows += hf_baseline(config, args.workloads, args.hf_requests, args.hf_max_total, args.rank, model.embed.weight.dtype,
-                            device)
-    meta = {"device": torch.cuda.get_device_name() if device == "cuda" else "cpu", "preset": args.preset,
-            "requests": args.requests, "max_total": args.max_total, "rank": args.rank,
-            "hf_requests": 0 if args.skip_hf else args.hf_requests, "hf_max_total": args.hf_max_total,
+        if tp > 1:
+            from punica.parallel.engine import start_engine
+
+            parallel_engine = start_engine(DummyWeights(config), None, engine_config, names, (), dtype, device, tp)
+        try:
+            for workload in [w for w in ("backbone", *WORKLOADS) if w in args.workloads]:
+                if tp > 1:
+                    engine = parallel_engine
+                else:
+                    engine = Engine(model, None, engine_config, None if workload == "backbone" else names)
+                if workload == "backbone":
+                    adapters = [None] * args.requests
+                else:
+                    adapters = [f"lora{i}" for i in adapter_ids(workload, args.requests, random.Random(1))]
+                warm_up(engine, list(dict.fromkeys(adapters)) if workload != "backbone" else [None] * 32)
+                rows.append({"system": "punica", "workload": workload,
+                             **run(engine, [(p, o, a) for p, (_, o), a in zip(prompts, lengths, adapters)])})
+                print(f"punica {workload}: {rows[-1]['tokens_per_s']:.1f} tokens/s", flush=True)
+                del engine
+                gc.collect()  # the engine holds reference cycles: free its KV cache before the next one
+                if device == "cuda":
+                    torch.cuda.empty_cache()
+        finally:
+            if tp > 1:
+                parallel_engine.close()
+    if not args.skip_hf and tp > 1:
+        print(f"HF+PEFT baseline skipped: it runs on one device, the engine on {tp}", flush=True)
+    elif not args.skip_hf:
+        rows += hf_baseline(config, args.workloads, args.hf_requests, args.hf_max_total, args.rank, dtype, device)
+    device_name = torch.cuda.get_device_name() if device == "cuda" else "cpu"
+    meta = {"device": device_name if tp == 1 else f"{tp}x {device_name}", "preset": args.preset,
+            "tensor_parallel_size": tp, "requests": args.requests, "max_total": args.max_total, "rank": args.rank,
+            "hf_requests": 0 if args.skip_hf or tp > 1 else args.hf_requests, "hf_max_total": args.hf_max_total,
             "hf_batch": HF_BATCH, "date": time.strftime("%Y-%m-%d")}
     write_results(args.out, "textgen", rows, meta)
-    plot(rows, args.out / "textgen.png", f"{args.preset}, rank {args.rank}, {meta['device']}")
+    plot(rows, args.out / "textgen.png", f"{args.preset}, rank {args.rank}, {meta['device']}, TP={tp}")
     print(meta)
     engine_rows = [r for r in rows if r["system"] == "punica"]
     hf_rows = [r for r in rows if r["system"] == "hf+peft"]
