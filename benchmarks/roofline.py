@@ -18,6 +18,11 @@ from memory at the device-to-device copy rate measured in the same run (CUDA:
 benchmarks.common.copy_bandwidth; CPU: median wall time of a 256 MiB copy). Activations and
 logits are left out. ratio = step_ms / floor_ms (issue target on an H200: <= 1.3 at batch 32).
 Writes roofline.json and roofline.png under --out and prints a table last.
+
+--tensor-parallel-size N > 1: the tensor-parallel engine (punica.parallel.engine; rank r on
+cuda:r, each generating only its shard of the dummy weights), one engine for both LoRA modes
+(all adapter names registered). The floor is one GPU's: rank 0's shard of the weights, KV
+cache (its kv heads) and adapters, at the copy bandwidth of cuda:0; the all-reduces are not in it.
 """
 
 from __future__ import annotations
@@ -38,7 +43,7 @@ from punica.engine.engine import Engine
 from punica.engine.runner import kv_bytes_per_token
 from punica.engine.sampling_params import SamplingParams
 from punica.lora.dummy import save_random_adapter
-from punica.models.loader import dummy_model
+from punica.models.loader import DummyWeights, dummy_model
 
 PAGE_SIZE = 16
 SLACK = 64  # output tokens beyond warmup + steps: requests prefilled in earlier steps must not finish
@@ -135,6 +140,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--files", type=int, default=4, help="adapter files behind the distinct names")
     parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs (the eager engine)")
+    parser.add_argument("--tensor-parallel-size", type=int, default=1,
+                        help="N > 1: the tensor-parallel engine over N devices; the floor is one GPU's")
     parser.add_argument("--out", type=Path, default=Path("results/roofline"))
     args = parser.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -143,42 +150,57 @@ def main() -> None:
     started = time.time()
     bandwidth = copy_bandwidth(device) if device.type == "cuda" else cpu_copy_bandwidth()
     print(f"copy bandwidth {bandwidth / 1e9:.1f} GB/s (read + written)", flush=True)
-    model = dummy_model(config, dtype, device)
+    tp = args.tensor_parallel_size
+    model = dummy_model(config, dtype, device) if tp == 1 else None
     max_batch = max(args.batches)
     kv_tokens = max_batch * (max(args.contexts) + args.warmup + args.steps + SLACK + 2 * PAGE_SIZE)
     engine_config = EngineConfig(max_batch_size=max_batch, max_loras=max_batch, max_lora_rank=args.rank,
                                  page_size=PAGE_SIZE, kv_cache_tokens=kv_tokens, enforce_eager=args.enforce_eager)
-    per_token_kv, per_adapter = kv_bytes_per_token(model), adapter_bytes(config, args.rank, model.embed.weight.element_size())
     rng = random.Random(0)
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         files = [save_random_adapter(Path(tmp) / f"f{i}", config, args.rank, seed=i) for i in range(args.files)]
-        for lora in ("none", "distinct"):
-            names = {f"lora{i}": str(files[i % len(files)]) for i in range(max_batch)} if lora == "distinct" else {}
-            engine = Engine(model, None, engine_config, names)
-            warm_up(engine, list(names) or [None] * max_batch)  # compiled kernels, resident adapters
-            for context in args.contexts:
-                for batch in args.batches:
-                    prompts = [[rng.randrange(3, config.vocab_size) for _ in range(context)] for _ in range(batch)]
-                    adapters = list(names)[:batch] if names else [None] * batch
-                    times, mean_context = decode_step_seconds(engine, prompts, adapters, args.warmup,
-                                                              args.steps, device)
-                    step = statistics.median(times)
-                    nbytes = {"weight": weight_bytes(model, batch),
-                              "kv": int(batch * mean_context * per_token_kv),
-                              "lora": per_adapter * len(set(adapters) - {None})}
-                    floor = sum(nbytes.values()) / bandwidth
-                    rows.append({"lora": lora, "context": context, "batch": batch, "step_ms": 1e3 * step,
-                                 "floor_ms": 1e3 * floor, "ratio": step / floor,
-                                 **{f"{k}_gb": v / 1e9 for k, v in nbytes.items()}})
-                    print(f"{lora} context {context} batch {batch}: step {1e3 * step:.2f} ms, "
-                          f"floor {1e3 * floor:.2f} ms", flush=True)
-            cuda_graphs = getattr(engine.runner, "graphs", None) is not None
-            del engine
-            gc.collect()  # the engine holds reference cycles; free its KV cache before the next one
-            if device.type == "cuda":
-                torch.cuda.empty_cache()
-    meta = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "preset": args.preset,
+        all_names = {f"lora{i}": str(files[i % len(files)]) for i in range(max_batch)}
+        if tp > 1:
+            from punica.parallel.engine import start_engine
+
+            parallel_engine = start_engine(DummyWeights(config), None, engine_config, all_names, (), dtype, device, tp)
+        try:
+            for lora in ("none", "distinct"):
+                names = all_names if lora == "distinct" else {}
+                engine = Engine(model, None, engine_config, names) if tp == 1 else parallel_engine
+                shard = engine.model  # rank 0's shard under tensor parallelism: one GPU's bytes
+                per_token_kv = kv_bytes_per_token(shard)
+                per_adapter = adapter_bytes(shard.config, args.rank, shard.embed.weight.element_size())
+                warm_up(engine, list(names) or [None] * max_batch)  # compiled kernels, resident adapters
+                for context in args.contexts:
+                    for batch in args.batches:
+                        prompts = [[rng.randrange(3, config.vocab_size) for _ in range(context)] for _ in range(batch)]
+                        adapters = list(names)[:batch] if names else [None] * batch
+                        times, mean_context = decode_step_seconds(engine, prompts, adapters, args.warmup,
+                                                                  args.steps, device)
+                        step = statistics.median(times)
+                        nbytes = {"weight": weight_bytes(shard, batch),
+                                  "kv": int(batch * mean_context * per_token_kv),
+                                  "lora": per_adapter * len(set(adapters) - {None})}
+                        floor = sum(nbytes.values()) / bandwidth
+                        rows.append({"lora": lora, "context": context, "batch": batch, "step_ms": 1e3 * step,
+                                     "floor_ms": 1e3 * floor, "ratio": step / floor,
+                                     **{f"{k}_gb": v / 1e9 for k, v in nbytes.items()}})
+                        print(f"{lora} context {context} batch {batch}: step {1e3 * step:.2f} ms, "
+                              f"floor {1e3 * floor:.2f} ms", flush=True)
+                runner = getattr(engine.runner, "local", engine.runner)  # rank 0's own under tensor parallelism
+                cuda_graphs = getattr(runner, "graphs", None) is not None
+                del engine, shard
+                gc.collect()  # the engine holds reference cycles; free its KV cache before the next one
+                if device.type == "cuda":
+                    torch.cuda.empty_cache()
+        finally:
+            if tp > 1:
+                parallel_engine.close()
+    device_name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
+    meta = {"device": device_name if tp == 1 else f"{tp}x {device_name}", "preset": args.preset,
+            "tensor_parallel_size": tp,
             "rank": args.rank, "dtype": str(dtype), "copy_bandwidth_Bps": bandwidth, "cuda_graphs": cuda_graphs,
             "warmup": args.warmup, "steps": args.steps, "seconds": time.time() - started,
             "date": time.strftime("%Y-%m-%d"), "torch": torch.__version__}
