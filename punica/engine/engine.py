@@ -168,7 +168,7 @@ class Engine:
 
     def step(self) -> list[RequestOutput]:
         failed = self._fail_unloadable()
-        self.adapters.poll({r.adapter for r in self.scheduler.waiting if r.adapter is not None})
+        self.adapters.poll([r.adapter for r in self.scheduler.waiting if r.adapter is not None])
         batch = self.scheduler.schedule()
         if not batch:
             return failed

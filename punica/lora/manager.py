@@ -41,7 +41,7 @@ class _Copy:
 
 
 class AdapterManager:
-    def __init__(self, config: ModelConfig, pool: LoraPool, host_capacity_bytes: int, io_threads: int = 2):
+    def __init__(self, config: ModelConfig, pool: LoraPool, host_capacity_bytes: int, io_threads: int = 4):
         self.config, self.pool = config, pool
         self.dtype, self.device = pool.buffer.dtype, pool.buffer.device
         self.host_capacity_bytes = host_capacity_bytes
@@ -108,12 +108,14 @@ class AdapterManager:
             if name not in self.registry and name in self.resident:  # unloaded while in use
                 self.free_slots.append(self.resident.pop(name))
 
-    def poll(self, demand: set[str]) -> None:
+    def poll(self, demand: list[str]) -> None:
         """Advance every load: finished reads enter the host tier, finished copies the pool.
 
-        `demand`: the adapters of the requests now in the queue.
+        `demand`: the adapters of the requests now in the queue, in queue order. The first
+        `max_loras` of them are prefetched before their requests are considered for admission:
+        read into the host tier, and copied into free slots (a prefetch never evicts).
         """
-        self.demand = demand
+        self.demand = set(demand)
         self.wanted = {name: None for name in self.wanted if name in demand}
         for name, future in list(self.reads.items()):
             if future.done():
@@ -128,6 +130,8 @@ class AdapterManager:
                     self.free_slots.append(copy.slot)
         for name in list(self.wanted):
             self._advance(name)
+        for name in list(dict.fromkeys(demand))[:self.pool.max_loras]:
+            self._prefetch(name)
 
     # internals ---------------------------------------------------------------------------
     def _advance(self, name: str) -> None:
@@ -142,6 +146,15 @@ class AdapterManager:
                 self._start_copy(name, slot)
             return
         self.reads[name] = self.executor.submit(self._read, name, self.registry[name])
+
+    def _prefetch(self, name: str) -> None:
+        if (name not in self.registry or name in self.failed or name in self.resident or name in self.copies
+                or name in self.reads):
+            return
+        if name not in self.host:
+            self.reads[name] = self.executor.submit(self._read, name, self.registry[name])
+        elif self.free_slots:
+            self._start_copy(name, self.free_slots.pop())
 
     def _read(self, name: str, path: Path) -> _HostAdapter:
         adapter = load_adapter(path, self.config, name=name, dtype=self.dtype)

@@ -94,7 +94,7 @@ def load(manager, name):
         if slot is not None:
             return slot
         manager.executor.submit(lambda: None).result()
-        manager.poll({name})
+        manager.poll([name])
     raise AssertionError(f"{name} never loaded")
 
 
@@ -114,9 +114,24 @@ def test_eviction_is_lru_and_never_takes_a_slot_in_use(base):
     for _ in range(5):
         assert m.acquire("t1") is None
         m.executor.submit(lambda: None).result()
-        m.poll({"t1"})
+        m.poll(["t1"])
     m.release("t4")
     assert load(m, "t1") == slots["t2"]
+
+
+def test_queued_adapters_are_prefetched_without_evicting(base):
+    m = manager_with(base, 5, slots=3)
+    load(m, "t0")
+    m.release("t0")  # resident and unused: evictable, but a prefetch does not evict
+    for _ in range(1000):
+        m.poll(["t1", "t2", "t1", "t3", "t4"])  # queue order; the lookahead is max_loras = 3 adapters
+        m.executor.submit(lambda: None).result()
+        if {"t1", "t2"} <= set(m.resident) and "t3" in m.host:
+            break
+    assert {"t0", "t1", "t2"} == set(m.resident), "copied into the free slots; t0 kept"
+    assert "t3" in m.host and "t3" not in m.resident, "read ahead, waiting for a slot"
+    assert "t4" not in m.host and "t4" not in m.reads, "beyond the lookahead"
+    assert m.acquire("t1") is not None and m.acquire("t3") is None
 
 
 def test_pinned_adapter_is_never_evicted(base):
