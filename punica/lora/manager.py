@@ -8,9 +8,10 @@
 
 The engine calls `acquire` when it wants to admit a request: True (and the slot is held)
 when the adapter is resident; otherwise the load is started or advanced and the request
-waits in the queue while others run. `poll` advances loads once per step. A slot held by an
-admitted request, pinned, or wanted by a queued request is never evicted (so loads never
-evict each other before their requests get in).
+waits in the queue while others run. `poll` advances loads once per step and prefetches the
+adapters of the next queued requests. A slot held by an admitted request, pinned, or wanted by
+one of the next `max_loras` adapters in the queue is never evicted (so loads never evict each
+other before their requests get in).
 """
 
 from __future__ import annotations
@@ -112,11 +113,15 @@ class AdapterManager:
         """Advance every load: finished reads enter the host tier, finished copies the pool.
 
         `demand`: the adapters of the requests now in the queue, in queue order. The first
-        `max_loras` of them are prefetched before their requests are considered for admission:
-        read into the host tier, and copied into free slots (a prefetch never evicts).
+        `max_loras` of them are the lookahead: never evicted, and prefetched before their
+        requests are considered for admission (read into the host tier, copied into free slots;
+        a prefetch never evicts). Adapters wanted only further back stay evictable, so a long
+        queue cannot pin every slot.
         """
-        self.demand = set(demand)
-        self.wanted = {name: None for name in self.wanted if name in demand}
+        lookahead = list(dict.fromkeys(demand))[:self.pool.max_loras]
+        self.demand = set(lookahead)
+        queued = set(demand)
+        self.wanted = {name: None for name in self.wanted if name in queued}
         for name, future in list(self.reads.items()):
             if future.done():
                 del self.reads[name]
@@ -130,7 +135,7 @@ class AdapterManager:
                     self.free_slots.append(copy.slot)
         for name in list(self.wanted):
             self._advance(name)
-        for name in list(dict.fromkeys(demand))[:self.pool.max_loras]:
+        for name in lookahead:
             self._prefetch(name)
 
     # internals ---------------------------------------------------------------------------

@@ -134,6 +134,22 @@ def test_queued_adapters_are_prefetched_without_evicting(base):
     assert m.acquire("t1") is not None and m.acquire("t3") is None
 
 
+def test_a_long_queue_does_not_pin_every_slot(base):
+    m = manager_with(base, 3, slots=2)
+    for name in ("t0", "t1"):
+        load(m, name)
+        m.release(name)
+    load(m, "t1")  # t1 most recently used, t0 the least
+    m.release("t1")
+    queue = ["t2", "t0", "t1"]  # t1 is queued, but behind the lookahead of max_loras = 2 adapters
+    for _ in range(1000):
+        if m.acquire("t2") is not None:
+            break
+        m.executor.submit(lambda: None).result()
+        m.poll(queue)
+    assert set(m.resident) == {"t0", "t2"}, "t1 evicted for t2; t0, least recently used but next, kept"
+
+
 def test_pinned_adapter_is_never_evicted(base):
     m = manager_with(base, 4, slots=2)
     model_dir = m.registry["t0"]
