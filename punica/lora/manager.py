@@ -135,8 +135,17 @@ class AdapterManager:
                     self.free_slots.append(copy.slot)
         for name in list(self.wanted):
             self._advance(name)
+        spare = len(self.free_slots)  # given out in queue order, also to reads not done yet
         for name in lookahead:
-            self._prefetch(name)
+            if (name not in self.registry or name in self.failed or name in self.resident
+                    or name in self.copies):
+                continue
+            if name in self.host:
+                if spare > 0:
+                    self._start_copy(name, self.free_slots.pop())
+            elif name not in self.reads:
+                self.reads[name] = self.executor.submit(self._read, name, self.registry[name])
+            spare -= 1
 
     # internals ---------------------------------------------------------------------------
     def _advance(self, name: str) -> None:
@@ -151,15 +160,6 @@ class AdapterManager:
                 self._start_copy(name, slot)
             return
         self.reads[name] = self.executor.submit(self._read, name, self.registry[name])
-
-    def _prefetch(self, name: str) -> None:
-        if (name not in self.registry or name in self.failed or name in self.resident or name in self.copies
-                or name in self.reads):
-            return
-        if name not in self.host:
-            self.reads[name] = self.executor.submit(self._read, name, self.registry[name])
-        elif self.free_slots:
-            self._start_copy(name, self.free_slots.pop())
 
     def _read(self, name: str, path: Path) -> _HostAdapter:
         adapter = load_adapter(path, self.config, name=name, dtype=self.dtype)
