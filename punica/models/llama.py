@@ -8,8 +8,9 @@ q/k/v and gate/up run as one fused base GEMM each, and so does each group's LoRA
 over the group's stacked A and one sliced expand into the fused output (2 LoRA kernels for
 q/k/v, gate/up, o and down each: 8 per layer).
 The elementwise work runs fused (punica.ops.layers): each residual add folds into the RMSNorm
-after it, so a layer takes and returns (output, residual stream) as vLLM's layers do, rotary
-rotates q and k in place in one call, and SiLU-and-mul reads the gate/up GEMM's output once.
+after it, so a layer takes and returns (output, residual stream) as vLLM's layers do; rotary
+and the KV-cache append run as one kernel (q rotated in place, k rotated on its way into the
+cache, k in qkv left as it was); SiLU-and-mul reads the gate/up GEMM's output once.
 """
 
 from __future__ import annotations
@@ -109,7 +110,7 @@ class LlamaLayer(nn.Module):
         """x: [T, h], the previous layer's MLP output before its residual add (the embeddings
         for the first layer, with residual None)  ->  (this layer's MLP output, residual stream);
         the stream after the layer is their sum, which the next norm computes."""
-        num_tokens, hidden = x.shape
+        num_tokens = x.shape[0]
         h, residual = (self.input_norm(x), x) if residual is None else self.input_norm(x, residual)
         qkv = self._project(self.qkv_proj, h, "qkv", lora, lora_weights)
         q_end, k_end = self.qkv_slices["k"][0], self.qkv_slices["v"][0]
