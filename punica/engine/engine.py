@@ -8,6 +8,7 @@ produced, `abort` drops a request and frees its pages.
 from __future__ import annotations
 
 import itertools
+from functools import partial
 import time
 from operator import attrgetter
 from dataclasses import dataclass, field
@@ -83,14 +84,29 @@ def checked_prompt(prompt: str | list[int], tokenizer, max_model_len: int | None
     return text, token_ids
 
 
+def acquire_adapter(adapters: AdapterManager, request: Request) -> bool:
+    """Hold the request's adapter slot (True), or False while the adapter is being loaded."""
+    if request.adapter is None:
+        return True
+    slot = adapters.acquire(request.adapter)
+    if slot is None:
+        return False
+    request.slot = slot
+    return True
+
+
+def release_adapter(adapters: AdapterManager, request: Request) -> None:
+    if request.slot >= 0:
+        adapters.release(request.adapter)
+        request.slot = -1
+
+
 class Engine:
     def __init__(self, model: LlamaForCausalLM, tokenizer, config: EngineConfig = EngineConfig(),
                  adapters: dict[str, str] | None = None, eos_token_ids: tuple[int, ...] = ()):
         self.model, self.tokenizer, self.config = model, tokenizer, config
         num_pages = kv_cache_pages(model, config)
         self.allocator = PageAllocator(num_pages, config.page_size)
-        self.scheduler = Scheduler(self.allocator, config.max_batch_size, config.max_prefill_tokens,
-                                   acquire=self._acquire_adapter, release=self._release_adapter)
         self.max_model_len = min(config.max_model_len or model.config.max_position_embeddings,
                                  model.config.max_position_embeddings, num_pages * config.page_size)
         self.eos_token_ids = set(eos_token_ids) | set(model.config.eos_token_ids)
@@ -104,6 +120,11 @@ class Engine:
         self.adapters = self._adapter_manager()
         for name, path in (adapters or {}).items():
             self.adapters.register(name, path)
+        # bound to the manager, not to self: no reference cycle keeps a dropped engine's KV
+        # cache alive until the garbage collector runs
+        self.scheduler = Scheduler(self.allocator, config.max_batch_size, config.max_prefill_tokens,
+                                   acquire=partial(acquire_adapter, self.adapters),
+                                   release=partial(release_adapter, self.adapters))
         self.requests: dict[str, Request] = {}
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
         self._ids = itertools.count()
@@ -120,20 +141,6 @@ class Engine:
         """Forget an adapter. Requests already in the batch finish with it; queued requests
         for it fail with finish_reason "error"; its GPU slot is freed when the last one leaves."""
         self.adapters.unregister(name)
-
-    def _acquire_adapter(self, request: Request) -> bool:
-        if request.adapter is None:
-            return True
-        slot = self.adapters.acquire(request.adapter)
-        if slot is None:
-            return False
-        request.slot = slot
-        return True
-
-    def _release_adapter(self, request: Request) -> None:
-        if request.slot >= 0:
-            self.adapters.release(request.adapter)
-            request.slot = -1
 
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
                     adapter: str | None = None, request_id: str | None = None) -> str:

@@ -1,6 +1,8 @@
 """The engine against transformers+PEFT per request, with preemption, sampling and bad input."""
 
+import gc
 import random
+import weakref
 
 import pytest
 import torch
@@ -150,3 +152,15 @@ def test_abort_frees_pages(setup):
     while engine.has_unfinished():
         engine.step()
     assert engine.allocator.num_used == 0 and engine.abort(other) is None
+
+
+def test_a_dropped_engine_frees_its_kv_cache_without_the_garbage_collector(setup):
+    engine = make_engine(setup, kv_cache_tokens=256)
+    run_all(engine, workload(4, seed=2), greedy)
+    kv_cache = weakref.ref(engine.runner.kv_cache)
+    gc.disable()
+    try:
+        del engine
+        assert kv_cache() is None, "a reference cycle keeps the engine alive"
+    finally:
+        gc.enable()
