@@ -28,7 +28,6 @@ cache (its kv heads) and adapters, at the copy bandwidth of cuda:0; the all-redu
 from __future__ import annotations
 
 import argparse
-import gc
 import random
 import statistics
 import tempfile
@@ -192,7 +191,6 @@ def main() -> None:
                 runner = getattr(engine.runner, "local", engine.runner)  # rank 0's own under tensor parallelism
                 cuda_graphs = getattr(runner, "graphs", None) is not None
                 del engine, shard
-                gc.collect()  # the engine holds reference cycles; free its KV cache before the next one
                 if device.type == "cuda":
                     torch.cuda.empty_cache()
         finally:

@@ -40,7 +40,6 @@ warm-up batch.
 from __future__ import annotations
 
 import argparse
-import gc
 import random
 import statistics
 import tempfile
@@ -243,7 +242,6 @@ def main() -> None:
                              **run(engine, [(p, o, a) for p, (_, o), a in zip(prompts, lengths, adapters)])})
                 print(f"punica {workload}: {rows[-1]['tokens_per_s']:.1f} tokens/s", flush=True)
                 del engine
-                gc.collect()  # the engine holds reference cycles: free its KV cache before the next one
                 if device == "cuda":
                     torch.cuda.empty_cache()
         finally:
