@@ -218,6 +218,8 @@ def _checked(key: str, tensor: torch.Tensor, expected: tuple[int, int], rank_dim
         raise fail(f"tensor {key} has shape {tuple(tensor.shape)}, but the base model's "
                    f"{proj} projection needs {expected}")
     converted = tensor.to(dtype)
-    if not torch.isfinite(converted).all():
+    # one reduction instead of a bool tensor: a NaN or inf anywhere makes the sum non-finite,
+    # and a float64 sum of float32 (or narrower) values cannot overflow
+    if not torch.isfinite(converted.sum(dtype=torch.float64)):
         raise fail(f"tensor {key} has non-finite values (NaN or inf) in {dtype}")
     return converted

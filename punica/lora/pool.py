@@ -96,12 +96,18 @@ class LoraPool:
         if adapter.rank > self.max_rank:
             raise ValueError(f"adapter {adapter.name!r} has rank {adapter.rank}, over the pool's "
                              f"max_lora_rank {self.max_rank}")
-        packed = torch.zeros(1, self.slot_numel, dtype=self.buffer.dtype, pin_memory=pin_memory)
+        packed = torch.empty(1, self.slot_numel, dtype=self.buffer.dtype, pin_memory=pin_memory)
         a, b = self._projection_views(*self._group_views(packed))
         r = adapter.rank
-        for p in adapter.lora_a:
-            a[p][:, 0, :r].copy_(adapter.lora_a[p])
-            b[p][:, 0, :, :r].copy_(adapter.lora_b[p])
+        for p in a:  # every element written once: the adapter's, or a zero
+            if p in adapter.lora_a:
+                a[p][:, 0, :r].copy_(adapter.lora_a[p])
+                a[p][:, 0, r:].zero_()
+                b[p][:, 0, :, :r].copy_(adapter.lora_b[p])
+                b[p][:, 0, :, r:].zero_()
+            else:
+                a[p].zero_()
+                b[p].zero_()
         return packed[0]
 
     def write_packed(self, slot: int, packed: torch.Tensor, scale: float, non_blocking: bool = False) -> None:

@@ -57,6 +57,19 @@ def test_packed_slot_is_the_slot_contents():
                                   for h_in, h_out in config.projection_shapes().values())
 
 
+def test_pack_writes_every_element_of_the_slot(monkeypatch):
+    config = punica_config(tiny_llama())
+    pool = LoraPool(config, max_loras=1, max_rank=8, dtype=torch.float32, device="cpu")
+    empty = torch.empty
+    monkeypatch.setattr(torch, "empty", lambda *args, **kw: empty(*args, **kw).fill_(float("nan")))
+    adapter = random_adapter(config, 5, ("q", "down"), seed=3)  # rank padding, untargeted projections
+    packed = pool.pack(adapter)
+    assert not packed.isnan().any()
+    pool.write_packed(0, packed, adapter.scale)
+    assert torch.equal(pool.a["q"][:, 0, :5], adapter.lora_a["q"]) and not pool.a["q"][:, 0, 5:].any()
+    assert not pool.b["k"].any() and not pool.a["gate"].any()
+
+
 def test_model_adds_lora_once_per_group(monkeypatch):
     """q/k/v, o, gate/up and down: four add_lora calls (8 kernels) per layer, each on the whole
     fused output with the pool's slice bounds; none when no token has an adapter."""
