@@ -42,7 +42,7 @@ class _Copy:
 
 
 class AdapterManager:
-    def __init__(self, config: ModelConfig, pool: LoraPool, host_capacity_bytes: int, io_threads: int = 4):
+    def __init__(self, config: ModelConfig, pool: LoraPool, host_capacity_bytes: int, io_threads: int = 2):
         self.config, self.pool = config, pool
         self.dtype, self.device = pool.buffer.dtype, pool.buffer.device
         self.host_capacity_bytes = host_capacity_bytes
