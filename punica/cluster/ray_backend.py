@@ -9,6 +9,10 @@ request) or what the policy evicted. A placed-again request resumes from prompt 
 tokens. A worker that dies has its requests placed again. Workers are added while
 `needs_gpu` holds (up to `max_workers`) and released when idle (down to `min_workers`).
 Ray is the only distributed machinery.
+
+Adapters: the driver's `adapters` (name -> directory) is the served set. Every worker
+registers exactly that set: `load_adapter` / `unload_adapter` send it to all workers, a
+joining worker gets it before it takes requests, one lock orders the two.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from punica.cluster.policy import ClusterPolicy, PolicyConfig, PunicaPolicy
 from punica.cluster.worker import EngineWorker, StepResult, WorkerInfo, load_tokenizer
 from punica.engine.engine import RequestOutput, checked_prompt
 from punica.engine.sampling_params import SamplingParams
+from punica.lora.adapter import load_adapter
 
 
 @dataclass(eq=False)
@@ -45,12 +50,14 @@ class ClusterEngine:
     """The async front the OpenAI server calls: `generate` streams RequestOutput deltas."""
 
     def __init__(self, make_worker: Callable[[], ray.actor.ActorHandle], min_workers: int, max_workers: int,
-                 policy: ClusterPolicy | None = None, tokenizer=None, adapters: tuple[str, ...] = ()):
+                 policy: ClusterPolicy | None = None, tokenizer=None, adapters: dict[str, str] | None = None):
         if not 1 <= min_workers <= max_workers:
             raise ValueError(f"need 1 <= min_workers <= max_workers, got {min_workers} and {max_workers}")
         self.make_worker, self.min_workers, self.max_workers = make_worker, min_workers, max_workers
         self.policy = policy or PunicaPolicy(PolicyConfig(min_gpus=min_workers))
-        self.tokenizer, self.adapters = tokenizer, set(adapters)
+        self.tokenizer, self.adapters = tokenizer, dict(adapters or {})
+        self.model_config = None            # from the first worker: what adapters are checked against
+        self._adapters_lock = asyncio.Lock()  # one change of the served set at a time; workers join between
         self.workers: dict[int, ray.actor.ActorHandle] = {}
         self.requests: dict[str, Tracked] = {}
         self.num_migrations = 0
@@ -96,6 +103,55 @@ class ClusterEngine:
             self.workers[tracked.gpu_id].abort.remote(request_id)
         tracked.outputs.put_nowait(self._output(tracked, finished=True, finish_reason="abort"))
         self._place()
+
+    async def load_adapter(self, name: str, path: str) -> None:
+        """Serve a new adapter on every worker; requests may name it once this returns.
+
+        The adapter is read once here, on the driver, so a broken one raises ValueError (as does
+        a name in use) and no worker changes. If a worker then fails to register it, every worker
+        is set back to the previous set (rolled back) and RuntimeError names the failed workers.
+        """
+        if name in self.adapters:
+            raise ValueError(f"adapter {name!r} is already registered")
+        await asyncio.to_thread(load_adapter, path, self.model_config, name)
+        async with self._adapters_lock:
+            if name in self.adapters:  # loaded meanwhile
+                raise ValueError(f"adapter {name!r} is already registered")
+            failed = await self._send_adapters({**self.adapters, name: path})
+            if failed:
+                await self._send_adapters(self.adapters)
+                raise RuntimeError(f"loading adapter {name!r} failed on {failed}; rolled back, no worker serves it")
+            self.adapters[name] = path
+
+    async def unload_adapter(self, name: str) -> None:
+        """Stop serving an adapter: new requests for it are refused at once (ValueError when it is
+        not served); on each worker, as Engine.unload_adapter, its running requests finish and its
+        queued ones fail (so do its requests waiting here, or migrated later, when placed).
+
+        A worker that fails to unload it is named in a RuntimeError; no request is sent there for
+        the adapter any more, and the next change of the set sends the whole set again.
+        """
+        async with self._adapters_lock:
+            if self.adapters.pop(name, None) is None:
+                raise ValueError(f"unknown adapter {name!r}")
+            failed = await self._send_adapters(self.adapters)
+        if failed:
+            raise RuntimeError(f"unloading adapter {name!r} failed on {failed}")
+
+    async def _send_adapters(self, adapters: dict[str, str]) -> str:
+        """Set every worker's adapters; the workers that failed and why ('' when none did).
+        A dead worker is not a failure: it leaves, its requests are placed again."""
+        workers = list(self.workers.items())
+        results = await asyncio.gather(*(actor.set_adapters.remote(adapters) for _, actor in workers),
+                                       return_exceptions=True)
+        failed = []
+        for (gpu_id, _), result in zip(workers, results):
+            if isinstance(result, RayActorError):
+                self._worker_died(gpu_id)
+            elif isinstance(result, BaseException):
+                cause = getattr(result, "cause", None) or result  # a RayTaskError carries the worker's error
+                failed.append(f"worker {gpu_id} ({type(cause).__name__}: {cause})")
+        return ", ".join(failed)
 
     # ---- requests -----------------------------------------------------------------------
     def _track(self, prompt, params: SamplingParams, adapter: str | None, request_id: str) -> Tracked:
@@ -149,12 +205,15 @@ class ClusterEngine:
         actor = self.make_worker()
         try:
             info: WorkerInfo = await actor.info.remote()
+            async with self._adapters_lock:  # joins with the current adapters, none changing meanwhile
+                await actor.set_adapters.remote(self.adapters)
         except BaseException:
             ray.kill(actor)  # cancelled by shutdown, or the worker failed to start
             raise
         gpu_id, self._next_id = self._next_id, self._next_id + 1
         self.max_model_len = min(self.max_model_len or info.max_model_len, info.max_model_len)
-        self.workers[gpu_id] = actor
+        self.model_config = self.model_config or info.model_config
+        self.workers[gpu_id] = actor  # no await since the lock: later changes of the set reach it
         self._wake[gpu_id] = asyncio.Event()
         self.policy.add_gpu(gpu_id, info.kv_tokens, time.monotonic())
         self._spawn(self._drive(gpu_id, actor))
@@ -198,7 +257,9 @@ class ClusterEngine:
         self._place()
 
     def _worker_died(self, gpu_id: int) -> None:
-        del self.workers[gpu_id]
+        if self.workers.pop(gpu_id, None) is None:
+            return  # seen dead already
+        self._wake.pop(gpu_id).set()
         for request_id in self.policy.remove_gpu(gpu_id):
             self._moved(self.requests[request_id])
         self._place()
@@ -244,4 +305,4 @@ def build_cluster_engine(model: str | None, adapters: dict[str, str] | None, eng
                                            min_gpus=num_workers)
     return ClusterEngine(lambda: actor_class.remote(model, adapters, engine_kwargs, device, dtype),
                          num_workers, max_workers, PunicaPolicy(config),
-                         load_tokenizer(resolve_model_dir(model)), tuple(adapters or ()))
+                         load_tokenizer(resolve_model_dir(model)), adapters)

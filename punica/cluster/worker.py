@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from punica.config import ModelConfig
 from punica.engine.engine import Engine, RequestOutput
 from punica.engine.sampling_params import SamplingParams
 
@@ -45,6 +46,7 @@ class WorkerInfo:
     kv_tokens: int
     max_batch_size: int
     max_model_len: int
+    model_config: ModelConfig   # what an adapter must fit (the driver checks adapters against it)
 
 
 @dataclass(frozen=True)
@@ -75,7 +77,24 @@ class EngineWorker:
 
     def info(self) -> WorkerInfo:
         e = self.engine
-        return WorkerInfo(e.allocator.num_pages * e.allocator.page_size, e.config.max_batch_size, e.max_model_len)
+        return WorkerInfo(e.allocator.num_pages * e.allocator.page_size, e.config.max_batch_size, e.max_model_len,
+                          e.adapters.config)
+
+    def adapters(self) -> dict[str, str]:
+        """The adapters this worker serves: name -> directory."""
+        return {name: str(path) for name, path in self.engine.adapters.registry.items()}
+
+    def set_adapters(self, adapters: dict[str, str]) -> None:
+        """Make the served adapters equal `adapters` (name -> directory): unload the others (as
+        Engine.unload_adapter: running requests finish, queued ones fail), register the missing
+        ones. Idempotent; the driver sends its whole set on every change and when a worker joins."""
+        wanted = {name: Path(path) for name, path in adapters.items()}
+        registry = self.engine.adapters.registry
+        for name in [n for n, path in registry.items() if wanted.get(n) != path]:
+            self.engine.unload_adapter(name)
+        for name, path in wanted.items():
+            if name not in registry:
+                self.engine.load_adapter(name, str(path))
 
     def add(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
             adapter: str | None, output_token_ids: list[int]) -> None:

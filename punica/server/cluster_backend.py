@@ -8,14 +8,14 @@ from collections.abc import AsyncIterator
 from punica.cluster.ray_backend import ClusterEngine
 from punica.engine.engine import RequestOutput
 from punica.engine.sampling_params import SamplingParams
-from punica.server.protocol import ProtocolError
 
 
 class ClusterBackend:
-    """Same methods as AsyncEngine; adapters are fixed when the workers start."""
+    """Same methods as AsyncEngine. The served adapters are the cluster's: load and unload change
+    them on every worker (see ClusterEngine.load_adapter for what a failing worker does)."""
 
-    def __init__(self, cluster: ClusterEngine, adapters: dict[str, str]):
-        self.cluster, self.adapters = cluster, dict(adapters)
+    def __init__(self, cluster: ClusterEngine, adapters: dict[str, str] | None = None):
+        self.cluster = cluster  # `adapters` is unused: the cluster was built with them
 
     def generate(self, prompt: str | list[int], params: SamplingParams, adapter: str | None,
                  request_id: str) -> AsyncIterator[RequestOutput]:
@@ -29,19 +29,22 @@ class ClusterBackend:
         return self.cluster.max_model_len
 
     def has_adapter(self, name: str) -> bool:
-        return name in self.adapters
+        return name in self.cluster.adapters
 
     async def adapter_paths(self) -> dict[str, str]:
-        return dict(self.adapters)
+        return dict(self.cluster.adapters)
 
     def num_waiting(self) -> int:
         return self.cluster.policy.num_waiting
 
     async def load_adapter(self, name: str, path: str) -> None:
-        raise ProtocolError("loading adapters at run time is not supported with --workers")
+        """ValueError (a 400, no worker changed) for a broken adapter or a name in use;
+        RuntimeError (a 500) naming the workers that failed, after a roll-back."""
+        await self.cluster.load_adapter(name, path)
 
     async def unload_adapter(self, name: str) -> None:
-        raise ProtocolError("unloading adapters at run time is not supported with --workers")
+        """ValueError (a 404) for an adapter not served; RuntimeError naming a failed worker."""
+        await self.cluster.unload_adapter(name)
 
     def update_gauges(self, metrics) -> None:
         metrics.queue_length.set(self.num_waiting())

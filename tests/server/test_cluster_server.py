@@ -1,7 +1,9 @@
 """`punica serve --workers 2`: the same OpenAI API over two Ray workers."""
 
+import httpx
 import openai
 import pytest
+import ray
 
 from conftest import RunningServer
 from punica import LLM, SamplingParams
@@ -10,8 +12,9 @@ from punica.server.serve import build_state
 
 @pytest.fixture(scope="module")
 def cluster_server(adapter_dirs):
-    served, _ = adapter_dirs
+    served, loadable = adapter_dirs
     state = build_state(adapters=served, max_batch_size=4, workers=2)
+    state.adapter_dirs = [loadable]
     running = RunningServer(state)
     yield running
     running.stop()
@@ -32,5 +35,48 @@ def test_completions_through_two_workers_equal_offline_engine(cluster_server, ad
     assert streamed == llm.generate(prompts[0], SamplingParams(max_tokens=6, temperature=0), adapter="tenant-1")[0].text
     with pytest.raises(openai.NotFoundError):
         client.completions.create(model="nope", prompt="x")
-    with pytest.raises(openai.BadRequestError, match="loading adapters at run time is"):
-        client.post("/load_lora_adapter", body={"lora_name": "x", "lora_path": "/tmp"}, cast_to=object)
+
+
+def served_by_workers(server) -> list[set[str]]:
+    return [set(ray.get(actor.adapters.remote())) for actor in server.state.backend.cluster.workers.values()]
+
+
+def test_adapters_load_and_unload_at_run_time_on_every_worker(cluster_server, adapter_dirs):
+    served, loadable = adapter_dirs
+    http = httpx.Client(base_url=cluster_server.url, timeout=120)
+    client = openai.OpenAI(base_url=cluster_server.url + "/v1", api_key="unused", max_retries=0)
+
+    def load(name, path):
+        return http.post("/v1/load_lora_adapter", json={"lora_name": name, "lora_path": str(path)})
+
+    def error(response, status):
+        assert response.status_code == status, response.text
+        return response.json()["error"]["message"]
+
+    broken = loadable / "cluster-broken"
+    broken.mkdir(exist_ok=True)
+    (broken / "adapter_config.json").write_text("{")
+    assert "unreadable" in error(load("broken", broken), 400)
+    assert "already loaded" in error(load("tenant-0", loadable / "extra-1"), 400)
+    assert "outside" in error(load("sneaky", served["tenant-0"]), 403)
+    assert all(names == set(served) for names in served_by_workers(cluster_server))  # no worker changed
+
+    assert load("extra", loadable / "extra-0").status_code == 200
+    assert all(names == {*served, "extra"} for names in served_by_workers(cluster_server))
+    assert "extra" in [m.id for m in client.models.list().data]
+    prompts = [f"Item {i}: the weather today" for i in range(6)]
+    texts = [client.completions.create(model="extra", prompt=p, max_tokens=6, temperature=0).choices[0].text
+             for p in prompts]
+    llm = LLM(adapters={**served, "extra": str(loadable / "extra-0")}, max_batch_size=4)
+    offline = llm.generate(prompts, SamplingParams(max_tokens=6, temperature=0), adapter="extra")
+    assert texts == [o.text for o in offline]
+    assert texts != [o.text for o in llm.generate(prompts, SamplingParams(max_tokens=6, temperature=0))]
+
+    assert http.post("/v1/unload_lora_adapter", json={"lora_name": "extra"}).status_code == 200
+    assert all(names == set(served) for names in served_by_workers(cluster_server))
+    assert "extra" not in [m.id for m in client.models.list().data]
+    assert "does not exist" in error(http.post("/v1/completions", json={"model": "extra", "prompt": "x"}), 404)
+    assert "not loaded" in error(http.post("/v1/unload_lora_adapter", json={"lora_name": "extra"}), 404)
+    r = http.post("/v1/completions", json={"model": "tenant-2", "prompt": "Hi", "max_tokens": 2})
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
+    http.close()
