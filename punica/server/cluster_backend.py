@@ -14,8 +14,8 @@ class ClusterBackend:
     """Same methods as AsyncEngine. The served adapters are the cluster's: load and unload change
     them on every worker (see ClusterEngine.load_adapter for what a failing worker does)."""
 
-    def __init__(self, cluster: ClusterEngine, adapters: dict[str, str] | None = None):
-        self.cluster = cluster  # `adapters` is unused: the cluster was built with them
+    def __init__(self, cluster: ClusterEngine):
+        self.cluster = cluster
 
     def generate(self, prompt: str | list[int], params: SamplingParams, adapter: str | None,
                  request_id: str) -> AsyncIterator[RequestOutput]:

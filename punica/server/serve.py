@@ -54,7 +54,7 @@ def build_state(model: str | None = None, adapters: dict[str, str] | None = None
         start_ray()
         cluster = build_cluster_engine(str(model_dir), all_adapters, engine_kwargs, workers, device=device, dtype=dtype)
         log.info("model %s from %s on %d workers (Punica placement and migration)", name, model_dir, workers)
-        return ServerState(ClusterBackend(cluster, all_adapters), tokenizer, name, [], api_key, max_queue)
+        return ServerState(ClusterBackend(cluster), tokenizer, name, dirs, api_key, max_queue)
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     engine = build_engine(model_dir, tokenizer, EngineConfig(**engine_kwargs), all_adapters,
                           resolve_dtype(dtype, device), device, tensor_parallel_size)
