@@ -44,6 +44,8 @@ class Tracked:
     outputs: asyncio.Queue = field(default_factory=asyncio.Queue)
     gpu_id: int | None = None
     num_migrations: int = 0
+    arrival_time: float = field(default_factory=time.monotonic)  # the driver's clock, as below
+    first_token_time: float | None = None
 
 
 class ClusterEngine:
@@ -163,6 +165,20 @@ class ClusterEngine:
         tracked = self.requests[request_id] = Tracked(request_id, text, token_ids, params, adapter)
         return tracked
 
+    @staticmethod
+    def _timed(tracked: Tracked, out: RequestOutput, now: float) -> RequestOutput:
+        """A worker's output with the driver's prompt and latencies: the worker only saw the
+        request since it was last placed, so after a migration its own clock starts late."""
+        if tracked.first_token_time is None and out.new_token_ids:
+            tracked.first_token_time = now
+        ttft = tpot = None
+        if tracked.first_token_time is not None:
+            ttft = tracked.first_token_time - tracked.arrival_time
+            if out.finished and len(tracked.output_token_ids) > 1:
+                tpot = (now - tracked.first_token_time) / (len(tracked.output_token_ids) - 1)
+        return replace(out, prompt=tracked.prompt, prompt_token_ids=tracked.prompt_token_ids,
+                       time_to_first_token=ttft, time_per_output_token=tpot)
+
     def _output(self, tracked: Tracked, **fields) -> RequestOutput:
         return RequestOutput(request_id=tracked.request_id, prompt=tracked.prompt,
                              prompt_token_ids=tracked.prompt_token_ids, adapter=tracked.adapter,
@@ -244,7 +260,7 @@ class ClusterEngine:
             if tracked is None or tracked.gpu_id != gpu_id:
                 continue  # aborted, or handed back meanwhile
             tracked.output_token_ids.extend(out.new_token_ids)
-            tracked.outputs.put_nowait(replace(out, prompt=tracked.prompt, prompt_token_ids=tracked.prompt_token_ids))
+            tracked.outputs.put_nowait(self._timed(tracked, out, now))
             if out.finished:
                 del self.requests[out.request_id]
                 self.policy.finish(out.request_id, now)

@@ -4,6 +4,7 @@ worker dies, with every greedy output equal to a single engine's."""
 import asyncio
 import os
 import random
+import time
 
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 
@@ -13,9 +14,9 @@ import torch  # noqa: E402
 
 from helpers import make_peft_adapter, tiny_llama  # noqa: E402
 from punica.cluster.policy import PolicyConfig  # noqa: E402
-from punica.cluster.ray_backend import build_cluster_engine  # noqa: E402
+from punica.cluster.ray_backend import ClusterEngine, Tracked, build_cluster_engine  # noqa: E402
 from punica.config import EngineConfig  # noqa: E402
-from punica.engine.engine import Engine  # noqa: E402
+from punica.engine.engine import Engine, RequestOutput  # noqa: E402
 from punica.engine.sampling_params import SamplingParams  # noqa: E402
 from punica.models.loader import load_hf_dir  # noqa: E402
 
@@ -56,12 +57,16 @@ def greedy(max_tokens):
 
 
 async def collect(cluster, request_id, prompt, adapter, max_tokens, progress):
-    tokens = []
+    tokens, start, first_seen = [], time.monotonic(), None
     async for out in cluster.generate(prompt, greedy(max_tokens), adapter, request_id):
         tokens.extend(out.new_token_ids)
         assert out.token_ids == tokens  # deltas add up, across migrations too
         progress[request_id] = len(tokens)
+        first_seen = first_seen or time.monotonic()
     assert out.finished and out.finish_reason == "length"
+    # latencies on the driver's clock, within what this client saw, whichever worker finished it
+    assert 0 < out.time_to_first_token <= first_seen - start
+    assert 0 < out.time_per_output_token * (len(tokens) - 1) <= time.monotonic() - start
     return tokens
 
 
@@ -143,3 +148,15 @@ def test_workers_are_added_while_requests_wait_and_released_when_idle(ray_cluste
     assert len(placed_on_new) == 2
     assert all(out.finished and out.finish_reason in ("length", "abort") for out in outs)
     assert sum(out.finish_reason == "abort" for out in outs) >= len(placed_on_new)
+
+
+def test_latencies_are_the_drivers_whichever_worker_ran_the_request():
+    tracked = Tracked("r", None, [1, 2], greedy(8), None, arrival_time=100.0)
+    stale = dict(request_id="r", prompt=None, prompt_token_ids=[1, 2], adapter=None,
+                 time_to_first_token=0.5, time_per_output_token=0.01)  # a worker's own clock
+    tracked.output_token_ids = [7]
+    first = ClusterEngine._timed(tracked, RequestOutput(**stale, new_token_ids=[7]), now=103.0)
+    assert first.time_to_first_token == 3.0 and first.time_per_output_token is None
+    tracked.output_token_ids = list(range(8))  # migrated meanwhile, finished on another worker
+    last = ClusterEngine._timed(tracked, RequestOutput(**stale, new_token_ids=[7], finished=True), now=110.0)
+    assert last.time_to_first_token == 3.0 and last.time_per_output_token == 1.0
