@@ -143,7 +143,7 @@ def write_kv(kv_layer: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapp
             kv_layer[page, 0, offset] = k[t];  kv_layer[page, 1, offset] = v[t]   (cast to the cache dtype)
     """
     if kv_layer.is_cuda:
-        from punica.ops.attention_triton import write_kv_triton
+        from punica.ops.kv_append_triton import write_kv_triton
         return write_kv_triton(kv_layer, k, v, slot_mapping)
     return write_kv_ref(kv_layer, k, v, slot_mapping)
 
@@ -166,7 +166,7 @@ def rope_and_write_kv_(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: t
         (q.shape, k.shape, cos.shape)
     assert v.shape == k.shape and kv_layer.shape[3:] == k.shape[1:], (k.shape, v.shape, kv_layer.shape)
     if q.is_cuda:
-        from punica.ops.attention_triton import rope_and_write_kv_triton_
+        from punica.ops.kv_append_triton import rope_and_write_kv_triton_
         return rope_and_write_kv_triton_(q, k, v, cos, sin, kv_layer, slot_mapping)
     rope_and_write_kv_ref(q, k, v, cos, sin, kv_layer, slot_mapping)
 

@@ -1,7 +1,6 @@
 """Triton kernels for attention on the paged KV cache; semantics and layout: punica.ops.attention.
+(Appending to the cache: punica.ops.kv_append_triton.)
 
-* KV append: one program per token copies its K and V rows into its slot. Fused with rotary:
-  one program per (token, block of heads) rotates q in place and writes rotated K and V.
 * Prefill: flash attention over each prefill request's pages. One program per (tile of
   BLOCK_M queries of one request, query head). The tiles of all prefill requests share one
   grid axis sized by an upper bound (prefill tokens // BLOCK_M + prefills); a program finds
@@ -31,6 +30,7 @@ import triton
 import triton.language as tl
 
 from punica.ops.attention import AttnBatch
+from punica.ops.kv_append_triton import check_head_dim
 from punica.ops.triton_env import interpreting, num_sms
 
 LOG2E = 1.4426950408889634
@@ -39,7 +39,6 @@ MIN_PARTITION = 256         # fewest tokens a decode partition covers
 # bf16/fp16 tiles for head_dim <= 128, from the sweep of benchmarks/attention.py (docs/benchmarks.md)
 PREFILL_CONFIG = (128, 64, 8, 3)  # BLOCK_M, BLOCK_N, num_warps, num_stages
 DECODE_CONFIG = (64, 2, 3)        # BLOCK_N, num_warps, num_stages
-ROPE_TILE = 512  # elements (heads x D/2) of q, and of k, one rotary + KV-append program handles
 
 
 @triton.jit
@@ -224,61 +223,6 @@ def _decode_merge_kernel(
              o.to(out.dtype.element_ty))
 
 
-@triton.jit
-def _write_kv_kernel(
-    k, v, kv, slot_mapping, num_kv_heads,
-    stride_k_token, stride_k_head, stride_k_dim, stride_v_token, stride_v_head, stride_v_dim,
-    stride_kv_page, stride_kv_kv, stride_kv_token, stride_kv_head, stride_kv_dim,
-    HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_H: tl.constexpr,
-):
-    t = tl.program_id(0).to(tl.int64)
-    slot = tl.load(slot_mapping + t).to(tl.int64)
-    heads = tl.arange(0, BLOCK_H)
-    dims = tl.arange(0, HEAD_DIM)
-    ok = (heads < num_kv_heads)[:, None]
-    dst = (kv + (slot // PAGE_SIZE) * stride_kv_page + (slot % PAGE_SIZE) * stride_kv_token
-           + heads[:, None] * stride_kv_head + dims[None, :] * stride_kv_dim)
-    kt = tl.load(k + t * stride_k_token + heads[:, None] * stride_k_head + dims[None, :] * stride_k_dim, mask=ok)
-    vt = tl.load(v + t * stride_v_token + heads[:, None] * stride_v_head + dims[None, :] * stride_v_dim, mask=ok)
-    tl.store(dst, kt.to(kv.dtype.element_ty), mask=ok)
-    tl.store(dst + stride_kv_kv, vt.to(kv.dtype.element_ty), mask=ok)
-
-
-@triton.jit
-def _rope_and_write_kv_kernel(
-    q, k, v, kv, cos, sin, slot_mapping, num_heads, num_kv_heads, half,
-    stride_q_token, stride_q_head, stride_k_token, stride_k_head, stride_v_token, stride_v_head,
-    stride_kv_page, stride_kv_kv, stride_kv_token, stride_kv_head, stride_cos, stride_sin,
-    PAGE_SIZE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
-):
-    """Heads of one block of one token: q's rotated in place, k's rotated and v's copied into
-    the token's slot (k rounded to its own dtype first, as rope_ then write_kv round)."""
-    token = tl.program_id(0).to(tl.int64)
-    heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
-    dims = tl.arange(0, BLOCK_D)
-    dim_ok = dims < half
-    c = tl.load(cos + token * stride_cos + dims, mask=dim_ok, other=0.0)[None, :]
-    s = tl.load(sin + token * stride_sin + dims, mask=dim_ok, other=0.0)[None, :]
-    q_ok = (heads < num_heads)[:, None] & dim_ok[None, :]
-    first = q + token * stride_q_token + heads[:, None] * stride_q_head + dims[None, :]
-    x1 = tl.load(first, mask=q_ok, other=0.0).to(tl.float32)
-    x2 = tl.load(first + half, mask=q_ok, other=0.0).to(tl.float32)
-    tl.store(first, (x1 * c - x2 * s).to(q.dtype.element_ty), mask=q_ok)
-    tl.store(first + half, (x2 * c + x1 * s).to(q.dtype.element_ty), mask=q_ok)
-    kv_ok = (heads < num_kv_heads)[:, None] & dim_ok[None, :]
-    slot = tl.load(slot_mapping + token).to(tl.int64)
-    dst = (kv + (slot // PAGE_SIZE) * stride_kv_page + (slot % PAGE_SIZE) * stride_kv_token
-           + heads[:, None] * stride_kv_head + dims[None, :])
-    first = k + token * stride_k_token + heads[:, None] * stride_k_head + dims[None, :]
-    x1 = tl.load(first, mask=kv_ok, other=0.0).to(tl.float32)
-    x2 = tl.load(first + half, mask=kv_ok, other=0.0).to(tl.float32)
-    tl.store(dst, (x1 * c - x2 * s).to(k.dtype.element_ty).to(kv.dtype.element_ty), mask=kv_ok)
-    tl.store(dst + half, (x2 * c + x1 * s).to(k.dtype.element_ty).to(kv.dtype.element_ty), mask=kv_ok)
-    first = v + token * stride_v_token + heads[:, None] * stride_v_head + dims[None, :]
-    tl.store(dst + stride_kv_kv, tl.load(first, mask=kv_ok).to(kv.dtype.element_ty), mask=kv_ok)
-    tl.store(dst + stride_kv_kv + half, tl.load(first + half, mask=kv_ok).to(kv.dtype.element_ty), mask=kv_ok)
-
-
 def _precision(dtype: torch.dtype) -> str:
     """fp32 inputs multiply in full precision; bf16/fp16 products are exact either way."""
     return "ieee" if dtype == torch.float32 else "tf32"
@@ -304,10 +248,6 @@ def _decode_blocks(head_dim: int, dtype: torch.dtype) -> tuple[int, int, int]:
     return DECODE_CONFIG if head_dim <= 128 else (32, 4, 2)
 
 
-def _check_head_dim(head_dim: int) -> None:
-    assert head_dim in (16, 32, 64, 128, 256), f"head_dim {head_dim}: the kernels take powers of 2 in 16..256"
-
-
 def decode_partition(num_decodes: int, num_kv_heads: int, max_context: int, block_n: int,
                      device: torch.device, num_splits: int | None = None) -> tuple[int, int]:
     """(partition_size, num_splits) for decode over contexts up to max_context tokens.
@@ -323,47 +263,12 @@ def decode_partition(num_decodes: int, num_kv_heads: int, max_context: int, bloc
     return partition, triton.cdiv(max_context, partition)
 
 
-def write_kv_triton(kv_layer: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """punica.ops.attention.write_kv."""
-    num_tokens, num_kv_heads, head_dim = k.shape
-    _check_head_dim(head_dim)
-    assert v.shape == k.shape and kv_layer.shape[3:] == (num_kv_heads, head_dim), (k.shape, v.shape, kv_layer.shape)
-    if num_tokens == 0:
-        return
-    _write_kv_kernel[(num_tokens,)](
-        k, v, kv_layer, slot_mapping, num_kv_heads, *k.stride(), *v.stride(), *kv_layer.stride(),
-        HEAD_DIM=head_dim, PAGE_SIZE=kv_layer.shape[2], BLOCK_H=triton.next_power_of_2(num_kv_heads),
-    )
-
-
-def rope_and_write_kv_triton_(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
-                              sin: torch.Tensor, kv_layer: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """punica.ops.attention.rope_and_write_kv_ (q in place, k untouched). Grid: (token, block of
-    heads), each program rotating ROPE_TILE elements (heads x D/2) of q and as many of k."""
-    num_tokens, num_heads, head_dim = q.shape
-    num_kv_heads, half = k.shape[1], head_dim // 2
-    assert head_dim % 2 == 0 and q.stride(2) == k.stride(2) == v.stride(2) == kv_layer.stride(4) == 1, \
-        (q.stride(), k.stride(), v.stride(), kv_layer.stride())
-    assert cos.stride(1) == sin.stride(1) == 1 and cos.dtype == sin.dtype == torch.float32, (cos, sin)
-    if num_tokens == 0:
-        return
-    block_d = triton.next_power_of_2(half)
-    max_heads = max(num_heads, num_kv_heads)
-    block_h = min(2 if interpreting() else max(1, ROPE_TILE // block_d), triton.next_power_of_2(max_heads))
-    _rope_and_write_kv_kernel[(num_tokens, triton.cdiv(max_heads, block_h))](
-        q, k, v, kv_layer, cos, sin, slot_mapping, num_heads, num_kv_heads, half,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        *kv_layer.stride()[:4], cos.stride(0), sin.stride(0),
-        PAGE_SIZE=kv_layer.shape[2], BLOCK_H=block_h, BLOCK_D=block_d,
-    )
-
-
 def paged_attention_triton(q: torch.Tensor, kv_layer: torch.Tensor, batch: AttnBatch, scale: float,
                            num_splits: int | None = None) -> torch.Tensor:
     """punica.ops.attention.paged_attention; `num_splits` overrides the decode split count."""
     num_tokens, num_heads, head_dim = q.shape
     page_size, num_kv_heads = kv_layer.shape[2], kv_layer.shape[3]
-    _check_head_dim(head_dim)
+    check_head_dim(head_dim)
     assert num_heads % num_kv_heads == 0 and kv_layer.shape[4] == head_dim, (q.shape, kv_layer.shape)
     group = num_heads // num_kv_heads
     num_prefills = batch.num_prefills

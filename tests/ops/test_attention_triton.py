@@ -13,6 +13,7 @@ import torch
 from punica.config import ceil_div
 from punica.ops import attention as ops
 from punica.ops import attention_triton as kernels
+from punica.ops import kv_append_triton
 from punica.ops.attention import AttnBatch
 from punica.ops.triton_env import num_sms
 
@@ -110,7 +111,7 @@ def test_write_kv_matches_reference(dtype, page_size):
     v = wide[:, num_kv_heads * head_dim:].reshape(num_tokens, num_kv_heads, head_dim)
     expect, got = kv.clone(), kv.clone()
     ops.write_kv_ref(expect, k, v, slots)
-    kernels.write_kv_triton(got, k, v, slots)
+    kv_append_triton.write_kv_triton(got, k, v, slots)
     assert torch.equal(got, expect)
     assert not torch.equal(got, kv)
 
@@ -155,7 +156,7 @@ def rope_kv_inputs(num_tokens, num_heads, num_kv_heads, head_dim, page_size, dty
 
 
 def check_rope_and_write_kv(num_tokens, num_heads, num_kv_heads, head_dim, page_size, dtype, seed,
-                            cache_dtype=None, fn=kernels.rope_and_write_kv_triton_):
+                            cache_dtype=None, fn=kv_append_triton.rope_and_write_kv_triton_):
     """fn against the reference: q rotated in place, k and v untouched, rotated k and v in their
     slots of the cache and nothing else written. Returns the cache fn wrote, and which
     (page, offset) slots it wrote."""
@@ -204,7 +205,7 @@ def test_rope_and_write_kv_equals_rope_then_write_kv(path):
     kernels under the interpreter); on the GPU within rounding."""
     from punica.ops import layers, layers_triton
     fused, rope, write = ((ops.rope_and_write_kv_, layers.rope_, ops.write_kv) if path == "public" else
-                          (kernels.rope_and_write_kv_triton_, layers_triton.rope_triton_, kernels.write_kv_triton))
+                          (kv_append_triton.rope_and_write_kv_triton_, layers_triton.rope_triton_, kv_append_triton.write_kv_triton))
     heads = (6, 2, 64)
     qkv, cos, sin, kv, slots = rope_kv_inputs(13, *heads, 4, torch.bfloat16, torch.bfloat16, seed=8)
     fused_qkv, fused_kv = qkv.clone(), kv.clone()
