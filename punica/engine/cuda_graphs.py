@@ -82,6 +82,8 @@ class StaticBatch:
         self.sizes = (t, t, t, t, b + 1, b, b * max_pages)
         self.host = torch.empty(sum(self.sizes), dtype=torch.int64, pin_memory=device.type == "cuda")
         self.inputs = torch.empty_like(self.host, device=device)
+        # every token its own LoRA segment, so the SGMV view of the batch agrees with the BGMV one
+        self.token_indptr = torch.arange(t + 1, dtype=torch.int32, device=device)
         self.copied = torch.cuda.Event() if device.type == "cuda" else None
         self.fill([], [])
 
@@ -138,8 +140,8 @@ class StaticBatch:
             query_start=query_start, context_lens=context.to(torch.int32), logits_indices=starts[1:] - 1,
             num_prefills=bucket.num_prefills, num_prefill_tokens=bucket.prefill_tokens,
         )
-        lora = LoraBatch(seg_indptr=torch.arange(bucket.num_tokens + 1, dtype=torch.int32, device=ids.device),
-                         seg_slots=token_slots, token_slots=token_slots, use_bgmv=True, any_lora=with_lora)
+        lora = LoraBatch(seg_indptr=self.token_indptr, seg_slots=token_slots, token_slots=token_slots,
+                         use_bgmv=True, any_lora=with_lora)
         return model(ids, attn, lora, kv_cache)
 
 
