@@ -144,7 +144,7 @@ class AdapterManager:
                 if spare > 0:
                     self._start_copy(name, self.free_slots.pop())
             elif name not in self.reads:
-                self.reads[name] = self.executor.submit(self._read, name, self.registry[name])
+                self._start_read(name)
             spare -= 1
 
     # internals ---------------------------------------------------------------------------
@@ -159,6 +159,9 @@ class AdapterManager:
             if slot is not None:
                 self._start_copy(name, slot)
             return
+        self._start_read(name)
+
+    def _start_read(self, name: str) -> None:
         self.reads[name] = self.executor.submit(self._read, name, self.registry[name])
 
     def _read(self, name: str, path: Path) -> _HostAdapter:
