@@ -197,7 +197,7 @@ class Engine:
                 outputs.append(self._output(request, error=error))
         return outputs
 
-    def _append(self, request: Request, token: int, logprob: float, now: float) -> RequestOutput:
+    def _append(self, request: Request, token: int, logprob: float | None, now: float) -> RequestOutput:
         request.num_cached = request.num_tokens
         request.output_token_ids.append(token)
         if request.params.logprobs:
