@@ -41,6 +41,13 @@ def write_results(out_dir: Path, name: str, rows: list[dict], meta: dict) -> Pat
     return path
 
 
+def save_figure(fig, path: Path, title: str) -> None:
+    """Title, tight layout, and the PNG every benchmark writes."""
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=70)
+
+
 def format_table(rows: list[dict], columns: list[str]) -> str:
     widths = [max(len(c), *(len(_fmt(r[c])) for r in rows)) for c in columns]
     lines = [" | ".join(c.ljust(w) for c, w in zip(columns, widths)),

@@ -35,7 +35,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.common import format_table, write_results
+from benchmarks.common import format_table, save_figure, write_results
 from punica.config import ceil_div, preset_config
 from punica.lora.adapter import load_adapter
 from punica.lora.batch import LoraBatch
@@ -117,9 +117,7 @@ def plot(rows: list[dict], key: str, path: Path, title: str) -> None:
             ax.set_ylabel("ms per layer", fontsize=8)
             ax.grid(True, which="both", alpha=0.3)
     axes[0][0].legend(fontsize=7)
-    fig.suptitle(title, fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=70)
+    save_figure(fig, path, title)
 
 
 @torch.inference_mode()

@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 import triton
 
-from benchmarks.common import copy_bandwidth, format_table, write_results
+from benchmarks.common import copy_bandwidth, format_table, save_figure, write_results
 from punica.config import preset_config
 from punica.ops import layers as ops
 
@@ -136,9 +136,7 @@ def plot(rows: list[dict], path: Path, title: str) -> None:
         ax.grid(True, which="both", alpha=0.3)
     axes[0].set_ylabel("us per call (CUDA graph)", fontsize=8)
     axes[0].legend(fontsize=7)
-    fig.suptitle(title, fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=70)
+    save_figure(fig, path, title)
 
 
 @torch.inference_mode()

@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 import triton
 
-from benchmarks.common import copy_bandwidth
+from benchmarks.common import copy_bandwidth, save_figure
 from punica.lora.batch import LoraBatch
 from punica.ops import lora_triton as kernels
 from punica.workloads import WORKLOADS, adapter_ids
@@ -164,9 +164,7 @@ def plot(points, path):
                 ax.set_ylabel("us per op (graph replay)", fontsize=8)
             ax.grid(True, which="both", alpha=0.3)
     axes[0][0].legend(fontsize=7)
-    fig.suptitle(f"LoRA shrink+expand, h={H_IN}->4096, r={RANK}, bf16, {torch.cuda.get_device_name()}", fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=70)
+    save_figure(fig, path, f"LoRA shrink+expand, h={H_IN}->4096, r={RANK}, bf16, {torch.cuda.get_device_name()}")
 
 
 def main():

@@ -36,7 +36,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.common import copy_bandwidth, format_table, warm_up, write_results
+from benchmarks.common import copy_bandwidth, format_table, save_figure, warm_up, write_results
 from punica.config import EngineConfig, preset_config
 from punica.engine.engine import Engine
 from punica.engine.runner import kv_bytes_per_token
@@ -124,9 +124,7 @@ def plot(rows: list[dict], path: Path, title: str) -> None:
         ax.set_ylabel("ms per decode step", fontsize=8)
         ax.grid(True, which="both", alpha=0.3)
     axes[0][0].legend(fontsize=7)
-    fig.suptitle(title, fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=70)
+    save_figure(fig, path, title)
 
 
 def main() -> None:
