@@ -81,6 +81,26 @@ def _row_slot(t, token_slots, seg_indptr, seg_slots, num_segments, num_steps,
 
 
 @triton.jit
+def _tile_segments(seg_indptr, num_segments, num_tokens, row0, num_steps, BLOCK_M: tl.constexpr,
+                   FAN: tl.constexpr):
+    """First and last segment overlapping the tile of rows row0 .. row0 + BLOCK_M - 1."""
+    first = _find_segment(seg_indptr, num_segments, row0, num_steps, FAN)
+    last = _find_segment(seg_indptr, num_segments, tl.minimum(row0 + BLOCK_M, num_tokens) - 1,
+                         num_steps, FAN)
+    return first, last
+
+
+@triton.jit
+def _tile_segment(seg_indptr, seg_slots, s, rows, num_tokens):
+    """Segment s within a tile: whether it has work (an adapter and rows), its slot, and which
+    of the tile's rows it holds."""
+    slot = tl.load(seg_slots + s)
+    lo = tl.load(seg_indptr + s)
+    hi = tl.load(seg_indptr + s + 1)
+    return (slot >= 0) & (lo < hi), slot, (rows >= lo) & (rows < hi) & (rows < num_tokens)
+
+
+@triton.jit
 def _slice_of(col, slice1_start, slice2_start):
     """The slice (0, 1 or 2) of a sliced expand that holds column `col`."""
     return (col >= slice1_start).to(tl.int32) + (col >= slice2_start).to(tl.int32)
@@ -176,16 +196,11 @@ def _sgmv_shrink_tile_kernel(
     ranks = tl.program_id(2) * BLOCK_R + tl.arange(0, BLOCK_R)
     k_lo = tl.program_id(1) * k_per_split
     k_hi = tl.minimum(k_lo + k_per_split, h_in)
-    first = _find_segment(seg_indptr, num_segments, row0, num_steps, FAN)
-    last = _find_segment(seg_indptr, num_segments, tl.minimum(row0 + BLOCK_M, num_tokens) - 1,
-                         num_steps, FAN)
+    first, last = _tile_segments(seg_indptr, num_segments, num_tokens, row0, num_steps, BLOCK_M, FAN)
     _previous_kernel_done(PDL)
     for s in range(first, last + 1):
-        slot = tl.load(seg_slots + s)
-        lo = tl.load(seg_indptr + s)
-        hi = tl.load(seg_indptr + s + 1)
-        if (slot >= 0) & (lo < hi):
-            in_seg = (rows >= lo) & (rows < hi) & (rows < num_tokens)
+        active, slot, in_seg = _tile_segment(seg_indptr, seg_slots, s, rows, num_tokens)
+        if active:
             x_rows = x + rows[:, None].to(tl.int64) * stride_xt
             a_cols = lora_a + slot.to(tl.int64) * stride_as + ranks[None, :] * stride_ar
             acc = tl.zeros([BLOCK_M, BLOCK_R], tl.float32)
@@ -225,16 +240,11 @@ def _sgmv_expand_tile_kernel(
     col_slice = _slice_of(cols, slice1_start, slice2_start)
     first_slice = _slice_of(col0, slice1_start, slice2_start)
     last_slice = _slice_of(tl.minimum(col0 + BLOCK_N, h_out) - 1, slice1_start, slice2_start)
-    first = _find_segment(seg_indptr, num_segments, row0, num_steps, FAN)
-    last = _find_segment(seg_indptr, num_segments, tl.minimum(row0 + BLOCK_M, num_tokens) - 1,
-                         num_steps, FAN)
+    first, last = _tile_segments(seg_indptr, num_segments, num_tokens, row0, num_steps, BLOCK_M, FAN)
     _previous_kernel_done(PDL)
     for s in range(first, last + 1):
-        slot = tl.load(seg_slots + s)
-        lo = tl.load(seg_indptr + s)
-        hi = tl.load(seg_indptr + s + 1)
-        if (slot >= 0) & (lo < hi):
-            in_seg = (rows >= lo) & (rows < hi) & (rows < num_tokens)
+        active, slot, in_seg = _tile_segment(seg_indptr, seg_slots, s, rows, num_tokens)
+        if active:
             out = y + rows[:, None].to(tl.int64) * stride_yt + cols[None, :] * stride_yn
             out_ok = in_seg[:, None] & (cols < h_out)[None, :]
             old = tl.load(out, mask=out_ok, other=0.0)  # the largest load first
