@@ -28,6 +28,16 @@ SILU_BLOCK = 1024          # intermediate columns per SiLU-and-mul program
 
 
 @triton.jit
+def _norm_input(x, residual, offs, mask, HAS_RESIDUAL: tl.constexpr):
+    """The row's input at offs in x's dtype: x, or x + residual (rounded as the model adds them)."""
+    v = tl.load(x + offs, mask=mask, other=0.0)
+    if HAS_RESIDUAL:
+        r = tl.load(residual + offs, mask=mask, other=0.0)
+        v = (v.to(tl.float32) + r.to(tl.float32)).to(x.dtype.element_ty)
+    return v
+
+
+@triton.jit
 def _rms_norm_kernel(x, residual, weight, out, residual_out, hidden, eps,
                      stride_x, stride_r, stride_out, stride_r_out,
                      HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, NUM_BLOCKS: tl.constexpr):
@@ -39,10 +49,8 @@ def _rms_norm_kernel(x, residual, weight, out, residual_out, hidden, eps,
     cols = tl.arange(0, BLOCK)
     if NUM_BLOCKS == 1:
         mask = cols < hidden
-        v = tl.load(x + cols, mask=mask, other=0.0)
+        v = _norm_input(x, residual, cols, mask, HAS_RESIDUAL)
         if HAS_RESIDUAL:
-            r = tl.load(residual + cols, mask=mask, other=0.0)
-            v = (v.to(tl.float32) + r.to(tl.float32)).to(x.dtype.element_ty)
             tl.store(residual_out + cols, v, mask=mask)
         v = v.to(tl.float32)
         rstd = tl.rsqrt(tl.sum(v * v, axis=0) / hidden + eps)
@@ -53,20 +61,15 @@ def _rms_norm_kernel(x, residual, weight, out, residual_out, hidden, eps,
         acc = tl.zeros([BLOCK], dtype=tl.float32)
         for start in range(0, hidden, BLOCK):
             mask = start + cols < hidden
-            v = tl.load(x + start + cols, mask=mask, other=0.0)
+            v = _norm_input(x, residual, start + cols, mask, HAS_RESIDUAL)
             if HAS_RESIDUAL:
-                r = tl.load(residual + start + cols, mask=mask, other=0.0)
-                v = (v.to(tl.float32) + r.to(tl.float32)).to(x.dtype.element_ty)
                 tl.store(residual_out + start + cols, v, mask=mask)
             v = v.to(tl.float32)
             acc += v * v
         rstd = tl.rsqrt(tl.sum(acc, axis=0) / hidden + eps)
         for start in range(0, hidden, BLOCK):
             mask = start + cols < hidden
-            v = tl.load(x + start + cols, mask=mask, other=0.0)
-            if HAS_RESIDUAL:
-                r = tl.load(residual + start + cols, mask=mask, other=0.0)
-                v = (v.to(tl.float32) + r.to(tl.float32)).to(x.dtype.element_ty)
+            v = _norm_input(x, residual, start + cols, mask, HAS_RESIDUAL)
             normed = (v.to(tl.float32) * rstd).to(x.dtype.element_ty).to(tl.float32)
             w = tl.load(weight + start + cols, mask=mask, other=0.0).to(tl.float32)
             tl.store(out + start + cols, (w * normed).to(out.dtype.element_ty), mask=mask)
