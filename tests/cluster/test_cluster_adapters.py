@@ -2,30 +2,20 @@
 serves the driver's set, a worker that joins later gets it, a worker that refuses rolls it back."""
 
 import asyncio
-import os
 
-os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+import pytest
+import ray
+import torch
 
-import pytest  # noqa: E402
-import ray  # noqa: E402
-import torch  # noqa: E402
-
-from helpers import make_peft_adapter, tiny_llama  # noqa: E402
-from punica.cluster.ray_backend import ClusterEngine  # noqa: E402
-from punica.cluster.worker import EngineWorker  # noqa: E402
-from punica.config import EngineConfig  # noqa: E402
-from punica.engine.engine import Engine  # noqa: E402
-from punica.engine.sampling_params import SamplingParams  # noqa: E402
-from punica.models.loader import load_hf_dir  # noqa: E402
+from helpers import make_peft_adapter, tiny_llama
+from punica.cluster.ray_backend import ClusterEngine
+from punica.cluster.worker import EngineWorker
+from punica.config import EngineConfig
+from punica.engine.engine import Engine
+from punica.engine.sampling_params import SamplingParams
+from punica.models.loader import load_hf_dir
 
 PROMPT = [5, 17, 42, 9, 77, 3]
-
-
-@pytest.fixture(scope="module")
-def ray_cluster():
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False)
-    yield
-    ray.shutdown()
 
 
 @pytest.fixture(scope="module")

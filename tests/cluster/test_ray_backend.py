@@ -2,30 +2,20 @@
 worker dies, with every greedy output equal to a single engine's."""
 
 import asyncio
-import os
 import random
 import time
 
-os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+import pytest
+import ray
+import torch
 
-import pytest  # noqa: E402
-import ray  # noqa: E402
-import torch  # noqa: E402
-
-from helpers import make_peft_adapter, tiny_llama  # noqa: E402
-from punica.cluster.policy import PolicyConfig  # noqa: E402
-from punica.cluster.ray_backend import ClusterEngine, Tracked, build_cluster_engine  # noqa: E402
-from punica.config import EngineConfig  # noqa: E402
-from punica.engine.engine import Engine, RequestOutput  # noqa: E402
-from punica.engine.sampling_params import SamplingParams  # noqa: E402
-from punica.models.loader import load_hf_dir  # noqa: E402
-
-
-@pytest.fixture(scope="module")
-def ray_cluster():
-    ray.init(num_cpus=3, include_dashboard=False, log_to_driver=False, configure_logging=False)
-    yield
-    ray.shutdown()
+from helpers import make_peft_adapter, tiny_llama
+from punica.cluster.policy import PolicyConfig
+from punica.cluster.ray_backend import ClusterEngine, Tracked, build_cluster_engine
+from punica.config import EngineConfig
+from punica.engine.engine import Engine, RequestOutput
+from punica.engine.sampling_params import SamplingParams
+from punica.models.loader import load_hf_dir
 
 
 @pytest.fixture(scope="module")
