@@ -97,7 +97,7 @@ def test_add_lora_on_a_group_equals_one_add_lora_per_projection(use_bgmv):
     """q/k/v as one group: stacked A [S, 3R, h], stacked B [S, q+2kv, R], one call on the fused
     output; equal to the plain meaning, one projection (column slice) at a time, in float64."""
     gen = torch.Generator().manual_seed(4)
-    bounds, rank, h_in = (0, 24, 32, 40), 8, 16
+    bounds, h_in = (0, 24, 32, 40), 16
     parts = [make_pool(4, [8, 3, 5, 1], h_in, hi - lo, torch.float32, gen) for lo, hi in zip(bounds, bounds[1:])]
     scales = parts[0][2]
     a = torch.cat([p[0] for p in parts], dim=1)
