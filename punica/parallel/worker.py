@@ -21,7 +21,9 @@ end of the pipe closes (rank 0 exited or died), and reports its own failure on t
 from __future__ import annotations
 
 import dataclasses
+import os
 import signal
+import sys
 import traceback
 from multiprocessing.connection import Connection
 from pathlib import Path
@@ -103,6 +105,12 @@ def worker_main(rank: int, world_size: int, backend: str, workdir: str, conn: Co
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+    # Stopped cleanly, and nothing is left to release. Leave without the interpreter's teardown:
+    # under load, a C++ destructor there now and then aborted the process after the group was
+    # gone ("terminate called without an active exception", exit code -6).
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def serve(conn: Connection, engine: Engine) -> None:
