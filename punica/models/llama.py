@@ -6,7 +6,9 @@ and `LoraBatch` (which adapter slot each token uses). LoRA weights live in a `Lo
 source (the GPU adapter pool) attached once with `set_lora`; the model never copies them.
 q/k/v and gate/up run as one fused base GEMM each, and so does each group's LoRA: one shrink
 over the group's stacked A and one sliced expand into the fused output (2 LoRA kernels for
-q/k/v, gate/up, o and down each: 8 per layer).
+q/k/v, gate/up, o and down each: 8 per layer). On CUDA each shrink, which reads only the
+group's input, runs on a side stream beside the base GEMM (inside captured graphs too: two
+branches joined before the expand), so the GPU overlaps its launch and ramp with the GEMM's.
 The elementwise work runs fused (punica.ops.layers): each residual add folds into the RMSNorm
 after it, so a layer takes and returns (output, residual stream) as vLLM's layers do; rotary
 and the KV-cache append run as one kernel (q rotated in place, k rotated on its way into the
@@ -26,7 +28,7 @@ from punica.config import ModelConfig, RopeConfig
 from punica.lora.batch import LoraBatch
 from punica.ops.attention import AttnBatch, paged_attention, rope_and_write_kv_
 from punica.ops.layers import rms_norm, silu_and_mul
-from punica.ops.lora import add_lora
+from punica.ops.lora import lora_expand, lora_shrink
 
 
 class LoraWeights(Protocol):
@@ -38,6 +40,18 @@ class LoraWeights(Protocol):
                 ) -> tuple[torch.Tensor, torch.Tensor, tuple[int, ...]] | None:
         """(lora_a [S, n*R, h_in], lora_b [S, h_out, R], slice_bounds) of one layer's projection
         group ("qkv", "o", "gate_up", "down"; see punica.ops.lora.add_lora), or None."""
+
+
+_side_streams: dict[torch.device, torch.cuda.Stream] = {}
+
+
+def side_stream(device: torch.device) -> torch.cuda.Stream | None:
+    """The stream this process runs LoRA shrinks on beside the base GEMMs of `device`; None on CPU."""
+    if device.type != "cuda":
+        return None
+    if device not in _side_streams:
+        _side_streams[device] = torch.cuda.Stream(device)
+    return _side_streams[device]
 
 
 class RMSNorm(nn.Module):
@@ -89,13 +103,25 @@ class LlamaLayer(nn.Module):
 
     def _project(self, linear: nn.Linear, x: torch.Tensor, group: str, lora: LoraBatch,
                  lora_weights: LoraWeights | None) -> torch.Tensor:
-        """The fused base GEMM of a projection group plus its LoRA deltas (one add_lora)."""
-        y = linear(x)
-        if lora_weights is not None and lora.any_lora:
-            w = lora_weights.weights(self.index, group)
-            if w is not None:
-                lora_a, lora_b, slice_bounds = w
-                add_lora(y, x, lora_a, lora_b, lora_weights.scales, lora, slice_bounds)
+        """The fused base GEMM of a projection group plus its LoRA deltas (one shrink, one expand)."""
+        w = lora_weights.weights(self.index, group) if lora_weights is not None and lora.any_lora else None
+        if w is None:
+            return linear(x)
+        lora_a, lora_b, slice_bounds = w
+        stream = side_stream(x.device)
+        if stream is None:
+            y = linear(x)
+            v = lora_shrink(x, lora_a, lora)
+        else:
+            # v is freed on the main stream after the expand, which the side stream's next
+            # shrink waits for; x lives until the join
+            main = torch.cuda.current_stream(x.device)
+            stream.wait_stream(main)
+            with torch.cuda.stream(stream):
+                v = lora_shrink(x, lora_a, lora)
+            y = linear(x)
+            main.wait_stream(stream)
+        lora_expand(y, v, lora_b, lora_weights.scales, lora, slice_bounds)
         return y
 
     def _all_reduce(self, y: torch.Tensor) -> torch.Tensor:

@@ -171,6 +171,22 @@ def bgmv_expand(y: torch.Tensor, v: torch.Tensor, lora_b: torch.Tensor, token_sl
     return bgmv_expand_ref(y, v, lora_b, token_slots, scales, slice_bounds)
 
 
+def lora_shrink(x: torch.Tensor, lora_a: torch.Tensor, indices: LoraIndices) -> torch.Tensor:
+    """The first half of `add_lora`: v [T, n*R] fp32 by the batch's kernel family."""
+    if indices.use_bgmv:
+        return bgmv_shrink(x, lora_a, indices.token_slots)
+    return sgmv_shrink(x, lora_a, indices.seg_indptr, indices.seg_slots)
+
+
+def lora_expand(y: torch.Tensor, v: torch.Tensor, lora_b: torch.Tensor, scales: torch.Tensor,
+                indices: LoraIndices, slice_bounds: tuple[int, ...] | None = None) -> None:
+    """The second half of `add_lora`: y += each token's v @ B.T * scale, in place."""
+    if indices.use_bgmv:
+        bgmv_expand(y, v, lora_b, indices.token_slots, scales, slice_bounds)
+    else:
+        sgmv_expand(y, v, lora_b, indices.seg_indptr, indices.seg_slots, scales, slice_bounds)
+
+
 def add_lora(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,
              scales: torch.Tensor, indices: LoraIndices,
              slice_bounds: tuple[int, ...] | None = None) -> None:
@@ -182,9 +198,4 @@ def add_lora(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: tor
         per segment (or per token with BGMV) of slot s >= 0, per slice j, cols = b_j : b_{j+1}:
         y[rows, cols] += (x[rows] @ lora_a[s, j*R:(j+1)*R].T) @ lora_b[s, cols].T * scales[s]
     """
-    if indices.use_bgmv:
-        v = bgmv_shrink(x, lora_a, indices.token_slots)
-        bgmv_expand(y, v, lora_b, indices.token_slots, scales, slice_bounds)
-    else:
-        v = sgmv_shrink(x, lora_a, indices.seg_indptr, indices.seg_slots)
-        sgmv_expand(y, v, lora_b, indices.seg_indptr, indices.seg_slots, scales, slice_bounds)
+    lora_expand(y, lora_shrink(x, lora_a, indices), lora_b, scales, indices, slice_bounds)

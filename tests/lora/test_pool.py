@@ -71,8 +71,8 @@ def test_pack_writes_every_element_of_the_slot(monkeypatch):
 
 
 def test_model_adds_lora_once_per_group(monkeypatch):
-    """q/k/v, o, gate/up and down: four add_lora calls (8 kernels) per layer, each on the whole
-    fused output with the pool's slice bounds; none when no token has an adapter."""
+    """q/k/v, o, gate/up and down: four shrink + expand pairs (8 kernels) per layer, each expand
+    on the whole fused output with the pool's slice bounds; none when no token has an adapter."""
     import punica.models.llama as llama
     from punica.lora.batch import LoraBatch
     from punica.ops.attention import AttnBatch
@@ -83,8 +83,11 @@ def test_model_adds_lora_once_per_group(monkeypatch):
     pool.write(0, random_adapter(model.config, 4, ("q", "k", "v", "o", "gate", "up", "down"), seed=3))
     model.set_lora(pool)
     calls = []
-    real = llama.add_lora
-    monkeypatch.setattr(llama, "add_lora", lambda y, *args: calls.append((y.shape[1], args[-1])) or real(y, *args))
+    shrinks = []
+    real_shrink, real_expand = llama.lora_shrink, llama.lora_expand
+    monkeypatch.setattr(llama, "lora_shrink", lambda x, *args: shrinks.append(x.shape[1]) or real_shrink(x, *args))
+    monkeypatch.setattr(llama, "lora_expand",
+                        lambda y, *args: calls.append((y.shape[1], args[-1])) or real_expand(y, *args))
     attn = AttnBatch.build([3], [3], [[0]], 4, 1)
     model(torch.tensor([5, 6, 7]), attn, LoraBatch.build([0], [3]), model.new_kv_cache(2, 4))
     c = model.config
@@ -93,6 +96,7 @@ def test_model_adds_lora_once_per_group(monkeypatch):
                  (2 * c.intermediate_size, (0, c.intermediate_size, 2 * c.intermediate_size)),
                  (c.hidden_size, (0, c.hidden_size))]
     assert calls == per_layer * c.num_layers
+    assert shrinks == [c.hidden_size, c.q_size, c.hidden_size, c.intermediate_size] * c.num_layers
     calls.clear()
     model(torch.tensor([5, 6, 7]), attn, LoraBatch.build([-1], [3]), model.new_kv_cache(2, 4))
-    assert calls == []
+    assert calls == [] and len(shrinks) == 4 * c.num_layers
