@@ -21,6 +21,11 @@ cache the allocator never hands out) and use no adapter (slot -1). The LoRA ops 
 the LoRA ops, replayed when no request of the step uses an adapter. The page table is as wide
 as the longest context and the attention kernels read every length on the device, so one graph
 serves every context length.
+
+A graph's launch blocks the host for about as long as a few microseconds per kernel node
+(~1 ms for a 7B step on the H200) and the GPU starts only once it returns. So each step is
+captured as a chain of graphs, a short first one (the embedding and FIRST_CHUNK_LAYERS layers)
+and then CHUNK_LAYERS layers each: the GPU runs the first while the host launches the rest.
 """
 
 from __future__ import annotations
@@ -37,6 +42,14 @@ from punica.ops.attention import AttnBatch
 
 MIXED_PREFILLS = 4                        # prefill requests of a mixed bucket, the padding one included
 MIXED_PREFILL_TOKENS = (32, 64, 128, 256)  # prefill tokens of the mixed buckets
+FIRST_CHUNK_LAYERS = 2                    # layers in a step's first graph
+CHUNK_LAYERS = 8                          # layers in each later graph
+
+
+def layer_chunks(num_layers: int) -> list[range]:
+    """The layers of each graph of a step, in order."""
+    bounds = [0, *range(min(FIRST_CHUNK_LAYERS, num_layers), num_layers, CHUNK_LAYERS), num_layers]
+    return [range(lo, hi) for lo, hi in zip(bounds, bounds[1:])]
 
 
 def decode_batch_sizes(max_batch_size: int) -> list[int]:
@@ -131,6 +144,11 @@ class StaticBatch:
     def forward(self, model: LlamaForCausalLM, kv_cache: torch.Tensor, with_lora: bool) -> torch.Tensor:
         """Logits [num_requests, V] float32 of every request row (LoRA deltas only if
         `with_lora`): only device ops, so it can be captured."""
+        *_, logits = self.pieces(model, kv_cache, with_lora, [range(model.config.num_layers)])
+        return logits
+
+    def pieces(self, model: LlamaForCausalLM, kv_cache: torch.Tensor, with_lora: bool, chunks: list[range]):
+        """`forward` one chunk of layers per next() (LlamaForCausalLM.forward_in_pieces)."""
         bucket = self.bucket
         ids, positions, kv_slots, adapters, starts, context, table = self.inputs.split(self.sizes)
         token_slots, query_start = adapters.to(torch.int32), starts.to(torch.int32)
@@ -142,19 +160,21 @@ class StaticBatch:
         )
         lora = LoraBatch(seg_indptr=self.token_indptr, seg_slots=token_slots, token_slots=token_slots,
                          use_bgmv=True, any_lora=with_lora)
-        return model(ids, attn, lora, kv_cache)
+        yield from model.forward_in_pieces(ids, attn, lora, kv_cache, chunks)
 
 
 class CudaGraphs:
-    """Two captured steps per bucket (with and without LoRA), sharing one memory pool."""
+    """Two captured steps per bucket (with and without LoRA), each a chain of graphs, all
+    sharing one memory pool."""
 
     def __init__(self, model: LlamaForCausalLM, kv_cache: torch.Tensor, page_size: int,
                  max_batch_size: int, max_pages: int, scratch_page: int):
         device = kv_cache.device
         self.batches = [StaticBatch(b, max_pages, page_size, scratch_page, device) for b in buckets(max_batch_size)]
-        self.graphs: dict[tuple[Bucket, bool], torch.cuda.CUDAGraph] = {}
+        self.graphs: dict[tuple[Bucket, bool], list[torch.cuda.CUDAGraph]] = {}
         self.outputs: dict[tuple[Bucket, bool], torch.Tensor] = {}
         pool = torch.cuda.graph_pool_handle()
+        chunks = layer_chunks(model.config.num_layers)
         by_size = sorted(self.batches, key=lambda batch: batch.bucket.num_tokens, reverse=True)
         for batch in by_size:  # the largest first: the others reuse its memory
             for with_lora in (True, False):
@@ -165,10 +185,14 @@ class CudaGraphs:
                     for _ in range(2):
                         batch.forward(model, kv_cache, with_lora)
                 torch.cuda.current_stream(device).wait_stream(stream)
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool):
-                    self.outputs[key] = batch.forward(model, kv_cache, with_lora)
-                self.graphs[key] = graph
+                pieces = batch.pieces(model, kv_cache, with_lora, chunks)
+                self.graphs[key] = []
+                for _ in chunks:  # replayed in this order, so each graph finds its inputs in the pool
+                    graph = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(graph, pool=pool):
+                        out = next(pieces)
+                    self.graphs[key].append(graph)
+                self.outputs[key] = out
         torch.cuda.synchronize(device)
 
     def run(self, prefills: list[Request], decodes: list[Request]) -> torch.Tensor | None:
@@ -180,7 +204,8 @@ class CudaGraphs:
         bucket = batch.bucket
         key = (bucket, any(r.slot >= 0 for r in prefills + decodes))
         batch.fill(prefills, decodes)
-        self.graphs[key].replay()
+        for graph in self.graphs[key]:
+            graph.replay()
         out = self.outputs[key]
         if not prefills:
             return out[:len(decodes)].clone()
