@@ -92,11 +92,15 @@ def load_adapter(path: str | Path, config: ModelConfig, name: str | None = None,
     lora_b: dict[str, torch.Tensor] = {}
     for (proj, layer), sides in sorted(pairs.items(), key=lambda kv: PROJECTIONS.index(kv[0][0])):
         h_in, h_out = shapes[proj]
-        if proj not in lora_a:
-            lora_a[proj] = torch.zeros(config.num_layers, rank, h_in, dtype=dtype)
-            lora_b[proj] = torch.zeros(config.num_layers, h_out, rank, dtype=dtype)
+        if proj not in lora_a:  # every layer written below: its tensors, or zeros where it has none
+            lora_a[proj] = torch.empty(config.num_layers, rank, h_in, dtype=dtype)
+            lora_b[proj] = torch.empty(config.num_layers, h_out, rank, dtype=dtype)
         lora_a[proj][layer] = _checked(*sides["A"], (rank, h_in), 0, proj, dtype, fail)
         lora_b[proj][layer] = _checked(*sides["B"], (h_out, rank), 1, proj, dtype, fail)
+    for proj in lora_a:
+        missing = [layer for layer in range(config.num_layers) if (proj, layer) not in pairs]
+        lora_a[proj][missing] = 0
+        lora_b[proj][missing] = 0
 
     if not lora_a:
         raise fail("the weights file holds no LoRA tensors")
