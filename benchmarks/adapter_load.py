@@ -87,17 +87,25 @@ def throughput(model, config: ModelConfig, names: dict[str, str], stream: list[s
         torch.cuda.synchronize()
     start = time.perf_counter()
     tokens = 0
+    step_seconds, batch_sizes = [], []
     while engine.has_unfinished():
+        t = time.perf_counter()
         outputs = engine.step()
+        step_seconds.append(time.perf_counter() - t)
+        batch_sizes.append(len(outputs))
         tokens += sum(len(o.new_token_ids) for o in outputs)
         if not outputs:
             time.sleep(0.0005)
     if device.type == "cuda":
         torch.cuda.synchronize()
     seconds = time.perf_counter() - start
+    step_seconds.sort()
     return {"slots": slots, "resident": preload, "requests": len(stream), "distinct": len(set(stream)),
             "loads": engine.adapters.num_loads - loads_before, "tokens": tokens, "seconds": seconds,
-            "tokens_per_s": tokens / seconds}
+            "tokens_per_s": tokens / seconds, "steps": len(step_seconds),
+            "mean_batch": statistics.mean(batch_sizes),
+            "step_ms_p50": 1e3 * step_seconds[len(step_seconds) // 2],
+            "step_ms_p99": 1e3 * step_seconds[int(0.99 * (len(step_seconds) - 1))]}
 
 
 def main() -> None:
@@ -130,7 +138,7 @@ def main() -> None:
     write_results(args.out, "adapter_load", rows, meta)
     print(format_table([latency], list(latency)))
     print(format_table(rows, ["slots", "resident", "requests", "distinct", "loads", "tokens", "seconds",
-                              "tokens_per_s", "vs_resident"]))
+                              "tokens_per_s", "vs_resident", "steps", "mean_batch", "step_ms_p50", "step_ms_p99"]))
 
 
 if __name__ == "__main__":
