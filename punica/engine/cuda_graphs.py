@@ -1,4 +1,5 @@
-"""CUDA graphs for steps with few prefill tokens: every bucket's whole model run is captured.
+"""CUDA graphs for decode steps and steps of up to 2,048 prefill tokens: every bucket's whole
+model run is captured.
 
 A decode step of a 7B model launches ~1,000 kernels; run eagerly, Python and the launches take
 longer than the GPU work. So the step (embedding, every layer with its LoRA deltas, lm_head) is
@@ -7,17 +8,21 @@ one graph launch, whatever the mix of adapters.
 
 A bucket is a batch shape: `num_prefills` prefill requests with `prefill_tokens` query tokens
 between them, then `num_decodes` decode rows. Decode-only buckets (no prefills) cover batch
-sizes 1, 2, 4, then multiples of 8; mixed buckets hold up to MIXED_PREFILLS - 1 new requests
-beside a full batch of decodes, so that steps admitting short prompts replay a graph too. A
-step's inputs live in one int64 device buffer per bucket that its graph reads:
+sizes 1, 2, 4, then multiples of 8; mixed buckets hold MIXED_PREFILL_TOKENS prefill tokens
+(up to the longest context) beside a full batch of decodes, so that steps admitting prompts
+replay a graph too (run eagerly, a step's ~1,000 kernel launches take ~50 ms of host time on
+a 7B model, longer than its GPU work up to ~2,000 prefill tokens). A mixed bucket takes up to
+one prefill request per 16 of its tokens (at least 3, at most max_batch_size), plus one for
+padding. A step's inputs live in one int64 device buffer per bucket that its graph reads:
 
     [token ids | positions | KV slots | adapter slots]  (one each per token)
-    [query starts (requests + 1) | context lengths | page table (requests x max_pages)]
+    [query starts (requests + 1) | context lengths | adapter slots | page table (requests x max_pages)]
 
 A smaller batch is padded to its bucket: padded decode rows, and one padded prefill request
 that takes every spare prefill token, read and write only the scratch page (a page of the KV
 cache the allocator never hands out) and use no adapter (slot -1). The LoRA ops run per token
-(BGMV), so the adapter mix is data, not graph structure; each bucket also has a graph without
+(BGMV) or, in buckets where `prefer_bgmv` says SGMV is faster, one segment per request; either
+way the adapter mix is data, not graph structure; each bucket also has a graph without
 the LoRA ops, replayed when no request of the step uses an adapter. The page table is as wide
 as the longest context and the attention kernels read every length on the device, so one graph
 serves every context length.
@@ -39,9 +44,11 @@ from punica.engine.request import Request
 from punica.lora.batch import LoraBatch
 from punica.models.llama import LlamaForCausalLM
 from punica.ops.attention import AttnBatch
+from punica.ops.lora import prefer_bgmv
 
-MIXED_PREFILLS = 4                        # prefill requests of a mixed bucket, the padding one included
-MIXED_PREFILL_TOKENS = (32, 64, 128, 256)  # prefill tokens of the mixed buckets
+MIXED_PREFILL_TOKENS = (32, 64, 128, 256, 512, 768, 1024, 1536, 2048)  # prefill tokens of the mixed buckets
+MIN_MIXED_PREFILLS = 4                    # prefill requests of a mixed bucket, the padding one included
+TOKENS_PER_PREFILL = 16                   # a mixed bucket takes one prefill request per this many tokens
 FIRST_CHUNK_LAYERS = 2                    # layers in a step's first graph
 CHUNK_LAYERS = 8                          # layers in each later graph
 
@@ -80,10 +87,13 @@ class Bucket:
         return padding > 0 and tokens + padding <= self.prefill_tokens and len(decodes) <= self.num_decodes
 
 
-def buckets(max_batch_size: int) -> list[Bucket]:
-    """Every bucket, smallest first."""
+def buckets(max_batch_size: int, max_context: int) -> list[Bucket]:
+    """Every bucket, smallest first (no padding prefill request longer than `max_context`)."""
     decode = [Bucket(0, 0, size) for size in decode_batch_sizes(max_batch_size)]
-    return decode + [Bucket(MIXED_PREFILLS, tokens, max_batch_size) for tokens in MIXED_PREFILL_TOKENS]
+    mixed = [Bucket(min(max_batch_size, max(MIN_MIXED_PREFILLS - 1, tokens // TOKENS_PER_PREFILL)) + 1,
+                    tokens, max_batch_size)
+             for tokens in MIXED_PREFILL_TOKENS if tokens <= max_context]
+    return decode + mixed
 
 
 class StaticBatch:
@@ -92,7 +102,7 @@ class StaticBatch:
     def __init__(self, bucket: Bucket, max_pages: int, page_size: int, scratch_page: int, device: torch.device):
         self.bucket, self.max_pages, self.page_size, self.scratch_page = bucket, max_pages, page_size, scratch_page
         t, b = bucket.num_tokens, bucket.num_requests
-        self.sizes = (t, t, t, t, b + 1, b, b * max_pages)
+        self.sizes = (t, t, t, t, b + 1, b, b, b * max_pages)
         self.host = torch.empty(sum(self.sizes), dtype=torch.int64, pin_memory=device.type == "cuda")
         self.inputs = torch.empty_like(self.host, device=device)
         # every token its own LoRA segment, so the SGMV view of the batch agrees with the BGMV one
@@ -105,10 +115,10 @@ class StaticBatch:
         if self.copied is not None:
             self.copied.synchronize()  # the previous step's copy has read the host buffer
         bucket, page_size, scratch = self.bucket, self.page_size, self.scratch_page
-        ids, positions, kv_slots, adapters, starts, context, table = np.split(
+        ids, positions, kv_slots, adapters, starts, context, request_slots, table = np.split(
             self.host.numpy(), np.cumsum(self.sizes)[:-1])
         table = table.reshape(bucket.num_requests, self.max_pages)
-        ids[:], positions[:], adapters[:], context[:] = 0, 0, -1, 1
+        ids[:], positions[:], adapters[:], context[:], request_slots[:] = 0, 0, -1, 1, -1
         kv_slots[:] = scratch * page_size
         table[:] = scratch
         starts[:] = np.arange(bucket.num_requests + 1) + bucket.prefill_tokens - bucket.num_prefills
@@ -123,6 +133,7 @@ class StaticBatch:
             kv_slots[rows] = pages[pos // page_size] * page_size + pos % page_size
             table[i, :len(pages)] = pages
             context[i] = hi
+            request_slots[i] = request.slot
             token += hi - lo
             starts[i + 1] = token
         if bucket.num_prefills:  # padding requests: one token each, the last takes what is left
@@ -137,6 +148,7 @@ class StaticBatch:
             kv_slots[row] = request.pages[pos // page_size] * page_size + pos % page_size
             table[bucket.num_prefills + i, :len(request.pages)] = request.pages
             context[bucket.num_prefills + i] = pos + 1
+            request_slots[bucket.num_prefills + i] = request.slot
         self.inputs.copy_(self.host, non_blocking=True)
         if self.copied is not None:
             self.copied.record()
@@ -150,7 +162,7 @@ class StaticBatch:
     def pieces(self, model: LlamaForCausalLM, kv_cache: torch.Tensor, with_lora: bool, chunks: list[range]):
         """`forward` one chunk of layers per next() (LlamaForCausalLM.forward_in_pieces)."""
         bucket = self.bucket
-        ids, positions, kv_slots, adapters, starts, context, table = self.inputs.split(self.sizes)
+        ids, positions, kv_slots, adapters, starts, context, request_slots, table = self.inputs.split(self.sizes)
         token_slots, query_start = adapters.to(torch.int32), starts.to(torch.int32)
         attn = AttnBatch(
             positions=positions, slot_mapping=kv_slots,
@@ -158,8 +170,12 @@ class StaticBatch:
             query_start=query_start, context_lens=context.to(torch.int32), logits_indices=starts[1:] - 1,
             num_prefills=bucket.num_prefills, num_prefill_tokens=bucket.prefill_tokens,
         )
-        lora = LoraBatch(seg_indptr=self.token_indptr, seg_slots=token_slots, token_slots=token_slots,
-                         use_bgmv=True, any_lora=with_lora)
+        if prefer_bgmv(bucket.num_tokens, bucket.num_requests):
+            lora = LoraBatch(seg_indptr=self.token_indptr, seg_slots=token_slots, token_slots=token_slots,
+                             use_bgmv=True, any_lora=with_lora)
+        else:
+            lora = LoraBatch(seg_indptr=query_start, seg_slots=request_slots.to(torch.int32),
+                             token_slots=token_slots, use_bgmv=False, any_lora=with_lora)
         yield from model.forward_in_pieces(ids, attn, lora, kv_cache, chunks)
 
 
@@ -170,7 +186,8 @@ class CudaGraphs:
     def __init__(self, model: LlamaForCausalLM, kv_cache: torch.Tensor, page_size: int,
                  max_batch_size: int, max_pages: int, scratch_page: int):
         device = kv_cache.device
-        self.batches = [StaticBatch(b, max_pages, page_size, scratch_page, device) for b in buckets(max_batch_size)]
+        self.batches = [StaticBatch(b, max_pages, page_size, scratch_page, device)
+                        for b in buckets(max_batch_size, max_pages * page_size)]
         self.graphs: dict[tuple[Bucket, bool], list[torch.cuda.CUDAGraph]] = {}
         self.outputs: dict[tuple[Bucket, bool], torch.Tensor] = {}
         pool = torch.cuda.graph_pool_handle()
