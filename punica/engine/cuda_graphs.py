@@ -137,18 +137,22 @@ class StaticBatch:
             token += hi - lo
             starts[i + 1] = token
         if bucket.num_prefills:  # padding requests: one token each, the last takes what is left
-            for i in range(len(prefills), bucket.num_prefills):
-                token = bucket.prefill_tokens if i == bucket.num_prefills - 1 else token + 1
-                starts[i + 1] = token
-                context[i] = token - starts[i]
-                positions[starts[i]:token] = np.arange(token - starts[i])
-        for i, request in enumerate(decodes):
-            row, pos = bucket.prefill_tokens + i, request.num_tokens - 1
-            ids[row], positions[row], adapters[row] = request.token_ids[-1], pos, request.slot
-            kv_slots[row] = request.pages[pos // page_size] * page_size + pos % page_size
-            table[bucket.num_prefills + i, :len(request.pages)] = request.pages
-            context[bucket.num_prefills + i] = pos + 1
-            request_slots[bucket.num_prefills + i] = request.slot
+            first, last = len(prefills), bucket.num_prefills - 1
+            starts[first + 1:last + 1] = np.arange(token + 1, token + 1 + last - first)
+            starts[last + 1] = bucket.prefill_tokens
+            context[first:last + 1] = starts[first + 1:last + 2] - starts[first:last + 1]
+            positions[starts[last]:bucket.prefill_tokens] = np.arange(bucket.prefill_tokens - starts[last])
+        if decodes:  # a row (and a request) each; whole columns at once, only the page table per row
+            rows = slice(bucket.prefill_tokens, bucket.prefill_tokens + len(decodes))
+            reqs = slice(bucket.num_prefills, bucket.num_prefills + len(decodes))
+            pos = np.array([r.num_tokens - 1 for r in decodes])
+            slots = [r.slot for r in decodes]
+            ids[rows] = [r.token_ids[-1] for r in decodes]
+            positions[rows], adapters[rows], request_slots[reqs], context[reqs] = pos, slots, slots, pos + 1
+            pages = np.array([r.pages[p // page_size] for r, p in zip(decodes, pos.tolist())])
+            kv_slots[rows] = pages * page_size + pos % page_size
+            for i, request in enumerate(decodes, bucket.num_prefills):
+                table[i, :len(request.pages)] = request.pages
         self.inputs.copy_(self.host, non_blocking=True)
         if self.copied is not None:
             self.copied.record()
