@@ -26,11 +26,6 @@ way the adapter mix is data, not graph structure; each bucket also has a graph w
 the LoRA ops, replayed when no request of the step uses an adapter. The page table is as wide
 as the longest context and the attention kernels read every length on the device, so one graph
 serves every context length.
-
-A graph's launch blocks the host for about as long as a few microseconds per kernel node
-(~1 ms for a 7B step on the H200) and the GPU starts only once it returns. So each step is
-captured as a chain of graphs, a short first one (the embedding and FIRST_CHUNK_LAYERS layers)
-and then CHUNK_LAYERS layers each: the GPU runs the first while the host launches the rest.
 """
 
 from __future__ import annotations
@@ -49,14 +44,6 @@ from punica.ops.lora import prefer_bgmv
 MIXED_PREFILL_TOKENS = (32, 64, 128, 256, 512, 768, 1024, 1536, 2048)  # prefill tokens of the mixed buckets
 MIN_MIXED_PREFILLS = 4                    # prefill requests of a mixed bucket, the padding one included
 TOKENS_PER_PREFILL = 16                   # a mixed bucket takes one prefill request per this many tokens
-FIRST_CHUNK_LAYERS = 2                    # layers in a step's first graph
-CHUNK_LAYERS = 8                          # layers in each later graph
-
-
-def layer_chunks(num_layers: int) -> list[range]:
-    """The layers of each graph of a step, in order."""
-    bounds = [0, *range(min(FIRST_CHUNK_LAYERS, num_layers), num_layers, CHUNK_LAYERS), num_layers]
-    return [range(lo, hi) for lo, hi in zip(bounds, bounds[1:])]
 
 
 def decode_batch_sizes(max_batch_size: int) -> list[int]:
@@ -160,11 +147,6 @@ class StaticBatch:
     def forward(self, model: LlamaForCausalLM, kv_cache: torch.Tensor, with_lora: bool) -> torch.Tensor:
         """Logits [num_requests, V] float32 of every request row (LoRA deltas only if
         `with_lora`): only device ops, so it can be captured."""
-        *_, logits = self.pieces(model, kv_cache, with_lora, [range(model.config.num_layers)])
-        return logits
-
-    def pieces(self, model: LlamaForCausalLM, kv_cache: torch.Tensor, with_lora: bool, chunks: list[range]):
-        """`forward` one chunk of layers per next() (LlamaForCausalLM.forward_in_pieces)."""
         bucket = self.bucket
         ids, positions, kv_slots, adapters, starts, context, request_slots, table = self.inputs.split(self.sizes)
         token_slots, query_start = adapters.to(torch.int32), starts.to(torch.int32)
@@ -180,22 +162,20 @@ class StaticBatch:
         else:
             lora = LoraBatch(seg_indptr=query_start, seg_slots=request_slots.to(torch.int32),
                              token_slots=token_slots, use_bgmv=False, any_lora=with_lora)
-        yield from model.forward_in_pieces(ids, attn, lora, kv_cache, chunks)
+        return model(ids, attn, lora, kv_cache)
 
 
 class CudaGraphs:
-    """Two captured steps per bucket (with and without LoRA), each a chain of graphs, all
-    sharing one memory pool."""
+    """Two captured steps per bucket (with and without LoRA), sharing one memory pool."""
 
     def __init__(self, model: LlamaForCausalLM, kv_cache: torch.Tensor, page_size: int,
                  max_batch_size: int, max_pages: int, scratch_page: int):
         device = kv_cache.device
         self.batches = [StaticBatch(b, max_pages, page_size, scratch_page, device)
                         for b in buckets(max_batch_size, max_pages * page_size)]
-        self.graphs: dict[tuple[Bucket, bool], list[torch.cuda.CUDAGraph]] = {}
+        self.graphs: dict[tuple[Bucket, bool], torch.cuda.CUDAGraph] = {}
         self.outputs: dict[tuple[Bucket, bool], torch.Tensor] = {}
         pool = torch.cuda.graph_pool_handle()
-        chunks = layer_chunks(model.config.num_layers)
         by_size = sorted(self.batches, key=lambda batch: batch.bucket.num_tokens, reverse=True)
         for batch in by_size:  # the largest first: the others reuse its memory
             for with_lora in (True, False):
@@ -206,14 +186,10 @@ class CudaGraphs:
                     for _ in range(2):
                         batch.forward(model, kv_cache, with_lora)
                 torch.cuda.current_stream(device).wait_stream(stream)
-                pieces = batch.pieces(model, kv_cache, with_lora, chunks)
-                self.graphs[key] = []
-                for _ in chunks:  # replayed in this order, so each graph finds its inputs in the pool
-                    graph = torch.cuda.CUDAGraph()
-                    with torch.cuda.graph(graph, pool=pool):
-                        out = next(pieces)
-                    self.graphs[key].append(graph)
-                self.outputs[key] = out
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool):
+                    self.outputs[key] = batch.forward(model, kv_cache, with_lora)
+                self.graphs[key] = graph
         torch.cuda.synchronize(device)
 
     def run(self, prefills: list[Request], decodes: list[Request]) -> torch.Tensor | None:
@@ -225,8 +201,7 @@ class CudaGraphs:
         bucket = batch.bucket
         key = (bucket, any(r.slot >= 0 for r in prefills + decodes))
         batch.fill(prefills, decodes)
-        for graph in self.graphs[key]:
-            graph.replay()
+        self.graphs[key].replay()
         out = self.outputs[key]
         if not prefills:
             return out[:len(decodes)].clone()

@@ -190,22 +190,10 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, attn: AttnBatch, lora: LoraBatch,
                 kv_cache: torch.Tensor) -> torch.Tensor:
         """input_ids: [T]; kv_cache: [L, P, 2, page_size, Hkv, D]  ->  logits [num_logits, V] float32."""
-        *_, logits = self.forward_in_pieces(input_ids, attn, lora, kv_cache, [range(self.config.num_layers)])
-        return logits
-
-    def forward_in_pieces(self, input_ids: torch.Tensor, attn: AttnBatch, lora: LoraBatch, kv_cache: torch.Tensor,
-                          chunks: list[range]):
-        """`forward` one piece per next(): a generator that runs the embedding and the layers of
-        chunks[0], then those of each later chunk, the last with the norm and lm_head; it yields
-        None after each piece but the last, and the logits after the last. (CUDA graphs capture
-        a piece each; `chunks` are consecutive and cover every layer.)"""
         x, residual = self.embed(input_ids), None
         cos, sin = self.rope_cos_sin(attn.positions)
-        for i, chunk in enumerate(chunks):
-            for index in chunk:
-                x, residual = self.layers[index](x, cos, sin, attn, lora, kv_cache[index], self.lora_weights, residual)
-            if i < len(chunks) - 1:
-                yield None
+        for layer, kv_layer in zip(self.layers, kv_cache):
+            x, residual = layer(x, cos, sin, attn, lora, kv_layer, self.lora_weights, residual)
         rows = attn.logits_indices
         x = self.norm(x[rows]) if residual is None else self.norm(x[rows], residual[rows])[0]
-        yield self.lm_head(x).float()
+        return self.lm_head(x).float()

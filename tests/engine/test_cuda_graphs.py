@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from punica.config import EngineConfig, ceil_div
-from punica.engine.cuda_graphs import Bucket, CudaGraphs, StaticBatch, buckets, decode_batch_sizes, layer_chunks
+from punica.engine.cuda_graphs import Bucket, CudaGraphs, StaticBatch, buckets, decode_batch_sizes
 from punica.engine.engine import Engine
 from punica.engine.request import Request
 from punica.engine.sampling_params import SamplingParams
@@ -20,13 +20,6 @@ def test_decode_batch_sizes():
     assert decode_batch_sizes(12) == [1, 2, 4, 8, 12]
     assert decode_batch_sizes(3) == [1, 2, 3]
     assert decode_batch_sizes(1) == [1]
-
-
-def test_layer_chunks():
-    assert layer_chunks(32) == [range(0, 2), range(2, 10), range(10, 18), range(18, 26), range(26, 32)]
-    assert layer_chunks(30)[-1] == range(26, 30)
-    assert layer_chunks(2) == [range(0, 2)]
-    assert layer_chunks(1) == [range(0, 1)]
 
 
 def prefill(num_tokens: int, num_cached: int = 0) -> Request:
@@ -91,12 +84,8 @@ def test_static_batch_matches_eager_step(setup, bucket, num_decodes, new_prompts
     runner.kv_cache[:, num_pages] = 1e3  # garbage in the scratch page is never read by real rows
     static = StaticBatch(bucket, ceil_div(engine.max_model_len, page_size), page_size, num_pages, runner.device)
     static.fill(prefills, decodes)
-    num_layers = engine.model.config.num_layers
-    assert num_layers > 1
-    with torch.inference_mode():  # one piece (a graph on CUDA) per layer
-        pieces = list(static.pieces(engine.model, runner.kv_cache, True, [range(i, i + 1) for i in range(num_layers)]))
-    assert len(pieces) == num_layers and all(p is None for p in pieces[:-1])
-    logits = pieces[-1]
+    with torch.inference_mode():
+        logits = static.forward(engine.model, runner.kv_cache, with_lora=True)
     assert logits.shape == (bucket.num_requests, eager.shape[1])
     real_rows = list(range(len(prefills))) + [bucket.num_prefills + i for i in range(len(decodes))]
     torch.testing.assert_close(logits[real_rows], eager, rtol=1e-5, atol=1e-5)
