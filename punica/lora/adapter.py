@@ -15,7 +15,7 @@ import math
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 from safetensors.torch import load_file
@@ -74,10 +74,52 @@ class LoraAdapter:
         tensors = [*self.lora_a.values(), *self.lora_b.values()]
         return sum(t.numel() * t.element_size() for t in tensors)
 
+    def tensors(self) -> Iterator[tuple[str, int, torch.Tensor, torch.Tensor]]:
+        """(projection, layer, A [rank, h_in], B [h_out, rank]) of every layer of every projection."""
+        for proj, a in self.lora_a.items():
+            for layer in range(a.shape[0]):
+                yield proj, layer, a[layer], self.lora_b[proj][layer]
+
+
+@dataclass(frozen=True)
+class AdapterWeights:
+    """An adapter as read and checked (`read_adapter`), one (A, B) pair per projection and layer
+    it has: LoraPool.pack copies these straight into a slot; `stacked` makes a LoraAdapter."""
+    name: str
+    rank: int
+    scale: float
+    pairs: dict[tuple[str, int], tuple[torch.Tensor, torch.Tensor]]  # (proj, layer) -> (A, B)
+
+    def tensors(self) -> Iterator[tuple[str, int, torch.Tensor, torch.Tensor]]:
+        for (proj, layer), (a, b) in self.pairs.items():
+            yield proj, layer, a, b
+
+    def stacked(self, num_layers: int) -> LoraAdapter:
+        """[num_layers, ...] tensors per projection, zero for the layers it has no tensors for."""
+        lora_a: dict[str, torch.Tensor] = {}
+        lora_b: dict[str, torch.Tensor] = {}
+        for (proj, layer), (a, b) in self.pairs.items():  # in projection order (read_adapter)
+            if proj not in lora_a:  # every layer written: its tensors here, or zeros below
+                lora_a[proj] = torch.empty(num_layers, *a.shape, dtype=a.dtype)
+                lora_b[proj] = torch.empty(num_layers, *b.shape, dtype=b.dtype)
+            lora_a[proj][layer] = a
+            lora_b[proj][layer] = b
+        for proj in lora_a:
+            missing = [layer for layer in range(num_layers) if (proj, layer) not in self.pairs]
+            lora_a[proj][missing] = 0
+            lora_b[proj][missing] = 0
+        return LoraAdapter(name=self.name, rank=self.rank, scale=self.scale, lora_a=lora_a, lora_b=lora_b)
+
 
 def load_adapter(path: str | Path, config: ModelConfig, name: str | None = None,
                  dtype: torch.dtype = torch.float32) -> LoraAdapter:
     """Read adapter_config.json and adapter_model.safetensors (or .bin) from a PEFT directory."""
+    return read_adapter(path, config, name, dtype).stacked(config.num_layers)
+
+
+def read_adapter(path: str | Path, config: ModelConfig, name: str | None = None,
+                 dtype: torch.dtype = torch.float32) -> AdapterWeights:
+    """`load_adapter` without the stacking: every check, each layer's tensors in `dtype`."""
     path = Path(path)
 
     def fail(problem: str) -> AdapterError:
@@ -88,29 +130,19 @@ def load_adapter(path: str | Path, config: ModelConfig, name: str | None = None,
     pairs = _pair_tensors(_read_weights(path, fail), config.num_layers,
                           cfg.get("layers_to_transform"), fail)
     shapes = config.projection_shapes()
-    lora_a: dict[str, torch.Tensor] = {}
-    lora_b: dict[str, torch.Tensor] = {}
+    checked = {}
     for (proj, layer), sides in sorted(pairs.items(), key=lambda kv: PROJECTIONS.index(kv[0][0])):
         h_in, h_out = shapes[proj]
-        if proj not in lora_a:  # every layer written below: its tensors, or zeros where it has none
-            lora_a[proj] = torch.empty(config.num_layers, rank, h_in, dtype=dtype)
-            lora_b[proj] = torch.empty(config.num_layers, h_out, rank, dtype=dtype)
-        lora_a[proj][layer] = _checked(*sides["A"], (rank, h_in), 0, proj, dtype, fail)
-        lora_b[proj][layer] = _checked(*sides["B"], (h_out, rank), 1, proj, dtype, fail)
-    for proj in lora_a:
-        missing = [layer for layer in range(config.num_layers) if (proj, layer) not in pairs]
-        lora_a[proj][missing] = 0
-        lora_b[proj][missing] = 0
-
-    if not lora_a:
+        checked[proj, layer] = (_checked(*sides["A"], (rank, h_in), 0, proj, dtype, fail),
+                                _checked(*sides["B"], (h_out, rank), 1, proj, dtype, fail))
+    if not checked:
         raise fail("the weights file holds no LoRA tensors")
     targets = cfg.get("target_modules")
     for target in targets if isinstance(targets, list) else []:
         proj = SUFFIXES.get(target.rsplit(".", 1)[-1])
-        if proj is not None and proj not in lora_a:
+        if proj is not None and all(p != proj for p, _ in checked):
             raise fail(f"target_modules names {target} but the weights have no {proj} tensors")
-    return LoraAdapter(name=name or path.resolve().name, rank=rank, scale=scale,
-                       lora_a=lora_a, lora_b=lora_b)
+    return AdapterWeights(name=name or path.resolve().name, rank=rank, scale=scale, pairs=checked)
 
 
 def adapter_rank(path: str | Path) -> int:

@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 from punica.config import ModelConfig
-from punica.lora.adapter import load_adapter
+from punica.lora.adapter import read_adapter
 from punica.lora.pool import LoraPool
 
 
@@ -165,7 +165,7 @@ class AdapterManager:
         self.reads[name] = self.executor.submit(self._read, name, self.registry[name])
 
     def _read(self, name: str, path: Path) -> _HostAdapter:
-        adapter = load_adapter(path, self.config, name=name, dtype=self.dtype)
+        adapter = read_adapter(path, self.config, name=name, dtype=self.dtype)
         return _HostAdapter(self.pool.pack(adapter, pin_memory=self.copy_stream is not None), adapter.scale)
 
     def _read_done(self, name: str, future: Future) -> None:

@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch
 
 from punica.config import ModelConfig
-from punica.lora.adapter import LoraAdapter
+from punica.lora.adapter import AdapterWeights, LoraAdapter
 
 # groups of projections that share their input, in the column order of the model's fused GEMMs
 GROUPS = {"qkv": ("q", "k", "v"), "o": ("o",), "gate_up": ("gate", "up"), "down": ("down",)}
@@ -91,23 +91,27 @@ class LoraPool:
         """(lora_a [S, n*R, h_in], lora_b [S, sum h_out, R], slice_bounds) of one layer's group."""
         return self.group_a[group][layer], self.group_b[group][layer], self.slice_bounds[group]
 
-    def pack(self, adapter: LoraAdapter, pin_memory: bool = False) -> torch.Tensor:
+    def pack(self, adapter: LoraAdapter | AdapterWeights, pin_memory: bool = False) -> torch.Tensor:
         """The adapter as one slot's contents [slot_numel] in host memory (zero-padded to max_rank)."""
         if adapter.rank > self.max_rank:
             raise ValueError(f"adapter {adapter.name!r} has rank {adapter.rank}, over the pool's "
                              f"max_lora_rank {self.max_rank}")
         packed = torch.empty(1, self.slot_numel, dtype=self.buffer.dtype, pin_memory=pin_memory)
         a, b = self._projection_views(*self._group_views(packed))
-        r = adapter.rank
-        for p in a:  # every element written once: the adapter's, or a zero
-            if p in adapter.lora_a:
-                a[p][:, 0, :r].copy_(adapter.lora_a[p])
+        r, num_layers = adapter.rank, self.config.num_layers
+        written: dict[str, set[int]] = {p: set() for p in a}
+        for p, layer, lora_a, lora_b in adapter.tensors():
+            a[p][layer, 0, :r].copy_(lora_a)
+            b[p][layer, 0, :, :r].copy_(lora_b)
+            written[p].add(layer)
+        for p, layers in written.items():  # zeros where the adapter has nothing
+            if r < self.max_rank:
                 a[p][:, 0, r:].zero_()
-                b[p][:, 0, :, :r].copy_(adapter.lora_b[p])
                 b[p][:, 0, :, r:].zero_()
-            else:
-                a[p].zero_()
-                b[p].zero_()
+            missing = [layer for layer in range(num_layers) if layer not in layers]
+            if missing:
+                a[p][missing, 0] = 0
+                b[p][missing, 0] = 0
         return packed[0]
 
     def write_packed(self, slot: int, packed: torch.Tensor, scale: float, non_blocking: bool = False) -> None:

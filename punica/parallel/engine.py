@@ -25,7 +25,7 @@ from punica.config import EngineConfig, ModelConfig
 from punica.engine.engine import Engine, kv_cache_pages
 from punica.engine.request import Request
 from punica.engine.runner import ModelRunner
-from punica.lora.adapter import LoraAdapter
+from punica.lora.adapter import AdapterWeights
 from punica.lora.manager import AdapterManager
 from punica.lora.pool import LoraPool
 from punica.models.llama import LlamaForCausalLM
@@ -63,11 +63,12 @@ class ShardingPool:
         self.pool, self.workers, self.full_config = pool, workers, full_config
         self.buffer, self.max_loras, self.max_rank = pool.buffer, pool.max_loras, pool.max_rank
 
-    def pack(self, adapter: LoraAdapter, pin_memory: bool = False) -> torch.Tensor:
+    def pack(self, adapter: AdapterWeights, pin_memory: bool = False) -> torch.Tensor:
         n = self.workers.world_size
         packed = torch.empty(n, self.pool.slot_numel, dtype=self.buffer.dtype, pin_memory=pin_memory)
+        stacked = adapter.stacked(self.full_config.num_layers)
         for rank in range(n):
-            packed[rank] = self.pool.pack(shard_adapter(adapter, self.full_config, rank, n))
+            packed[rank] = self.pool.pack(shard_adapter(stacked, self.full_config, rank, n))
         return packed
 
     def write_packed(self, slot: int, packed: torch.Tensor, scale: float, non_blocking: bool = False) -> None:

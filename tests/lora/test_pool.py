@@ -100,3 +100,26 @@ def test_model_adds_lora_once_per_group(monkeypatch):
     calls.clear()
     model(torch.tensor([5, 6, 7]), attn, LoraBatch.build([-1], [3]), model.new_kv_cache(2, 4))
     assert calls == [] and len(shrinks) == 4 * c.num_layers
+
+
+def test_pack_reads_the_layers_of_a_peft_adapter_straight_into_the_slot(tmp_path, monkeypatch):
+    """pack(read_adapter(...)) (the manager's path, no stacked copy) equals pack(load_adapter(...)),
+    for an adapter of a few layers and projections below the pool's rank, every element written."""
+    from helpers import make_peft_adapter
+    from punica.lora.adapter import load_adapter, read_adapter
+
+    hf = tiny_llama(seed=5)
+    config = punica_config(hf)
+    path = make_peft_adapter(hf, tmp_path / "ad", r=3, alpha=6, targets=("k_proj", "up_proj", "o_proj"),
+                             layers_to_transform=[1], seed=4)
+    pool = LoraPool(config, max_loras=1, max_rank=8, dtype=torch.float32, device="cpu")
+    weights = read_adapter(path, config)
+    assert sorted(weights.pairs) == [("k", 1), ("o", 1), ("up", 1)]
+    empty = torch.empty
+    monkeypatch.setattr(torch, "empty", lambda *args, **kw: empty(*args, **kw).fill_(float("nan")))
+    packed = pool.pack(weights)
+    assert not packed.isnan().any()
+    assert torch.equal(packed, pool.pack(load_adapter(path, config)))
+    pool.write_packed(0, packed, weights.scale)
+    assert torch.equal(pool.a["k"][1, 0, :3], weights.pairs["k", 1][0]) and pool.a["k"][1, 0, :3].any()
+    assert not pool.a["k"][0].any() and not pool.b["up"][0].any() and not pool.a["q"].any()
