@@ -1,0 +1,216 @@
+"""The @triton.jit code of the LoRA operators: segment search helpers and the row-wise and tiled
+shrink/expand kernels. Schedules, launch rules and the PDL contract: punica.ops.lora_triton."""
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _find_segment(seg_indptr, num_segments, row, num_steps, FAN: tl.constexpr):
+    """Largest s in [0, num_segments) with seg_indptr[s] <= row (0 if none): FAN-ary search."""
+    lo = row * 0
+    hi = lo + num_segments
+    for _ in range(num_steps):
+        stride = (hi - lo + FAN - 1) // FAN
+        probes = lo + tl.arange(0, FAN) * stride
+        starts = tl.load(seg_indptr + probes, mask=probes < hi, other=row + 1)
+        count = tl.sum((starts <= row).to(tl.int32), axis=0)
+        lo = lo + tl.maximum(count - 1, 0) * stride
+        hi = tl.minimum(lo + stride, hi)
+    return lo
+
+
+@triton.jit
+def _row_slot(t, token_slots, seg_indptr, seg_slots, num_segments, num_steps,
+              SEGMENTED: tl.constexpr, FAN: tl.constexpr):
+    """The slot of token t: token_slots[t], or that of the segment holding t (-1 if none)."""
+    if SEGMENTED:
+        s = _find_segment(seg_indptr, num_segments, t, num_steps, FAN)
+        lo = tl.load(seg_indptr + s)
+        hi = tl.load(seg_indptr + s + 1)
+        slot = tl.load(seg_slots + s, mask=(lo <= t) & (t < hi), other=-1)
+    else:
+        slot = tl.load(token_slots + t)
+    return slot
+
+
+@triton.jit
+def _tile_segments(seg_indptr, num_segments, num_tokens, row0, num_steps, BLOCK_M: tl.constexpr,
+                   FAN: tl.constexpr):
+    """First and last segment overlapping the tile of rows row0 .. row0 + BLOCK_M - 1."""
+    first = _find_segment(seg_indptr, num_segments, row0, num_steps, FAN)
+    last = _find_segment(seg_indptr, num_segments, tl.minimum(row0 + BLOCK_M, num_tokens) - 1,
+                         num_steps, FAN)
+    return first, last
+
+
+@triton.jit
+def _tile_segment(seg_indptr, seg_slots, s, rows, num_tokens):
+    """Segment s within a tile: whether it has work (an adapter and rows), its slot, and which
+    of the tile's rows it holds."""
+    slot = tl.load(seg_slots + s)
+    lo = tl.load(seg_indptr + s)
+    hi = tl.load(seg_indptr + s + 1)
+    return (slot >= 0) & (lo < hi), slot, (rows >= lo) & (rows < hi) & (rows < num_tokens)
+
+
+@triton.jit
+def _slice_of(col, slice1_start, slice2_start):
+    """The slice (0, 1 or 2) of a sliced expand that holds column `col`."""
+    return (col >= slice1_start).to(tl.int32) + (col >= slice2_start).to(tl.int32)
+
+
+@triton.jit
+def _previous_kernel_done(PDL: tl.constexpr):
+    """Under programmatic dependent launch: wait until the previous kernel's writes are
+    visible, then let the next kernel start its prologue."""
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+
+
+@triton.jit
+def shrink_rowwise_kernel(
+    x, lora_a, v, token_slots, seg_indptr, seg_slots, num_segments, num_steps, h_in, max_rank,
+    stride_xt, stride_xk, stride_as, stride_ar, stride_ak, stride_vt, stride_vr,
+    SEGMENTED: tl.constexpr, FAN: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    t = tl.program_id(0)
+    ranks = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
+    slot = _row_slot(t, token_slots, seg_indptr, seg_slots, num_segments, num_steps, SEGMENTED, FAN)
+    # masks compare with a bound that is 0 for slot -1 (no scalar-bool broadcast: the
+    # interpreter turns a splat int1 into int32)
+    k_end = tl.where(slot >= 0, h_in, 0)
+    x_row = x + t.to(tl.int64) * stride_xt
+    a_rows = (lora_a + tl.maximum(slot, 0).to(tl.int64) * stride_as
+              + ranks[:, None].to(tl.int64) * stride_ar)
+    rank_ok = (ranks < max_rank)[:, None]
+    # the first chunk of A is read before the previous kernel has finished (PDL), x after
+    cols = tl.arange(0, BLOCK_K)
+    ak = tl.load(a_rows + cols[None, :] * stride_ak, mask=rank_ok & (cols < k_end)[None, :], other=0.0)
+    _previous_kernel_done(PDL)
+    xk = tl.load(x_row + cols * stride_xk, mask=cols < k_end, other=0.0)
+    acc = tl.sum(ak.to(tl.float32) * xk.to(tl.float32)[None, :], axis=1)
+    for k in range(BLOCK_K, h_in, BLOCK_K):
+        cols = k + tl.arange(0, BLOCK_K)
+        col_ok = cols < k_end
+        xk = tl.load(x_row + cols * stride_xk, mask=col_ok, other=0.0)
+        ak = tl.load(a_rows + cols[None, :] * stride_ak, mask=rank_ok & col_ok[None, :], other=0.0)
+        acc += tl.sum(ak.to(tl.float32) * xk.to(tl.float32)[None, :], axis=1)
+    tl.store(v + t.to(tl.int64) * stride_vt + ranks * stride_vr, acc, mask=ranks < max_rank)
+
+
+@triton.jit
+def expand_rowwise_kernel(
+    y, v, lora_b, scales, token_slots, seg_indptr, seg_slots, num_segments, num_steps, h_out,
+    max_rank, slice1_start, slice2_start, stride_yt, stride_yn, stride_vt, stride_vr, stride_bs,
+    stride_bn, stride_br,
+    SEGMENTED: tl.constexpr, FAN: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    t = tl.program_id(0)
+    col0 = tl.program_id(1) * BLOCK_N
+    cols = col0 + tl.arange(0, BLOCK_N)
+    ranks = tl.arange(0, BLOCK_R)
+    slot = _row_slot(t, token_slots, seg_indptr, seg_slots, num_segments, num_steps, SEGMENTED, FAN)
+    valid = slot >= 0
+    safe_slot = tl.maximum(slot, 0)
+    rank_ok = ranks < tl.where(valid, max_rank, 0)  # bounds, not scalar-bool masks: see shrink
+    col_ok = cols < tl.where(valid, h_out, 0)
+    b = tl.load(lora_b + safe_slot.to(tl.int64) * stride_bs + cols[:, None].to(tl.int64) * stride_bn
+                + ranks[None, :] * stride_br,
+                mask=col_ok[:, None] & rank_ok[None, :], other=0.0)
+    scale = tl.load(scales + safe_slot, mask=valid, other=0.0).to(tl.float32)
+    b = b.to(tl.float32)
+    col_slice = _slice_of(cols, slice1_start, slice2_start)
+    first = _slice_of(col0, slice1_start, slice2_start)
+    last = _slice_of(tl.minimum(col0 + BLOCK_N, h_out) - 1, slice1_start, slice2_start)
+    _previous_kernel_done(PDL)  # v and y are read after it
+    v_row = v + t.to(tl.int64) * stride_vt
+    delta = tl.zeros([BLOCK_N], tl.float32)
+    for i in range(first, last + 1):  # the slices this block's columns belong to
+        vt = tl.load(v_row + (i * max_rank + ranks) * stride_vr, mask=rank_ok, other=0.0)
+        delta = tl.where(col_slice == i, tl.sum(b * vt.to(tl.float32)[None, :], axis=1), delta)
+    delta = delta * scale
+    y_row = y + t.to(tl.int64) * stride_yt + cols * stride_yn
+    old = tl.load(y_row, mask=col_ok, other=0.0)
+    tl.store(y_row, (old.to(tl.float32) + delta).to(y.dtype.element_ty), mask=col_ok)
+
+
+@triton.jit
+def sgmv_shrink_tile_kernel(
+    x, lora_a, v, seg_indptr, seg_slots, num_tokens, num_segments, num_steps, h_in, max_rank,
+    k_per_split, stride_xt, stride_xk, stride_as, stride_ar, stride_ak, stride_vt, stride_vr,
+    FAN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
+    ATOMIC: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr,
+):
+    row0 = tl.program_id(0) * BLOCK_M
+    rows = row0 + tl.arange(0, BLOCK_M)
+    ranks = tl.program_id(2) * BLOCK_R + tl.arange(0, BLOCK_R)
+    k_lo = tl.program_id(1) * k_per_split
+    k_hi = tl.minimum(k_lo + k_per_split, h_in)
+    first, last = _tile_segments(seg_indptr, num_segments, num_tokens, row0, num_steps, BLOCK_M, FAN)
+    _previous_kernel_done(PDL)
+    for s in range(first, last + 1):
+        active, slot, in_seg = _tile_segment(seg_indptr, seg_slots, s, rows, num_tokens)
+        if active:
+            x_rows = x + rows[:, None].to(tl.int64) * stride_xt
+            a_cols = lora_a + slot.to(tl.int64) * stride_as + ranks[None, :] * stride_ar
+            acc = tl.zeros([BLOCK_M, BLOCK_R], tl.float32)
+            for k in range(k_lo, k_hi, BLOCK_K):
+                ks = k + tl.arange(0, BLOCK_K)
+                k_ok = ks < k_hi
+                xt = tl.load(x_rows + ks[None, :] * stride_xk, mask=in_seg[:, None] & k_ok[None, :],
+                             other=0.0)
+                at = tl.load(a_cols + ks[:, None] * stride_ak,
+                             mask=k_ok[:, None] & (ranks < max_rank)[None, :], other=0.0)
+                if UPCAST:
+                    xt = xt.to(tl.float32)
+                    at = at.to(tl.float32)
+                acc = tl.dot(xt, at, acc, input_precision=PRECISION)
+            out = v + rows[:, None].to(tl.int64) * stride_vt + ranks[None, :] * stride_vr
+            out_ok = in_seg[:, None] & (ranks < max_rank)[None, :]
+            if ATOMIC:
+                tl.atomic_add(out, acc, mask=out_ok, sem="relaxed")  # the launch boundary orders them
+            else:
+                tl.store(out, acc, mask=out_ok)
+
+
+@triton.jit
+def sgmv_expand_tile_kernel(
+    y, v, lora_b, scales, seg_indptr, seg_slots, num_tokens, num_segments, num_steps, h_out,
+    max_rank, slice1_start, slice2_start, stride_yt, stride_yn, stride_vt, stride_vr, stride_bs,
+    stride_bn, stride_br,
+    FAN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
+    PRECISION: tl.constexpr, PDL: tl.constexpr,
+):
+    row0 = tl.program_id(0) * BLOCK_M
+    rows = row0 + tl.arange(0, BLOCK_M)
+    col0 = tl.program_id(1) * BLOCK_N
+    cols = col0 + tl.arange(0, BLOCK_N)
+    ranks = tl.arange(0, BLOCK_R)
+    rank_ok = ranks < max_rank
+    col_slice = _slice_of(cols, slice1_start, slice2_start)
+    first_slice = _slice_of(col0, slice1_start, slice2_start)
+    last_slice = _slice_of(tl.minimum(col0 + BLOCK_N, h_out) - 1, slice1_start, slice2_start)
+    first, last = _tile_segments(seg_indptr, num_segments, num_tokens, row0, num_steps, BLOCK_M, FAN)
+    _previous_kernel_done(PDL)
+    for s in range(first, last + 1):
+        active, slot, in_seg = _tile_segment(seg_indptr, seg_slots, s, rows, num_tokens)
+        if active:
+            out = y + rows[:, None].to(tl.int64) * stride_yt + cols[None, :] * stride_yn
+            out_ok = in_seg[:, None] & (cols < h_out)[None, :]
+            old = tl.load(out, mask=out_ok, other=0.0)  # the largest load first
+            delta = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+            for i in range(first_slice, last_slice + 1):  # each slice: its ranks, its columns
+                vt = tl.load(v + rows[:, None].to(tl.int64) * stride_vt
+                             + (i * max_rank + ranks)[None, :] * stride_vr,
+                             mask=in_seg[:, None] & rank_ok[None, :], other=0.0)
+                b_ok = (cols < h_out) & (col_slice == i)
+                b = tl.load(lora_b + slot.to(tl.int64) * stride_bs
+                            + cols[None, :].to(tl.int64) * stride_bn + ranks[:, None] * stride_br,
+                            mask=rank_ok[:, None] & b_ok[None, :], other=0.0)
+                delta = tl.dot(vt.to(tl.float32), b.to(tl.float32), delta, input_precision=PRECISION)
+            delta = delta * tl.load(scales + slot).to(tl.float32)
+            tl.store(out, (old.to(tl.float32) + delta).to(y.dtype.element_ty), mask=out_ok)
