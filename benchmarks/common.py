@@ -48,6 +48,18 @@ def save_figure(fig, path: Path, title: str) -> None:
     fig.savefig(path, dpi=70)
 
 
+def style_axes(ax, title: str, xlabel: str, ylabel: str | None = None, log_y: bool = False) -> None:
+    """The look every benchmark plot shares: log2 x axis (batch sizes, token counts), small labels, grid."""
+    ax.set_xscale("log", base=2)
+    if log_y:
+        ax.set_yscale("log")
+    ax.set_title(title, fontsize=9)
+    ax.set_xlabel(xlabel, fontsize=8)
+    if ylabel is not None:
+        ax.set_ylabel(ylabel, fontsize=8)
+    ax.grid(True, which="both", alpha=0.3)
+
+
 def format_table(rows: list[dict], columns: list[str]) -> str:
     widths = [max(len(c), *(len(_fmt(r[c])) for r in rows)) for c in columns]
     lines = [" | ".join(c.ljust(w) for c, w in zip(columns, widths)),

@@ -35,7 +35,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.common import format_table, save_figure, write_results
+from benchmarks.common import format_table, save_figure, style_axes, write_results
 from punica.config import ceil_div, preset_config
 from punica.lora.adapter import load_adapter
 from punica.lora.batch import LoraBatch
@@ -111,11 +111,7 @@ def plot(rows: list[dict], key: str, path: Path, title: str) -> None:
                 sel = [r for r in rows if r["phase"] == phase and r["seq_len"] == s and r["workload"] == workload]
                 ax.plot([r["batch"] for r in sel], [r[key] / 1e3 for r in sel], marker="o", ms=3,
                         label=workload, linestyle="--" if workload == "none" else "-")
-            ax.set_xscale("log", base=2)
-            ax.set_title(f"{phase}, sequence {s}", fontsize=9)
-            ax.set_xlabel("batch size", fontsize=8)
-            ax.set_ylabel("ms per layer", fontsize=8)
-            ax.grid(True, which="both", alpha=0.3)
+            style_axes(ax, f"{phase}, sequence {s}", "batch size", "ms per layer")
     axes[0][0].legend(fontsize=7)
     save_figure(fig, path, title)
 

@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 import triton
 
-from benchmarks.common import copy_bandwidth, format_table, save_figure, write_results
+from benchmarks.common import copy_bandwidth, format_table, save_figure, style_axes, write_results
 from punica.config import preset_config
 from punica.ops import layers as ops
 
@@ -129,11 +129,7 @@ def plot(rows: list[dict], path: Path, title: str) -> None:
         sel = [r for r in rows if r["op"] == op]
         for key, style in (("unfused_us", "o-"), ("fused_us", "o-"), ("floor_us", "k--")):
             ax.plot([r["tokens"] for r in sel], [r[key] for r in sel], style, ms=3, label=key[:-3])
-        ax.set_xscale("log", base=2)
-        ax.set_yscale("log")
-        ax.set_title(op, fontsize=9)
-        ax.set_xlabel("tokens", fontsize=8)
-        ax.grid(True, which="both", alpha=0.3)
+        style_axes(ax, op, "tokens", log_y=True)
     axes[0].set_ylabel("us per call (CUDA graph)", fontsize=8)
     axes[0].legend(fontsize=7)
     save_figure(fig, path, title)

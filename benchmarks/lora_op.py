@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 import triton
 
-from benchmarks.common import copy_bandwidth, save_figure
+from benchmarks.common import copy_bandwidth, save_figure, style_axes
 from punica.lora.batch import LoraBatch
 from punica.ops import lora_triton as kernels
 from punica.workloads import WORKLOADS, adapter_ids
@@ -156,13 +156,8 @@ def plot(points, path):
             for method in METHODS:
                 ax.plot(xs, [p[f"{method}_graph_us"] for p in sel], marker="o", ms=3, label=method)
             ax.plot(xs, [p["floor_us"] for p in sel], "k--", label="memory floor")
-            ax.set_xscale("log", base=2)
-            ax.set_yscale("log")
-            ax.set_title(f"{workload}, {kind}", fontsize=9)
-            ax.set_xlabel("batch size (requests)" if kind == "decode" else "tokens", fontsize=8)
-            if col == 0:
-                ax.set_ylabel("us per op (graph replay)", fontsize=8)
-            ax.grid(True, which="both", alpha=0.3)
+            style_axes(ax, f"{workload}, {kind}", "batch size (requests)" if kind == "decode" else "tokens",
+                       "us per op (graph replay)" if col == 0 else None, log_y=True)
     axes[0][0].legend(fontsize=7)
     save_figure(fig, path, f"LoRA shrink+expand, h={H_IN}->4096, r={RANK}, bf16, {torch.cuda.get_device_name()}")
 

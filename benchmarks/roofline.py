@@ -36,7 +36,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.common import copy_bandwidth, format_table, save_figure, warm_up, write_results
+from benchmarks.common import copy_bandwidth, format_table, save_figure, style_axes, warm_up, write_results
 from punica.config import EngineConfig, preset_config
 from punica.engine.engine import Engine
 from punica.engine.runner import kv_bytes_per_token
@@ -117,12 +117,8 @@ def plot(rows: list[dict], path: Path, title: str) -> None:
             batches = [r["batch"] for r in sel]
             ax.plot(batches, [r["step_ms"] for r in sel], marker="o", ms=3, color=color, label=f"step, {lora}")
             ax.plot(batches, [r["floor_ms"] for r in sel], linestyle="--", color=color, label=f"floor, {lora}")
-        ax.set_xscale("log", base=2)
+        style_axes(ax, f"context {context}", "batch size", "ms per decode step")
         ax.set_ylim(bottom=0)
-        ax.set_title(f"context {context}", fontsize=9)
-        ax.set_xlabel("batch size", fontsize=8)
-        ax.set_ylabel("ms per decode step", fontsize=8)
-        ax.grid(True, which="both", alpha=0.3)
     axes[0][0].legend(fontsize=7)
     save_figure(fig, path, title)
 
