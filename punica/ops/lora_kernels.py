@@ -61,6 +61,14 @@ def _slice_of(col, slice1_start, slice2_start):
 
 
 @triton.jit
+def _column_slices(cols, col0, h_out, slice1_start, slice2_start, BLOCK_N: tl.constexpr):
+    """For the column block cols = col0 .. col0 + BLOCK_N - 1: each column's slice, and the first
+    and last slice the block touches."""
+    return (_slice_of(cols, slice1_start, slice2_start), _slice_of(col0, slice1_start, slice2_start),
+            _slice_of(tl.minimum(col0 + BLOCK_N, h_out) - 1, slice1_start, slice2_start))
+
+
+@triton.jit
 def _previous_kernel_done(PDL: tl.constexpr):
     """Under programmatic dependent launch: wait until the previous kernel's writes are
     visible, then let the next kernel start its prologue."""
@@ -123,9 +131,7 @@ def expand_rowwise_kernel(
                 mask=col_ok[:, None] & rank_ok[None, :], other=0.0)
     scale = tl.load(scales + safe_slot, mask=valid, other=0.0).to(tl.float32)
     b = b.to(tl.float32)
-    col_slice = _slice_of(cols, slice1_start, slice2_start)
-    first = _slice_of(col0, slice1_start, slice2_start)
-    last = _slice_of(tl.minimum(col0 + BLOCK_N, h_out) - 1, slice1_start, slice2_start)
+    col_slice, first, last = _column_slices(cols, col0, h_out, slice1_start, slice2_start, BLOCK_N)
     _previous_kernel_done(PDL)  # v and y are read after it
     v_row = v + t.to(tl.int64) * stride_vt
     delta = tl.zeros([BLOCK_N], tl.float32)
@@ -191,9 +197,7 @@ def sgmv_expand_tile_kernel(
     cols = col0 + tl.arange(0, BLOCK_N)
     ranks = tl.arange(0, BLOCK_R)
     rank_ok = ranks < max_rank
-    col_slice = _slice_of(cols, slice1_start, slice2_start)
-    first_slice = _slice_of(col0, slice1_start, slice2_start)
-    last_slice = _slice_of(tl.minimum(col0 + BLOCK_N, h_out) - 1, slice1_start, slice2_start)
+    col_slice, first_slice, last_slice = _column_slices(cols, col0, h_out, slice1_start, slice2_start, BLOCK_N)
     first, last = _tile_segments(seg_indptr, num_segments, num_tokens, row0, num_steps, BLOCK_M, FAN)
     _previous_kernel_done(PDL)
     for s in range(first, last + 1):
