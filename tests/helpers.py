@@ -28,6 +28,17 @@ def tiny_llama(seed: int = 0, **overrides) -> LlamaForCausalLM:
         return LlamaForCausalLM(tiny_llama_config(**overrides)).eval()
 
 
+def capture_graph(fn):
+    """Run fn once eagerly (its kernels compile outside the capture), then capture one call of it
+    in a CUDA graph: (graph, what the captured call returned)."""
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fn()
+    return graph, out
+
+
 def punica_config(model: LlamaForCausalLM) -> ModelConfig:
     return ModelConfig.from_hf_dict(model.config.to_dict())
 

@@ -10,6 +10,7 @@ import random
 import pytest
 import torch
 
+from helpers import capture_graph
 from punica.config import ceil_div
 from punica.ops import attention as ops
 from punica.ops import attention_triton as kernels
@@ -288,11 +289,7 @@ def test_cuda_graph_replay_equals_eager(num_prefills):
     batch = new_batch()
     q = torch.randn(batch.num_tokens, 32, 128, generator=gen).to(torch.bfloat16).to(DEVICE)
     kv = torch.randn(num_pages, 2, page_size, 8, 128, generator=gen).to(torch.bfloat16).to(DEVICE)
-    ops.paged_attention(q, kv, batch, 0.1)  # compile outside the capture
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = ops.paged_attention(q, kv, batch, 0.1)
+    graph, out = capture_graph(lambda: ops.paged_attention(q, kv, batch, 0.1))
     for _ in range(3):
         new = new_batch()
         for name in ("page_table", "context_lens", "query_start"):
@@ -349,11 +346,7 @@ def test_cuda_graph_rope_write_kv_then_single_split_decode():
         ops.rope_and_write_kv_(q, k, v, cos, sin, kv, batch.slot_mapping)
         return ops.paged_attention(q, kv, batch, 0.1)
 
-    step()  # compile outside the capture
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = step()
+    graph, out = capture_graph(step)
     for _ in range(3):
         new = new_batch()
         for name in ("page_table", "context_lens", "query_start", "slot_mapping", "positions"):

@@ -9,6 +9,7 @@ import pytest
 import torch
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
+from helpers import capture_graph
 from punica.ops import layers as ops
 from punica.ops import layers_triton as kernels
 
@@ -205,11 +206,7 @@ def test_cuda_graph_replay_equals_reference():
         ops.rope_(q, k, cos, sin)
         return normed, summed, ops.silu_and_mul(gate_up)
 
-    chain()  # compile outside the capture
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        outs = chain()
+    graph, outs = capture_graph(chain)
     for step in range(3):
         for t in (x, residual, q, k, gate_up):
             t.copy_(torch.randn(t.shape, generator=gen).to(dtype))

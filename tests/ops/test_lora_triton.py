@@ -9,6 +9,7 @@ import random
 import pytest
 import torch
 
+from helpers import capture_graph
 from punica.lora.batch import LoraBatch
 from punica.ops import lora as ops
 from punica.ops import lora_triton as kernels
@@ -354,11 +355,7 @@ def test_cuda_graph_replay_equals_eager(num_requests, max_len, slice_bounds):
         kernels.bgmv_shrink_triton(x, a, static.token_slots, out=v_tok)
         kernels.bgmv_expand_triton(y_tok, v_tok, b, static.token_slots, scales, slice_bounds=slice_bounds)
 
-    step()  # compile outside the capture
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()
+    graph, _ = capture_graph(step)
     for _ in range(3):
         # same number of tokens and segments, new boundaries, slots and data
         while True:
