@@ -156,6 +156,17 @@ def test_expand_into_column_slice_and_shrink_into_out():
         assert torch.equal(wide[:, :10], before[:, :10]) and torch.equal(wide[:, 34:], before[:, 34:])
 
 
+def check_group_kernels(slots, lens, num_slots, rank, h_in, slice_bounds, dtype, rng, gen, block_ms):
+    """A group pool (slot 0 of `rank`, the others of random ranks up to it), random x and y, and
+    every kernel of the group against the references (check_all_kernels)."""
+    ranks = [rank] + [rng.randint(1, rank) for _ in range(num_slots - 1)]
+    a, b, scales = make_group_pool(num_slots, ranks, h_in, slice_bounds, dtype, gen)
+    batch = LoraBatch.build(slots, lens, device=DEVICE)
+    x = torch.randn(sum(lens), h_in, generator=gen).to(dtype).to(DEVICE)
+    y0 = torch.randn(sum(lens), slice_bounds[-1], generator=gen).to(dtype).to(DEVICE)
+    check_all_kernels(x, y0, a, b, scales, batch, Y_TOL[dtype], block_ms=block_ms, slice_bounds=slice_bounds)
+
+
 # (h_in, slice_bounds, rank): odd sizes; bounds off every block multiple; with rank 64 the
 # expand's column blocks are 128 wide (row-wise and tiled), so blocks lie inside one slice,
 # straddle one boundary or two, and the tiled shrink takes its 192 ranks in two blocks
@@ -171,13 +182,7 @@ def test_group_kernels_match_reference(workload, h_in, slice_bounds, rank):
     gen = torch.Generator().manual_seed(rng.randrange(2**31))
     dtype = torch.bfloat16 if rank == 64 else torch.float32
     slots, lens = make_requests(workload, 5, 12 if rank == 64 else 20, rng)
-    num_slots = max(slots) + 2
-    ranks = [rank] + [rng.randint(1, rank) for _ in range(num_slots - 1)]
-    a, b, scales = make_group_pool(num_slots, ranks, h_in, slice_bounds, dtype, gen)
-    batch = LoraBatch.build(slots, lens, device=DEVICE)
-    x = torch.randn(sum(lens), h_in, generator=gen).to(dtype).to(DEVICE)
-    y0 = torch.randn(sum(lens), slice_bounds[-1], generator=gen).to(dtype).to(DEVICE)
-    check_all_kernels(x, y0, a, b, scales, batch, Y_TOL[dtype], block_ms=(1, 16), slice_bounds=slice_bounds)
+    check_group_kernels(slots, lens, max(slots) + 2, rank, h_in, slice_bounds, dtype, rng, gen, block_ms=(1, 16))
 
 
 def test_group_sliced_expand_equals_one_expand_per_projection():
@@ -286,14 +291,8 @@ def test_group_real_shapes(group, rank, workload):
     h_in, bounds = GROUP_REAL_SHAPES[group]
     for num_requests, max_len in ((64, 1), (15, 4096 // 15)):
         slots, lens = make_requests(workload, num_requests, max_len, rng)
-        num_slots = max(slots) + 1
-        ranks = [rank] + [rng.randint(1, rank) for _ in range(num_slots - 1)]
-        a, b, scales = make_group_pool(num_slots, ranks, h_in, bounds, dtype, gen)
-        batch = LoraBatch.build(slots, lens, device=DEVICE)
-        x = torch.randn(sum(lens), h_in, generator=gen).to(dtype).to(DEVICE)
-        y0 = torch.randn(sum(lens), bounds[-1], generator=gen).to(dtype).to(DEVICE)
-        check_all_kernels(x, y0, a, b, scales, batch, Y_TOL[dtype], block_ms=(None, 1, 64),
-                          slice_bounds=bounds)
+        check_group_kernels(slots, lens, max(slots) + 1, rank, h_in, bounds, dtype, rng, gen,
+                            block_ms=(None, 1, 64))
 
 
 @pytest.mark.cuda
