@@ -70,6 +70,20 @@ def run_workload(engine):
     return [outs[ids[i]].token_ids for i in range(len(ids))]
 
 
+def check_dummy_two_ranks(expect, config, paths, device, rank0_kv_heads, **start_kw):
+    """Two ranks, each generating only its shard of the dummy model (seed 7), give `expect`: the
+    tokens one process gives with the same seed. And those tokens depend on the weights."""
+    engine = start_engine(DummyWeights(config, seed=7), None, CONFIG, paths, (), torch.float32, device, 2,
+                          **start_kw)
+    try:
+        got = run_workload(engine)
+        assert engine.model.config.num_kv_heads == rank0_kv_heads
+    finally:
+        engine.close()
+    assert got == expect
+    assert len({tuple(tokens[:3]) for tokens in expect}) > len(expect) // 2
+
+
 def test_two_ranks_match_one_process(setup):
     base, paths = setup
     expect = run_workload(Engine(load_hf_dir(base, torch.float32), None, CONFIG, adapters=paths))
@@ -95,15 +109,7 @@ def test_random_weights_two_ranks_match_one_process(setup):
     _, paths = setup
     config = punica_config(tiny_llama())
     expect = run_workload(Engine(dummy_model(config, torch.float32, seed=7), None, CONFIG, adapters=paths))
-    engine = start_engine(DummyWeights(config, seed=7), None, CONFIG, paths, (), torch.float32, "cpu", 2,
-                          timeout_s=60)
-    try:
-        got = run_workload(engine)
-        assert engine.model.config.num_kv_heads == 1
-    finally:
-        engine.close()
-    assert got == expect
-    assert len({tuple(tokens[:3]) for tokens in expect}) > len(expect) // 2  # outputs depend on the weights
+    check_dummy_two_ranks(expect, config, paths, "cpu", rank0_kv_heads=1, timeout_s=60)
 
 
 @pytest.mark.cuda
@@ -125,14 +131,7 @@ def test_two_gpus_match_one_on_a_7b_shape(tmp_path):
     expect = run_workload(engine)
     del engine  # frees its KV cache at once (no reference cycle)
     torch.cuda.empty_cache()
-    engine = start_engine(DummyWeights(config, seed=7), None, CONFIG, paths, (), torch.float32, "cuda", 2)
-    try:
-        got = run_workload(engine)
-        assert engine.model.config.num_kv_heads == 16
-    finally:
-        engine.close()
-    assert got == expect
-    assert len({tuple(tokens[:3]) for tokens in expect}) > len(expect) // 2
+    check_dummy_two_ranks(expect, config, paths, "cuda", rank0_kv_heads=16)
 
 
 def test_killed_worker_fails_every_later_step_loudly(setup):
