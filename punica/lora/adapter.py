@@ -138,9 +138,10 @@ def read_adapter(path: str | Path, config: ModelConfig, name: str | None = None,
     if not checked:
         raise fail("the weights file holds no LoRA tensors")
     targets = cfg.get("target_modules")
+    projections = {p for p, _ in checked}
     for target in targets if isinstance(targets, list) else []:
         proj = SUFFIXES.get(target.rsplit(".", 1)[-1])
-        if proj is not None and all(p != proj for p, _ in checked):
+        if proj is not None and proj not in projections:
             raise fail(f"target_modules names {target} but the weights have no {proj} tensors")
     return AdapterWeights(name=name or path.resolve().name, rank=rank, scale=scale, pairs=checked)
 
