@@ -30,7 +30,7 @@ from benchmarks.common import format_table, warm_up, write_results
 from punica.config import EngineConfig, ModelConfig, preset_config
 from punica.engine.engine import Engine
 from punica.engine.sampling_params import SamplingParams
-from punica.lora.adapter import load_adapter, read_adapter
+from punica.lora.adapter import read_adapter
 from punica.lora.dummy import save_random_adapter
 from punica.lora.pool import LoraPool
 from punica.models.loader import dummy_model
@@ -57,21 +57,22 @@ def timed(fn, device: torch.device, repeat: int) -> list[float]:
 
 
 def load_latency(config: ModelConfig, rank: int, path: Path, device: torch.device) -> dict:
-    adapter = load_adapter(path, config, dtype=torch.bfloat16)
     pool = LoraPool(config, 2, rank, torch.bfloat16, device)
     pinned = device.type == "cuda"
-    packed = pool.pack(adapter, pin_memory=pinned)
+
+    def read() -> tuple[torch.Tensor, float]:  # the manager's: checked tensors straight into a packed slot
+        adapter = read_adapter(path, config, dtype=torch.bfloat16)
+        return pool.pack(adapter, pin_memory=pinned), adapter.scale
+
+    packed, scale = read()
     nbytes = packed.nbytes
     host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pinned)
     dev = torch.empty(nbytes, dtype=torch.uint8, device=device)
     h2d = statistics.median(timed(lambda: dev.copy_(host, non_blocking=True), device, 20))
-    write = statistics.median(timed(lambda: pool.write_packed(1, packed, adapter.scale, non_blocking=True),
-                                    device, 20))
-    # the manager's read: checked tensors straight into a (pinned, on CUDA) packed slot
-    read = statistics.median(timed(lambda: pool.pack(read_adapter(path, config, dtype=torch.bfloat16),
-                                                     pin_memory=pinned), torch.device("cpu"), 3))
+    write = statistics.median(timed(lambda: pool.write_packed(1, packed, scale, non_blocking=True), device, 20))
+    read_s = statistics.median(timed(read, torch.device("cpu"), 3))
     return {"adapter_mb": nbytes / 1e6, "h2d_gb_s": nbytes / h2d / 1e9, "floor_ms": h2d * 1e3,
-            "load_ms": write * 1e3, "load_over_floor": write / h2d, "disk_to_host_ms": read * 1e3}
+            "load_ms": write * 1e3, "load_over_floor": write / h2d, "disk_to_host_ms": read_s * 1e3}
 
 
 def throughput(model, config: ModelConfig, names: dict[str, str], stream: list[str], slots: int, preload: bool,
