@@ -184,12 +184,23 @@ def sgmv_shrink_tile_kernel(
 
 
 @triton.jit
+def _expand_tile_slice(delta, v, lora_b, slot, rows, cols, ranks, in_seg, rank_ok, b_ok, rank0, stride_vt,
+                       stride_vr, stride_bs, stride_bn, stride_br, PRECISION: tl.constexpr):
+    """delta + v[rows, rank0 + ranks] @ B[slot, cols, ranks]^T over the columns b_ok."""
+    vt = tl.load(v + rows[:, None].to(tl.int64) * stride_vt + (rank0 + ranks)[None, :] * stride_vr,
+                 mask=in_seg[:, None] & rank_ok[None, :], other=0.0)
+    b = tl.load(lora_b + slot.to(tl.int64) * stride_bs + cols[None, :].to(tl.int64) * stride_bn
+                + ranks[:, None] * stride_br, mask=rank_ok[:, None] & b_ok[None, :], other=0.0)
+    return tl.dot(vt.to(tl.float32), b.to(tl.float32), delta, input_precision=PRECISION)
+
+
+@triton.jit
 def sgmv_expand_tile_kernel(
     y, v, lora_b, scales, seg_indptr, seg_slots, num_tokens, num_segments, num_steps, h_out,
     max_rank, slice1_start, slice2_start, stride_yt, stride_yn, stride_vt, stride_vr, stride_bs,
     stride_bn, stride_br,
     FAN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
-    PRECISION: tl.constexpr, PDL: tl.constexpr,
+    SLICED: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr,
 ):
     row0 = tl.program_id(0) * BLOCK_M
     rows = row0 + tl.arange(0, BLOCK_M)
@@ -207,14 +218,14 @@ def sgmv_expand_tile_kernel(
             out_ok = in_seg[:, None] & (cols < h_out)[None, :]
             old = tl.load(out, mask=out_ok, other=0.0)  # the largest load first
             delta = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-            for i in range(first_slice, last_slice + 1):  # each slice: its ranks, its columns
-                vt = tl.load(v + rows[:, None].to(tl.int64) * stride_vt
-                             + (i * max_rank + ranks)[None, :] * stride_vr,
-                             mask=in_seg[:, None] & rank_ok[None, :], other=0.0)
-                b_ok = (cols < h_out) & (col_slice == i)
-                b = tl.load(lora_b + slot.to(tl.int64) * stride_bs
-                            + cols[None, :].to(tl.int64) * stride_bn + ranks[:, None] * stride_br,
-                            mask=rank_ok[:, None] & b_ok[None, :], other=0.0)
-                delta = tl.dot(vt.to(tl.float32), b.to(tl.float32), delta, input_precision=PRECISION)
+            if SLICED:
+                for i in range(first_slice, last_slice + 1):  # each slice: its ranks, its columns
+                    delta = _expand_tile_slice(delta, v, lora_b, slot, rows, cols, ranks, in_seg, rank_ok,
+                                               (cols < h_out) & (col_slice == i), i * max_rank, stride_vt,
+                                               stride_vr, stride_bs, stride_bn, stride_br, PRECISION)
+            else:  # one dot, which the compiler pipelines better than a loop of one step
+                delta = _expand_tile_slice(delta, v, lora_b, slot, rows, cols, ranks, in_seg, rank_ok,
+                                           cols < h_out, 0, stride_vt, stride_vr, stride_bs, stride_bn,
+                                           stride_br, PRECISION)
             delta = delta * tl.load(scales + slot).to(tl.float32)
             tl.store(out, (old.to(tl.float32) + delta).to(y.dtype.element_ty), mask=out_ok)

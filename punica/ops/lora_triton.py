@@ -208,7 +208,7 @@ def sgmv_expand_triton(y: torch.Tensor, v: torch.Tensor, lora_b: torch.Tensor,
         y, v, lora_b, scales, seg_indptr, seg_slots, num_tokens, num_segments,
         _search_steps(num_segments), h_out, max_rank, *starts, *y.stride(), *v.stride(),
         *lora_b.stride(), FAN=FAN, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_R=block_r,
-        PRECISION=_precision(lora_b.dtype), PDL=_pdl(y.device), num_warps=TILE_WARPS,
+        SLICED=starts[0] < h_out, PRECISION=_precision(lora_b.dtype), PDL=_pdl(y.device), num_warps=TILE_WARPS,
         num_stages=TILE_STAGES, launch_pdl=_pdl(y.device),
     )
 
