@@ -35,7 +35,7 @@ class MigratableEngine(Engine):
         """Remove every request this engine preempted (it ran out of KV cache) and return
         (request_id, output_token_ids) of each, newest first, to be placed again elsewhere."""
         preempted = [r for r in self.scheduler.waiting if r.num_preemptions]
-        taken = [(r.request_id, list(r.output_token_ids)) for r in preempted]
+        taken = [(r.request_id, r.resolved_output_token_ids) for r in preempted]
         for request in preempted:
             self.abort(request.request_id)
         return taken
@@ -111,7 +111,7 @@ class EngineWorker:
         for request_id in request_ids:
             request = self.engine.requests.get(request_id)
             if request is not None:
-                taken.append((request_id, list(request.output_token_ids)))
+                taken.append((request_id, request.resolved_output_token_ids))  # a token in flight is recomputed
                 self.engine.abort(request_id)
         return taken
 

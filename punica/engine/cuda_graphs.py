@@ -15,7 +15,7 @@ a 7B model, longer than its GPU work up to ~2,000 prefill tokens). A mixed bucke
 one prefill request per 16 of its tokens (at least 3, at most max_batch_size), plus one for
 padding. A step's inputs live in one int64 device buffer per bucket that its graph reads:
 
-    [token ids | positions | KV slots | adapter slots]  (one each per token)
+    [token ids | fed rows | positions | KV slots | adapter slots]  (one each per token)
     [query starts (requests + 1) | context lengths | adapter slots | page table (requests x max_pages)]
 
 A smaller batch is padded to its bucket: padded decode rows, and one padded prefill request
@@ -25,7 +25,9 @@ cache the allocator never hands out) and use no adapter (slot -1). The LoRA ops 
 way the adapter mix is data, not graph structure; each bucket also has a graph without
 the LoRA ops, replayed when no request of the step uses an adapter. The page table is as wide
 as the longest context and the attention kernels read every length on the device, so one graph
-serves every context length.
+serves every context length. A decode row whose token the previous step sampled on the device
+reads it there (its fed row, else -1), so the next step can be launched before that token
+reaches the host.
 """
 
 from __future__ import annotations
@@ -44,6 +46,11 @@ from punica.ops.lora import prefer_bgmv
 MIXED_PREFILL_TOKENS = (32, 64, 128, 256, 512, 768, 1024, 1536, 2048)  # prefill tokens of the mixed buckets
 MIN_MIXED_PREFILLS = 4                    # prefill requests of a mixed bucket, the padding one included
 TOKENS_PER_PREFILL = 16                   # a mixed bucket takes one prefill request per this many tokens
+
+
+def fed_token_ids(ids: torch.Tensor, sources: torch.Tensor, sampled: torch.Tensor) -> torch.Tensor:
+    """ids [T] with ids[i] replaced by sampled[sources[i]] wherever sources[i] >= 0."""
+    return torch.where(sources >= 0, sampled[sources.clamp(min=0)], ids)
 
 
 def decode_batch_sizes(max_batch_size: int) -> list[int]:
@@ -89,23 +96,24 @@ class StaticBatch:
     def __init__(self, bucket: Bucket, max_pages: int, page_size: int, scratch_page: int, device: torch.device):
         self.bucket, self.max_pages, self.page_size, self.scratch_page = bucket, max_pages, page_size, scratch_page
         t, b = bucket.num_tokens, bucket.num_requests
-        self.sizes = (t, t, t, t, b + 1, b, b, b * max_pages)
+        self.sizes = (t, t, t, t, t, b + 1, b, b, b * max_pages)
         self.host = torch.empty(sum(self.sizes), dtype=torch.int64, pin_memory=device.type == "cuda")
         self.inputs = torch.empty_like(self.host, device=device)
         # every token its own LoRA segment, so the SGMV view of the batch agrees with the BGMV one
         self.token_indptr = torch.arange(t + 1, dtype=torch.int32, device=device)
         self.copied = torch.cuda.Event() if device.type == "cuda" else None
-        self.fill([], [])
+        self.fill([], [], None)
 
-    def fill(self, prefills: list[Request], decodes: list[Request]) -> None:
-        """Copy the inputs of these requests (that the bucket `fits`) to the device, padded."""
+    def fill(self, prefills: list[Request], decodes: list[Request], fed: list[int] | None) -> None:
+        """Copy the inputs of these requests (that the bucket `fits`) to the device, padded;
+        `fed` as in ModelRunner.run."""
         if self.copied is not None:
             self.copied.synchronize()  # the previous step's copy has read the host buffer
         bucket, page_size, scratch = self.bucket, self.page_size, self.scratch_page
-        ids, positions, kv_slots, adapters, starts, context, request_slots, table = np.split(
+        ids, sources, positions, kv_slots, adapters, starts, context, request_slots, table = np.split(
             self.host.numpy(), np.cumsum(self.sizes)[:-1])
         table = table.reshape(bucket.num_requests, self.max_pages)
-        ids[:], positions[:], adapters[:], context[:], request_slots[:] = 0, 0, -1, 1, -1
+        ids[:], sources[:], positions[:], adapters[:], context[:], request_slots[:] = 0, -1, 0, -1, 1, -1
         kv_slots[:] = scratch * page_size
         table[:] = scratch
         starts[:] = np.arange(bucket.num_requests + 1) + bucket.prefill_tokens - bucket.num_prefills
@@ -134,7 +142,9 @@ class StaticBatch:
             reqs = slice(bucket.num_prefills, bucket.num_prefills + len(decodes))
             pos = np.array([r.num_tokens - 1 for r in decodes])
             slots = [r.slot for r in decodes]
-            ids[rows] = [r.token_ids[-1] for r in decodes]
+            ids[rows] = [r.last_token_id for r in decodes]
+            if fed is not None:
+                sources[rows] = fed
             positions[rows], adapters[rows], request_slots[reqs], context[reqs] = pos, slots, slots, pos + 1
             pages = np.array([r.pages[p // page_size] for r, p in zip(decodes, pos.tolist())])
             kv_slots[rows] = pages * page_size + pos % page_size
@@ -144,11 +154,14 @@ class StaticBatch:
         if self.copied is not None:
             self.copied.record()
 
-    def forward(self, model: LlamaForCausalLM, kv_cache: torch.Tensor, with_lora: bool) -> torch.Tensor:
+    def forward(self, model: LlamaForCausalLM, kv_cache: torch.Tensor, sampled: torch.Tensor,
+                with_lora: bool) -> torch.Tensor:
         """Logits [num_requests, V] float32 of every request row (LoRA deltas only if
-        `with_lora`): only device ops, so it can be captured."""
+        `with_lora`), fed rows read from `sampled`: only device ops, so it can be captured."""
         bucket = self.bucket
-        ids, positions, kv_slots, adapters, starts, context, request_slots, table = self.inputs.split(self.sizes)
+        ids, sources, positions, kv_slots, adapters, starts, context, request_slots, table = self.inputs.split(
+            self.sizes)
+        ids = fed_token_ids(ids, sources, sampled)
         token_slots, query_start = adapters.to(torch.int32), starts.to(torch.int32)
         attn = AttnBatch(
             positions=positions, slot_mapping=kv_slots,
@@ -168,7 +181,7 @@ class StaticBatch:
 class CudaGraphs:
     """Two captured steps per bucket (with and without LoRA), sharing one memory pool."""
 
-    def __init__(self, model: LlamaForCausalLM, kv_cache: torch.Tensor, page_size: int,
+    def __init__(self, model: LlamaForCausalLM, kv_cache: torch.Tensor, sampled: torch.Tensor, page_size: int,
                  max_batch_size: int, max_pages: int, scratch_page: int):
         device = kv_cache.device
         self.batches = [StaticBatch(b, max_pages, page_size, scratch_page, device)
@@ -184,23 +197,23 @@ class CudaGraphs:
                 stream.wait_stream(torch.cuda.current_stream(device))
                 with torch.cuda.stream(stream):  # compile the kernels and settle the allocator outside capture
                     for _ in range(2):
-                        batch.forward(model, kv_cache, with_lora)
+                        batch.forward(model, kv_cache, sampled, with_lora)
                 torch.cuda.current_stream(device).wait_stream(stream)
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=pool):
-                    self.outputs[key] = batch.forward(model, kv_cache, with_lora)
+                    self.outputs[key] = batch.forward(model, kv_cache, sampled, with_lora)
                 self.graphs[key] = graph
         torch.cuda.synchronize(device)
 
-    def run(self, prefills: list[Request], decodes: list[Request]) -> torch.Tensor | None:
+    def run(self, prefills: list[Request], decodes: list[Request], fed: list[int] | None) -> torch.Tensor | None:
         """Logits [len(prefills) + len(decodes), V] float32 from the smallest bucket that fits
-        the step, or None when none does (the caller runs it eagerly)."""
+        the step (`fed` as in ModelRunner.run), or None when none does (the caller runs it eagerly)."""
         batch = next((b for b in self.batches if b.bucket.fits(prefills, decodes)), None)
         if batch is None:
             return None
         bucket = batch.bucket
         key = (bucket, any(r.slot >= 0 for r in prefills + decodes))
-        batch.fill(prefills, decodes)
+        batch.fill(prefills, decodes, fed)
         self.graphs[key].replay()
         out = self.outputs[key]
         if not prefills:

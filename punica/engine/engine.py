@@ -1,8 +1,16 @@
-"""Engine: the synchronous step loop, schedule -> run -> postprocess.
+"""Engine: the step loop, schedule -> run -> postprocess.
 
 `add_request` validates one request (a ValueError names what is wrong with it and nothing
-else is disturbed), `step` runs one fused prefill+decode batch and returns what each request
+else is disturbed), `step` runs one fused prefill+decode batch and returns what requests
 produced, `abort` drops a request and frees its pages.
+
+Steps overlap: step t+1 is scheduled and launched before step t's sampled tokens reach the
+host. Its decode rows read those tokens on the device (ModelRunner's `fed` rows), and the host
+reads step t's tokens while the device runs step t+1. So `step` returns the outputs of the step
+launched before it, and a request that stops (EOS, stop token or string) has run one more row,
+which is dropped. An engine does not run ahead when step t+1 depends on step t's values on the
+host: a request with penalties (they read the output tokens), a request certain to finish by
+length (it must leave the batch), or a preemption (the victim is recomputed from its tokens).
 """
 
 from __future__ import annotations
@@ -18,11 +26,11 @@ import torch
 from punica.config import EngineConfig, ceil_div
 from punica.engine.detokenizer import IncrementalDetokenizer
 from punica.engine.kv_cache import PageAllocator
-from punica.engine.request import Request
+from punica.engine.request import PENDING, Request
 from punica.engine.runner import ModelRunner, kv_bytes_per_token
 from punica.engine.sampler import sample
 from punica.engine.sampling_params import SamplingParams
-from punica.engine.scheduler import Scheduler
+from punica.engine.scheduler import ScheduledBatch, Scheduler
 from punica.lora.manager import AdapterManager
 from punica.lora.pool import LoraPool
 from punica.models.llama import LlamaForCausalLM
@@ -101,7 +109,30 @@ def release_adapter(adapters: AdapterManager, request: Request) -> None:
         request.slot = -1
 
 
+@dataclass
+class LaunchedStep:
+    """A step whose sampled tokens are on their way to the host."""
+    requests: list[Request]
+    tokens: torch.Tensor               # [N] int64 on the host once `copied` has completed
+    logprobs: torch.Tensor | None      # [N] float32, likewise
+    copied: torch.cuda.Event | None    # None when the step ran on the CPU
+
+    def read(self) -> tuple[list[int], list[float | None]]:
+        if self.copied is not None:
+            self.copied.synchronize()
+        logprobs = self.logprobs.tolist() if self.logprobs is not None else [None] * len(self.requests)
+        return self.tokens.tolist(), logprobs
+
+
+def to_host(tensor: torch.Tensor) -> torch.Tensor:
+    """A copy of a CUDA tensor into pinned host memory, queued on the current stream."""
+    host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+    return host.copy_(tensor, non_blocking=True)
+
+
 class Engine:
+    overlaps_steps = True  # schedule step t+1 before step t's tokens reach the host (module docstring)
+
     def __init__(self, model: LlamaForCausalLM, tokenizer, config: EngineConfig = EngineConfig(),
                  adapters: dict[str, str] | None = None, eos_token_ids: tuple[int, ...] = ()):
         self.model, self.tokenizer, self.config = model, tokenizer, config
@@ -128,6 +159,7 @@ class Engine:
         self.requests: dict[str, Request] = {}
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
         self._ids = itertools.count()
+        self._launched: LaunchedStep | None = None
 
     def _adapter_manager(self) -> AdapterManager:
         """Reads adapters for the model and writes them into self.pool (tensor parallelism overrides it)."""
@@ -167,25 +199,73 @@ class Engine:
         return self._output(request)
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or self._launched is not None
+
+    @property
+    def has_step_in_flight(self) -> bool:
+        """A step has been launched whose outputs the next `step` returns."""
+        return self._launched is not None
 
     @property
     def num_preemptions(self) -> int:
         return self.scheduler.num_preemptions
 
     def step(self) -> list[RequestOutput]:
-        failed = self._fail_unloadable()
+        outputs = self._fail_unloadable()
         self.adapters.poll([r.adapter for r in self.scheduler.waiting if r.adapter is not None])
+        if self._launched is not None and not self._may_run_ahead(self._launched):
+            outputs += self._resolve(self._launched)
+            self._launched = None
         batch = self.scheduler.schedule()
-        if not batch:
-            return failed
+        previous = self._launched
+        self._launched = self._launch(batch, previous) if batch else None
+        if previous is not None:
+            outputs += self._resolve(previous)
+        if self._launched is not None and not self.overlaps_steps:
+            outputs += self._resolve(self._launched)
+            self._launched = None
+        return outputs
+
+    def _may_run_ahead(self, launched: LaunchedStep) -> bool:
+        """Whether the next step can be scheduled before `launched`'s tokens are on the host."""
+        for request in launched.requests:
+            if request.finished:
+                continue
+            if (request.params.uses_penalties or len(request.output_token_ids) >= request.params.max_tokens
+                    or request.num_tokens >= self.max_model_len):
+                return False
+        return self.scheduler.can_grow_running()
+
+    def _launch(self, batch: ScheduledBatch, previous: LaunchedStep | None) -> LaunchedStep:
+        """Run the batch and sample on the device; each request gets a PENDING output token."""
         # requests of one adapter side by side form one LoRA segment
         prefills, decodes = sorted(batch.prefills, key=by_slot), sorted(batch.decodes, key=by_slot)
-        logits = self.runner.run(prefills, decodes)
+        fed = None
+        if previous is not None:
+            row_of = {request: row for row, request in enumerate(previous.requests)}
+            fed = [row_of[r] if r.num_pending else -1 for r in decodes]
+        logits = self.runner.run(prefills, decodes, fed)
         requests = prefills + decodes
         tokens, logprobs = sample(logits, requests)
+        if self.overlaps_steps:
+            self.runner.keep_sampled(tokens)
+        copied = None
+        if tokens.is_cuda:
+            tokens, logprobs = to_host(tokens), logprobs if logprobs is None else to_host(logprobs)
+            copied = torch.cuda.Event()
+            copied.record()
+        for request in requests:
+            request.num_cached = request.num_tokens
+            request.output_token_ids.append(PENDING)
+            request.num_pending += 1
+        return LaunchedStep(requests, tokens, logprobs, copied)
+
+    def _resolve(self, launched: LaunchedStep) -> list[RequestOutput]:
+        """Wait for a launched step's tokens and hand them to its requests that are still running."""
+        tokens, logprobs = launched.read()
         now = time.monotonic()
-        return failed + [self._append(r, t, lp, now) for r, t, lp in zip(requests, tokens, logprobs)]
+        return [self._append(r, t, lp, now) for r, t, lp in zip(launched.requests, tokens, logprobs)
+                if not r.finished]
 
     def _fail_unloadable(self) -> list[RequestOutput]:
         """Finish queued requests whose adapter failed to load or was unloaded."""
@@ -198,8 +278,10 @@ class Engine:
         return outputs
 
     def _append(self, request: Request, token: int, logprob: float | None, now: float) -> RequestOutput:
-        request.num_cached = request.num_tokens
-        request.output_token_ids.append(token)
+        """Put the value of the request's oldest pending token, then stop it if it should."""
+        num_out = len(request.output_token_ids) - request.num_pending + 1
+        request.output_token_ids[num_out - 1] = token
+        request.num_pending -= 1
         if request.params.logprobs:
             request.output_logprobs.append(logprob)
         if request.first_token_time is None:
@@ -210,9 +292,11 @@ class Engine:
         reason = None
         if stopped_by_string or token in p.stop_token_ids or (token in self.eos_token_ids and not p.ignore_eos):
             reason = "stop"
-        elif len(request.output_token_ids) >= p.max_tokens or request.num_tokens >= self.max_model_len:
+        elif num_out >= p.max_tokens or len(request.prompt_token_ids) + num_out >= self.max_model_len:
             reason = "length"
         if reason is not None:
+            del request.output_token_ids[num_out:]  # a row run past the stop
+            request.num_pending = 0
             request.finish_time = now
             self.scheduler.finish(request, reason)
         return self._output(request, [token])
@@ -223,7 +307,8 @@ class Engine:
         if finished:
             self.requests.pop(request.request_id, None)
             self._detokenizers.pop(request.request_id, None)
-        num_out = len(request.output_token_ids)
+        output_token_ids = request.resolved_output_token_ids
+        num_out = len(output_token_ids)
         ttft = tpot = None
         if request.first_token_time is not None:
             ttft = request.first_token_time - request.arrival_time
@@ -231,7 +316,7 @@ class Engine:
                 tpot = (request.finish_time - request.first_token_time) / (num_out - 1)
         return RequestOutput(
             request_id=request.request_id, prompt=request.prompt, prompt_token_ids=request.prompt_token_ids,
-            adapter=request.adapter, text=detok.text if detok else "", token_ids=list(request.output_token_ids),
+            adapter=request.adapter, text=detok.text if detok else "", token_ids=output_token_ids,
             logprobs=list(request.output_logprobs) if request.params.logprobs else None,
             new_text=detok.take_new_text(finished) if detok else "", new_token_ids=list(new_token_ids),
             finished=finished, finish_reason=request.finish_reason, error=error,

@@ -9,6 +9,9 @@ from dataclasses import dataclass, field
 from punica.engine.sampling_params import SamplingParams
 
 
+PENDING = -1  # an output token sampled on the device whose value has not reached the host yet
+
+
 class Status(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
@@ -25,7 +28,8 @@ class Request:
     arrival_time: float = field(default_factory=time.monotonic)
     slot: int = -1                       # GPU adapter-pool slot while admitted (-1: base model)
     status: Status = Status.WAITING
-    output_token_ids: list[int] = field(default_factory=list)
+    output_token_ids: list[int] = field(default_factory=list)  # the last num_pending are PENDING
+    num_pending: int = 0
     output_logprobs: list[float] = field(default_factory=list)
     pages: list[int] = field(default_factory=list)
     num_cached: int = 0                  # tokens whose K/V are in the cache
@@ -41,6 +45,15 @@ class Request:
     @property
     def token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def last_token_id(self) -> int:
+        return self.output_token_ids[-1] if self.output_token_ids else self.prompt_token_ids[-1]
+
+    @property
+    def resolved_output_token_ids(self) -> list[int]:
+        """The output tokens whose values the host has."""
+        return self.output_token_ids[:len(self.output_token_ids) - self.num_pending]
 
     @property
     def finished(self) -> bool:

@@ -43,14 +43,14 @@ def filter_probs(logits: torch.Tensor, temperature: float, top_k: int, top_p: fl
     return probs / probs.sum()
 
 
-def sample(logits: torch.Tensor, requests: list[Request]) -> tuple[list[int], list[float | None]]:
-    """One token per row of logits [N, V] float32, and its log-probability under the model
-    (None for every row when no request asks for logprobs)."""
+def sample(logits: torch.Tensor, requests: list[Request]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One token per row of logits [N, V] float32 (int64 [N]) and its log-probability under the
+    model (float32 [N]; None when no request asks for logprobs), on the logits' device: nothing
+    here waits for the device, so the engine can schedule its next step while this one runs."""
     logprobs_all = logits.log_softmax(-1) if any(r.params.logprobs for r in requests) else None
     if any(r.params.uses_penalties for r in requests):
         logits = apply_penalties(logits.clone(), requests)
-    greedy = logits.argmax(-1)
-    tokens = greedy.tolist()
+    tokens = logits.argmax(-1)
     for row, request in enumerate(requests):
         p = request.params
         if p.greedy:
@@ -61,8 +61,7 @@ def sample(logits: torch.Tensor, requests: list[Request]) -> tuple[list[int], li
             # seeded by position: the same tokens whatever the batch, even after a preemption
             generator = torch.Generator(device=logits.device)
             generator.manual_seed(p.seed * SEED_STRIDE + len(request.output_token_ids))
-        tokens[row] = int(torch.multinomial(probs, 1, generator=generator))
+        tokens[row] = torch.multinomial(probs, 1, generator=generator)[0]
     if logprobs_all is None:
-        return tokens, [None] * len(tokens)
-    chosen = logprobs_all.gather(1, torch.tensor(tokens, device=logits.device)[:, None])[:, 0].tolist()
-    return tokens, chosen
+        return tokens, None
+    return tokens, logprobs_all.gather(1, tokens[:, None])[:, 0]

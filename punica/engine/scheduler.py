@@ -57,6 +57,11 @@ class Scheduler:
         prefills = self._admit()
         return ScheduledBatch(prefills, decodes, preempted)
 
+    def can_grow_running(self) -> bool:
+        """Whether every running request can take its next token without a preemption."""
+        needed = sum(self.allocator.pages_needed(r, r.num_tokens) for r in self.running)
+        return needed <= self.allocator.num_free
+
     def _grow_running(self) -> list[Request]:
         preempted: list[Request] = []
         i = 0

@@ -43,7 +43,10 @@ class TensorParallelRunner:
     def __init__(self, local: ModelRunner, workers: Workers):
         self.local, self.workers = local, workers
 
-    def run(self, prefills: list[Request], decodes: list[Request]) -> torch.Tensor:
+    def run(self, prefills: list[Request], decodes: list[Request], fed: list[int] | None = None) -> torch.Tensor:
+        """As ModelRunner.run, but every token comes from the host (`fed` is None): the workers
+        have no sampled tokens of their own."""
+        assert fed is None, "a tensor-parallel step reads every token from the host"
         self.workers.send(("step", [step_row(r) for r in prefills], [step_row(r) for r in decodes]))
         try:
             return self.local.run(prefills, decodes)
@@ -78,6 +81,8 @@ class ShardingPool:
 
 class TensorParallelEngine(Engine):
     """Rank 0 of a tensor-parallel group (see the module docstring); `close` stops the workers."""
+    overlaps_steps = False  # the workers read every step's tokens from rank 0's host
+
 
     def __init__(self, model: LlamaForCausalLM, tokenizer, config: EngineConfig, adapters: dict[str, str] | None,
                  eos_token_ids: tuple[int, ...], workers: Workers, full_config: ModelConfig):

@@ -64,6 +64,10 @@ class StepRequest:
     pages: list[int]
     slot: int
 
+    @property
+    def last_token_id(self) -> int:
+        return self.token_ids[-1]
+
     @classmethod
     def from_row(cls, row: StepRow) -> "StepRequest":
         return cls([-1] * row.num_cached + row.new_token_ids, row.num_cached + len(row.new_token_ids),

@@ -68,6 +68,6 @@ def test_preempted_requests_resume_on_another_engine_with_identical_tokens(model
 def test_resumed_output_counts_earlier_tokens_toward_max_tokens(model_dir):
     e = engine(model_dir, page_size=4)
     e.resume_request([5, 6, 7], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True), None, "r", [9, 10, 11])
-    outs = e.step()
+    outs = e.step() or e.step()  # the first step's token reaches the host during the second
     assert len(outs) == 1 and outs[0].finished and outs[0].finish_reason == "length"
     assert outs[0].token_ids[:3] == [9, 10, 11] and len(outs[0].token_ids) == 4 and len(outs[0].new_token_ids) == 1

@@ -9,7 +9,7 @@ import torch
 from punica.config import EngineConfig, ceil_div
 from punica.engine.cuda_graphs import Bucket, CudaGraphs, StaticBatch, buckets, decode_batch_sizes
 from punica.engine.engine import Engine
-from punica.engine.request import Request
+from punica.engine.request import PENDING, Request
 from punica.engine.sampling_params import SamplingParams
 from punica.models.loader import load_hf_dir
 from test_engine import greedy, make_engine, run_all, setup, workload  # noqa: F401  (setup: fixture)
@@ -46,7 +46,8 @@ def test_bucket_fits_and_order():
 
 
 def scheduled_step(engine, num_decodes, new_prompts):
-    """Requests of mixed adapters until `num_decodes` run; then add `new_prompts`: the next batch."""
+    """Requests of mixed adapters until `num_decodes` run; then add `new_prompts`: the next batch,
+    and the rows of its decodes' last tokens among the tokens the engine's last step sampled."""
     for prompt, adapter, _ in workload(max(num_decodes, 4), seed=3)[:num_decodes]:
         engine.add_request(prompt, greedy(30), adapter)
     for _ in range(20):  # adapters load off the engine thread; their requests join when ready
@@ -58,7 +59,11 @@ def scheduled_step(engine, num_decodes, new_prompts):
         engine.add_request(list(range(3, 3 + length)), greedy(30), adapter)
     batch = engine.scheduler.schedule()
     assert len(batch.prefills) == len(new_prompts) and len(batch.decodes) == num_decodes
-    return sorted(batch.prefills, key=lambda r: r.slot), sorted(batch.decodes, key=lambda r: r.slot)
+    decodes = sorted(batch.decodes, key=lambda r: r.slot)
+    launched = engine._launched
+    fed = [launched.requests.index(r) for r in decodes] if launched else None
+    assert all(r.output_token_ids[-1] == PENDING for r in decodes), "their last tokens are on the device only"
+    return sorted(batch.prefills, key=lambda r: r.slot), decodes, fed
 
 
 @pytest.mark.parametrize("bucket,num_decodes,new_prompts", [
@@ -68,7 +73,7 @@ def scheduled_step(engine, num_decodes, new_prompts):
 ])
 def test_static_batch_matches_eager_step(setup, bucket, num_decodes, new_prompts):
     engine = make_engine(setup, max_batch_size=16, kv_cache_tokens=1024)
-    prefills, decodes = scheduled_step(engine, num_decodes, new_prompts)
+    prefills, decodes, fed = scheduled_step(engine, num_decodes, new_prompts)
     assert bucket.fits(prefills, decodes)
     if len(decodes) >= 4:
         assert {r.slot for r in decodes} >= {-1, 0, 1, 2}, "a base row and every adapter in the batch"
@@ -77,15 +82,15 @@ def test_static_batch_matches_eager_step(setup, bucket, num_decodes, new_prompts
     num_pages = engine.allocator.num_pages
     assert runner.kv_cache.shape[1] == num_pages + 1, "one scratch page beyond the allocator's"
     before = runner.kv_cache.clone()
-    eager = runner.run(prefills, decodes)
+    eager = runner.run(prefills, decodes, fed)
     eager_cache = runner.kv_cache.clone()
 
     runner.kv_cache.copy_(before)
     runner.kv_cache[:, num_pages] = 1e3  # garbage in the scratch page is never read by real rows
     static = StaticBatch(bucket, ceil_div(engine.max_model_len, page_size), page_size, num_pages, runner.device)
-    static.fill(prefills, decodes)
+    static.fill(prefills, decodes, fed)
     with torch.inference_mode():
-        logits = static.forward(engine.model, runner.kv_cache, with_lora=True)
+        logits = static.forward(engine.model, runner.kv_cache, runner.sampled, with_lora=True)
     assert logits.shape == (bucket.num_requests, eager.shape[1])
     real_rows = list(range(len(prefills))) + [bucket.num_prefills + i for i in range(len(decodes))]
     torch.testing.assert_close(logits[real_rows], eager, rtol=1e-5, atol=1e-5)
@@ -98,8 +103,8 @@ def test_graph_engine_generates_what_eager_engine_does(setup, monkeypatch):
     replays = []
     run = CudaGraphs.run
 
-    def spy(self, prefills, decodes):
-        logits = run(self, prefills, decodes)
+    def spy(self, prefills, decodes, fed):
+        logits = run(self, prefills, decodes, fed)
         if logits is not None:
             replays.append((len(prefills), len(decodes), any(r.slot >= 0 for r in prefills + decodes)))
         return logits

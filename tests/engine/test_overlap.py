@@ -1,0 +1,87 @@
+"""Overlapped steps (step t+1 launched before step t's tokens reach the host) give exactly
+what one step at a time gives, and lose nothing when requests stop or are aborted mid-flight."""
+
+from __future__ import annotations
+
+import pytest
+
+from punica.engine.request import PENDING
+from punica.engine.runner import ModelRunner
+from punica.engine.sampling_params import SamplingParams
+from test_engine import greedy, make_engine, run_all, setup, workload  # noqa: F401  (setup: fixture)
+
+
+def generate(engine, requests):
+    """Outputs of (prompt, adapter, params) requests, in order, and the fed rows of every step."""
+    ids = [engine.add_request(prompt, params, adapter) for prompt, adapter, params in requests]
+    outs = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            assert PENDING not in out.token_ids
+            if out.finished:
+                outs[out.request_id] = out
+    return [outs[i] for i in ids]
+
+
+@pytest.fixture
+def fed_rows(monkeypatch):
+    """Every `fed` row that a step's decodes read from the previous step's sampled tokens."""
+    rows = []
+    run = ModelRunner.run
+
+    def spy(self, prefills, decodes, fed=None):
+        rows.extend(fed or [])
+        return run(self, prefills, decodes, fed)
+
+    monkeypatch.setattr(ModelRunner, "run", spy)
+    return rows
+
+
+def mixed_requests(setup):
+    """Greedy requests that stop at a token they produce, with logprobs; seeded sampling; one
+    request that runs into the model's context (256) and one of each that ends by max_tokens."""
+    plain = run_all(make_engine(setup), workload(12, seed=7), greedy)
+    requests = []
+    for (prompt, adapter, max_tokens), out in zip(workload(12, seed=7), plain):
+        stop = out.token_ids[len(out.token_ids) // 2]
+        requests.append((prompt, adapter, SamplingParams(max_tokens=max_tokens + 4, temperature=0, logprobs=True,
+                                                         stop_token_ids=[stop], ignore_eos=True)))
+    for i, (prompt, adapter, max_tokens) in enumerate(workload(8, seed=8)):
+        requests.append((prompt, adapter, SamplingParams(max_tokens=max_tokens, temperature=0.8, top_p=0.9,
+                                                         seed=i, ignore_eos=True)))
+    requests.append(([3 + i % 120 for i in range(250)], "c", greedy(20)))
+    return requests
+
+
+def test_overlapped_steps_give_what_one_step_at_a_time_gives(setup, fed_rows):
+    requests = mixed_requests(setup)
+    fed_rows.clear()
+    one_at_a_time = make_engine(setup, max_batch_size=6, page_size=4)
+    one_at_a_time.overlaps_steps = False
+    expected = generate(one_at_a_time, requests)
+    assert not fed_rows, "a synchronous engine reads every token from the host"
+    engine = make_engine(setup, max_batch_size=6, page_size=4)
+    outs = generate(engine, requests)
+    assert fed_rows and max(fed_rows) >= 0, "steps ran ahead"
+    for out, want in zip(outs, expected):
+        assert (out.token_ids, out.finish_reason, out.logprobs) == (want.token_ids, want.finish_reason, want.logprobs)
+    assert sum(o.finish_reason == "stop" for o in outs) >= 10
+    assert outs[-1].finish_reason == "length" and len(outs[-1].token_ids) == 256 - 250
+    assert engine.allocator.num_used == 0 and not engine.has_step_in_flight
+
+
+def test_a_request_aborted_in_flight_returns_only_tokens_the_host_has(setup):
+    engine = make_engine(setup, max_batch_size=4, page_size=4)
+    kept = engine.add_request([5, 6, 7], greedy(6), None)
+    dropped = engine.add_request([8, 9], greedy(6), None)
+    engine.step()
+    engine.step()
+    assert engine.has_step_in_flight
+    out = engine.abort(dropped)
+    assert out.finish_reason == "abort" and len(out.token_ids) == 1, "the first token; the second is in flight"
+    outs = []
+    while engine.has_unfinished():
+        outs += engine.step()
+    assert {o.request_id for o in outs} == {kept, dropped} - {dropped}
+    assert [o.token_ids for o in outs if o.finished] == [run_all(make_engine(setup), [([5, 6, 7], None, 6)], greedy)[0].token_ids]
+    assert engine.allocator.num_used == 0
