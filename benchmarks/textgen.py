@@ -75,7 +75,7 @@ def serve_all(engine: Engine, requests: list[tuple[list[int], int, str | None]])
     start = time.perf_counter()
     while engine.has_unfinished():
         outputs = engine.step()
-        if not outputs:
+        if not outputs and not engine.has_step_in_flight:
             time.sleep(0.0005)
         finished.update((o.request_id, o) for o in outputs if o.finished)
     return [finished[i] for i in ids], time.perf_counter() - start
@@ -205,6 +205,8 @@ def main() -> None:
     parser.add_argument("--hf-max-total", type=int, default=256)
     parser.add_argument("--skip-hf", action="store_true")
     parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs (the eager engine)")
+    parser.add_argument("--no-overlap", action="store_true",
+                        help="resolve each step's tokens on the host before scheduling the next")
     parser.add_argument("--tensor-parallel-size", type=int, default=1,
                         help="N > 1: the tensor-parallel engine over N devices; no HF baseline")
     parser.add_argument("--out", type=Path, default=Path("results/textgen"))
@@ -233,6 +235,7 @@ def main() -> None:
                     engine = parallel_engine
                 else:
                     engine = Engine(model, None, engine_config, None if workload == "backbone" else names)
+                    engine.overlaps_steps = not args.no_overlap
                 if workload == "backbone":
                     adapters = [None] * args.requests
                 else:
@@ -253,7 +256,7 @@ def main() -> None:
         rows += hf_baseline(config, args.workloads, args.hf_requests, args.hf_max_total, args.rank, dtype, device)
     device_name = torch.cuda.get_device_name() if device == "cuda" else "cpu"
     meta = {"device": device_name if tp == 1 else f"{tp}x {device_name}", "preset": args.preset,
-            "tensor_parallel_size": tp, "requests": args.requests, "max_total": args.max_total, "rank": args.rank,
+            "tensor_parallel_size": tp, "overlaps_steps": tp == 1 and not args.no_overlap, "requests": args.requests, "max_total": args.max_total, "rank": args.rank,
             "hf_requests": 0 if args.skip_hf or tp > 1 else args.hf_requests, "hf_max_total": args.hf_max_total,
             "hf_batch": HF_BATCH, "date": time.strftime("%Y-%m-%d")}
     write_results(args.out, "textgen", rows, meta)
