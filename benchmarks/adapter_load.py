@@ -7,7 +7,7 @@ python -m benchmarks.adapter_load [--preset llama-2-7b] [--rank 16] [--adapters 
    slot (LoraPool.write_packed: one copy, as the AdapterManager does), CUDA events, median;
    floor = adapter bytes / pinned host-to-device bandwidth measured in the same run.
    disk_to_host_ms: the read before it, as the manager's reader thread does it (read_adapter,
-   then pack into a fresh (pinned, on CUDA) slot-sized buffer), wall clock, median of 3.
+   then pack into a row of the host tier's page-locked arena), wall clock, median of 3.
 2. Throughput: `--requests` requests (prompt 64, output 64 tokens, greedy) whose adapters are
    Zipf(1.5) over `--adapters` registered adapters, served with `--slots` GPU slots (loads on
    demand: disk -> host tier -> slot), against the same stream with every adapter it uses
@@ -32,6 +32,7 @@ from punica.engine.engine import Engine
 from punica.engine.sampling_params import SamplingParams
 from punica.lora.adapter import read_adapter
 from punica.lora.dummy import save_random_adapter
+from punica.lora.manager import HostArena
 from punica.lora.pool import LoraPool
 from punica.models.loader import dummy_model
 
@@ -59,10 +60,11 @@ def timed(fn, device: torch.device, repeat: int) -> list[float]:
 def load_latency(config: ModelConfig, rank: int, path: Path, device: torch.device) -> dict:
     pool = LoraPool(config, 2, rank, torch.bfloat16, device)
     pinned = device.type == "cuda"
+    arena = HostArena(1, pool.packed_shape, torch.bfloat16, pin=pinned)
 
-    def read() -> tuple[torch.Tensor, float]:  # the manager's: checked tensors straight into a packed slot
+    def read() -> tuple[torch.Tensor, float]:  # the manager's: checked tensors straight into an arena row
         adapter = read_adapter(path, config, dtype=torch.bfloat16)
-        return pool.pack(adapter, pin_memory=pinned), adapter.scale
+        return pool.pack(adapter, out=arena.rows[0]), adapter.scale
 
     packed, scale = read()
     nbytes = packed.nbytes

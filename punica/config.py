@@ -159,7 +159,7 @@ class EngineConfig:
     max_model_len: int | None = None        # defaults to the model's max_position_embeddings
     max_loras: int = 8                      # adapters on the GPU at once (slots of the pool)
     max_lora_rank: int = 16                 # rank of every slot; adapters of lower rank are zero-padded
-    lora_host_bytes: int = 4 << 30          # host-tier budget for adapters read from disk
+    lora_host_bytes: int = 4 << 30          # host tier for adapters read from disk (page-locked at start on CUDA)
     enforce_eager: bool = False             # CUDA: run decode steps eagerly, not as captured CUDA graphs
 
     def __post_init__(self):

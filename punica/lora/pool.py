@@ -91,12 +91,21 @@ class LoraPool:
         """(lora_a [S, n*R, h_in], lora_b [S, sum h_out, R], slice_bounds) of one layer's group."""
         return self.group_a[group][layer], self.group_b[group][layer], self.slice_bounds[group]
 
-    def pack(self, adapter: LoraAdapter | AdapterWeights, pin_memory: bool = False) -> torch.Tensor:
-        """The adapter as one slot's contents [slot_numel] in host memory (zero-padded to max_rank)."""
+    @property
+    def packed_shape(self) -> tuple[int, ...]:
+        """The shape of a packed adapter (`pack`)."""
+        return (self.slot_numel,)
+
+    def pack(self, adapter: LoraAdapter | AdapterWeights, out: torch.Tensor | None = None) -> torch.Tensor:
+        """The adapter as one slot's contents [slot_numel] in host memory (zero-padded to
+        max_rank), written into `out` if given (else a new tensor)."""
         if adapter.rank > self.max_rank:
             raise ValueError(f"adapter {adapter.name!r} has rank {adapter.rank}, over the pool's "
                              f"max_lora_rank {self.max_rank}")
-        packed = torch.empty(1, self.slot_numel, dtype=self.buffer.dtype, pin_memory=pin_memory)
+        if out is None:
+            out = torch.empty(self.slot_numel, dtype=self.buffer.dtype)
+        assert out.shape == self.packed_shape and out.dtype == self.buffer.dtype, (out.shape, out.dtype)
+        packed = out.view(1, self.slot_numel)
         a, b = self._projection_views(*self._group_views(packed))
         r, num_layers = adapter.rank, self.config.num_layers
         written: dict[str, set[int]] = {p: set() for p in a}

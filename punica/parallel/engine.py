@@ -58,20 +58,24 @@ class ShardingPool:
     """The pool rank 0's AdapterManager writes into: whole adapters in, each rank's shard to its pool.
 
     It has what the manager uses of a LoraPool: `pack` (on the read thread: every rank's
-    packed shard, [world_size, slot_numel]), `write_packed`, and `buffer`, `max_loras`,
-    `max_rank` (rank 0's pool's).
+    packed shard, `packed_shape` [world_size, slot_numel]), `write_packed`, and `buffer`,
+    `max_loras`, `max_rank` (rank 0's pool's).
     """
 
     def __init__(self, pool: LoraPool, workers: Workers, full_config: ModelConfig):
         self.pool, self.workers, self.full_config = pool, workers, full_config
         self.buffer, self.max_loras, self.max_rank = pool.buffer, pool.max_loras, pool.max_rank
 
-    def pack(self, adapter: AdapterWeights, pin_memory: bool = False) -> torch.Tensor:
+    @property
+    def packed_shape(self) -> tuple[int, ...]:
+        return (self.workers.world_size, self.pool.slot_numel)
+
+    def pack(self, adapter: AdapterWeights, out: torch.Tensor | None = None) -> torch.Tensor:
         n = self.workers.world_size
-        packed = torch.empty(n, self.pool.slot_numel, dtype=self.buffer.dtype, pin_memory=pin_memory)
+        packed = out if out is not None else torch.empty(self.packed_shape, dtype=self.buffer.dtype)
         stacked = adapter.stacked(self.full_config.num_layers)
         for rank in range(n):
-            packed[rank] = self.pool.pack(shard_adapter(stacked, self.full_config, rank, n))
+            self.pool.pack(shard_adapter(stacked, self.full_config, rank, n), out=packed[rank])
         return packed
 
     def write_packed(self, slot: int, packed: torch.Tensor, scale: float, non_blocking: bool = False) -> None:

@@ -96,7 +96,8 @@ def worker_main(rank: int, world_size: int, backend: str, workdir: str, conn: Co
         model = load_shard(source, dtype, device)
         conn.send(("ready", kv_cache_pages(model, config)))
         _, num_pages = conn.recv()
-        engine = Engine(model, None, with_kv_pages(config, num_pages))
+        # a worker reads no adapters (rank 0 sends its slots' shards): a host tier of one row
+        engine = Engine(model, None, dataclasses.replace(with_kv_pages(config, num_pages), lora_host_bytes=1))
         serve(conn, engine)
     except EOFError:
         pass  # rank 0 has gone: nothing is left to do

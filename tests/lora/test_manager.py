@@ -59,10 +59,19 @@ def drain(engine):
     return outs
 
 
-def test_200_adapters_through_8_slots_each_request_gets_its_own(base):
+@pytest.mark.parametrize("host_rows", [None, 3])
+def test_200_adapters_through_8_slots_each_request_gets_its_own(base, host_rows):
+    """With the default host tier (every adapter fits) and with one of 3 adapters, whose rows
+    are reused by later reads (so adapters are read again)."""
     model = model_of(base)
     paths = adapter_dirs(base, model, 210)
-    engine = Engine(model, None, EngineConfig(max_batch_size=16, max_loras=8, max_lora_rank=8, page_size=4), paths)
+    host_bytes = 4 << 30
+    if host_rows is not None:
+        host_bytes = host_rows * LoraPool(model.config, 1, 8, torch.float32, "cpu").slot_numel * 4
+    engine = Engine(model, None, EngineConfig(max_batch_size=16, max_loras=8, max_lora_rank=8, page_size=4,
+                                              lora_host_bytes=host_bytes), paths)
+    if host_rows is not None:
+        assert engine.adapters.arena.rows.shape[0] == host_rows
     rng = random.Random(1)
     names = list(paths) + rng.choices(list(paths), k=30)  # every adapter, some twice
     rng.shuffle(names)
@@ -71,6 +80,7 @@ def test_200_adapters_through_8_slots_each_request_gets_its_own(base):
     ids = [engine.add_request(p, params, n) for p, n in zip(prompts, names)]
     outs = drain(engine)
     assert engine.adapters.num_loads >= 210 and len(engine.adapters.resident) <= 8
+    assert len(engine.adapters.host) <= engine.adapters.arena.rows.shape[0]
     check = random.Random(2).sample(range(len(ids)), 40)
     reference = model_of(base)
     for i in check:
