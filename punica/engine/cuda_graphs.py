@@ -9,7 +9,7 @@ one graph launch, whatever the mix of adapters.
 A bucket is a batch shape: `num_prefills` prefill requests with `prefill_tokens` query tokens
 between them, then `num_decodes` decode rows. Decode-only buckets (no prefills) cover batch
 sizes 1, 2, 4, then multiples of 8; mixed buckets hold MIXED_PREFILL_TOKENS prefill tokens
-(up to the longest context) beside a full batch of decodes, so that steps admitting prompts
+(up to the longest context), plus one per padding request, beside a full batch of decodes, so that steps admitting prompts
 replay a graph too (run eagerly, a step's ~1,000 kernel launches take ~50 ms of host time on
 a 7B model, longer than its GPU work up to ~2,000 prefill tokens). A mixed bucket takes up to
 one prefill request per 16 of its tokens (at least 3, at most max_batch_size), plus one for
@@ -84,9 +84,13 @@ class Bucket:
 def buckets(max_batch_size: int, max_context: int) -> list[Bucket]:
     """Every bucket, smallest first (no padding prefill request longer than `max_context`)."""
     decode = [Bucket(0, 0, size) for size in decode_batch_sizes(max_batch_size)]
-    mixed = [Bucket(min(max_batch_size, max(MIN_MIXED_PREFILLS - 1, tokens // TOKENS_PER_PREFILL)) + 1,
-                    tokens, max_batch_size)
-             for tokens in MIXED_PREFILL_TOKENS if tokens <= max_context]
+    mixed = []
+    for tokens in MIXED_PREFILL_TOKENS:
+        if tokens <= max_context:
+            num_prefills = min(max_batch_size, max(MIN_MIXED_PREFILLS - 1, tokens // TOKENS_PER_PREFILL)) + 1
+            # a token for each padding request besides `tokens`: any num_prefills - 1 prompts of
+            # `tokens` tokens in all fit (32 prompts of 64 tokens fit the 2,048 bucket)
+            mixed.append(Bucket(num_prefills, tokens + num_prefills - 1, max_batch_size))
     return decode + mixed
 
 

@@ -41,8 +41,9 @@ def test_bucket_fits_and_order():
     all_buckets = buckets(32, 2048)
     assert all_buckets == sorted(all_buckets, key=lambda b: (b.num_prefills > 0, b.num_tokens))
     mixed = {b.prefill_tokens: b.num_prefills for b in all_buckets if b.num_prefills}
-    assert mixed == {32: 4, 64: 5, 128: 9, 256: 17, 512: 33, 768: 33, 1024: 33, 1536: 33, 2048: 33}
-    assert max(b.prefill_tokens for b in buckets(32, 600)) == 512  # a padding request fits a context
+    assert mixed == {35: 4, 68: 5, 136: 9, 272: 17, 544: 33, 800: 33, 1056: 33, 1568: 33, 2080: 33}
+    assert any(b.fits([prefill(64)] * 32, []) for b in all_buckets), "a whole batch of 64-token prompts"
+    assert max(b.prefill_tokens for b in buckets(32, 600)) == 544  # a padding request fits a context
 
 
 def scheduled_step(engine, num_decodes, new_prompts):
@@ -70,6 +71,7 @@ def scheduled_step(engine, num_decodes, new_prompts):
     (Bucket(0, 0, 8), 6, []), (Bucket(0, 0, 8), 8, []), (Bucket(0, 0, 4), 1, []),
     (Bucket(4, 64, 8), 5, [17]), (Bucket(4, 128, 8), 8, [5, 40, 30]), (Bucket(4, 32, 4), 0, [2, 3]),
     (Bucket(4, 128, 4), 4, [60, 40]),  # 132 tokens in 8 requests: SGMV, a segment per request
+    (Bucket(4, 35, 4), 4, [20, 12]),   # the smallest mixed bucket of `buckets`
 ])
 def test_static_batch_matches_eager_step(setup, bucket, num_decodes, new_prompts):
     engine = make_engine(setup, max_batch_size=16, kv_cache_tokens=1024)
