@@ -160,6 +160,7 @@ class Engine:
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
         self._ids = itertools.count()
         self._launched: LaunchedStep | None = None
+        self._errors_seen, self._queued_unloadable = 0, False  # see _fail_unloadable
 
     def _adapter_manager(self) -> AdapterManager:
         """Reads adapters for the model and writes them into self.pool (tensor parallelism overrides it)."""
@@ -184,6 +185,8 @@ class Engine:
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         request = Request(request_id, token_ids, params, adapter=adapter, prompt=text)
+        if adapter is not None and self.adapters.error(adapter):
+            self._queued_unloadable = True  # it fails at the next step, as if queued earlier
         self.requests[request_id] = request
         if self.tokenizer is not None:
             self._detokenizers[request_id] = IncrementalDetokenizer(
@@ -268,7 +271,11 @@ class Engine:
                 if not r.finished]
 
     def _fail_unloadable(self) -> list[RequestOutput]:
-        """Finish queued requests whose adapter failed to load or was unloaded."""
+        """Finish queued requests whose adapter failed to load or was unloaded: a scan of the
+        queue after a new failure or unload, or after such a request was queued."""
+        if self.adapters.num_errors == self._errors_seen and not self._queued_unloadable:
+            return []
+        self._errors_seen, self._queued_unloadable = self.adapters.num_errors, False
         outputs = []
         for request in list(self.scheduler.waiting):
             error = request.adapter is not None and self.adapters.error(request.adapter)

@@ -98,6 +98,7 @@ class AdapterManager:
         self.reads: dict[str, tuple[Future, int]] = {}               # the read and its arena row
         self.copies: dict[str, _Copy] = {}
         self.failed: dict[str, str] = {}
+        self.num_errors = 0  # failed reads and unloads so far: when `error` may have changed
         self.executor = ThreadPoolExecutor(io_threads, thread_name_prefix="punica-lora-io")
         self.copy_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self.num_loads = 0
@@ -119,6 +120,7 @@ class AdapterManager:
         if name not in self.registry:
             raise ValueError(f"unknown adapter {name!r}")
         del self.registry[name]
+        self.num_errors += 1
         self.pinned.discard(name)
         self.wanted.pop(name, None)
         if name in self.host and name not in self.copies:  # else its row is freed after the copy
@@ -226,6 +228,7 @@ class AdapterManager:
         except Exception as e:  # noqa: BLE001 - any failure fails this adapter's requests only
             self.arena.give_back(row)
             self.failed[name] = str(e)
+            self.num_errors += 1
             self.wanted.pop(name, None)
             return
         if name not in self.registry:

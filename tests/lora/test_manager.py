@@ -194,6 +194,8 @@ def test_corrupt_or_missing_adapter_fails_only_its_requests(base):
     assert outs[bad].finish_reason == "error" and "adapter_model.safetensors" in outs[bad].error
     assert outs[gone].finish_reason == "error" and "no adapter_config.json" in outs[gone].error
     assert all(outs[g].finish_reason == "length" and len(outs[g].token_ids) == 4 for g in good)
+    late = engine.add_request([1, 2], params, "broken")  # queued after the failure: fails too
+    assert [(o.request_id, o.finish_reason) for o in engine.step()] == [(late, "error")]
     with pytest.raises(ValueError, match="is not a directory"):
         engine.load_adapter("nowhere", str(base / "nowhere"))
 
