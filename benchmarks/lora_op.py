@@ -15,7 +15,8 @@ sweep. Each point is timed two ways, median of triton.testing.do_bench:
 Loop is one (x @ A.T) @ B.T per segment; Gather-BMM gathers every token's A and B and runs
 torch.bmm twice. The floor is the bytes the op must move (x, each distinct adapter's A and
 B, y read and written, v written and read) over the device-to-device copy bandwidth measured
-in the same run. Writes lora_op.json and lora_op.png under --out, prints a table last.
+in the same run; prefill points also time the SGMV shrink and expand alone, each against its
+own bytes. Writes lora_op.json and lora_op.png under --out, prints a table last.
 """
 
 from __future__ import annotations
@@ -71,8 +72,15 @@ class Instance:
         self.segments = [(s, bounds[i], bounds[i + 1]) for i, s in enumerate(self.batch.seg_slots.tolist())]
 
     def sgmv(self):
+        self.sgmv_shrink()
+        self.sgmv_expand()
+
+    def sgmv_shrink(self):
         b = self.batch
         kernels.sgmv_shrink_triton(self.x, self.lora_a, b.seg_indptr, b.seg_slots, out=self.v)
+
+    def sgmv_expand(self):
+        b = self.batch
         kernels.sgmv_expand_triton(self.y, self.v, self.lora_b, b.seg_indptr, b.seg_slots, self.scales)
 
     def bgmv(self):
@@ -94,9 +102,15 @@ class Instance:
         self.y += delta * self.scales[slots].unsqueeze(1).to(delta.dtype)
 
 
+def part_bytes(num_tokens, num_distinct, h_out, rank) -> dict[str, int]:
+    """Bytes each kernel must move: the shrink reads x and A and writes v; the expand reads v
+    and B and reads and writes y."""
+    return {"sgmv_shrink": num_tokens * H_IN * 2 + num_distinct * rank * H_IN * 2 + num_tokens * rank * 4,
+            "sgmv_expand": num_tokens * rank * 4 + num_distinct * h_out * rank * 2 + num_tokens * h_out * 2 * 2}
+
+
 def floor_bytes(num_tokens, num_distinct, h_out, rank) -> int:
-    weights = num_distinct * rank * (H_IN + h_out) * 2
-    return num_tokens * H_IN * 2 + weights + num_tokens * h_out * 2 * 2 + num_tokens * rank * 4 * 2
+    return sum(part_bytes(num_tokens, num_distinct, h_out, rank).values())
 
 
 def measure_point(kind, workload, size, h_out, rank, bandwidth, l2_bytes, device, rng):
@@ -118,7 +132,10 @@ def measure_point(kind, workload, size, h_out, rank, bandwidth, l2_bytes, device
                  rank=rank, num_distinct=num_distinct, num_segments=instances[0].batch.seg_slots.numel(),
                  sgmv_block_m=kernels.sgmv_block_m(num_tokens, instances[0].batch.seg_slots.numel()),
                  copies=copies, floor_bytes=nbytes, floor_us=nbytes / bandwidth * 1e6)
-    for method in METHODS:
+    parts = part_bytes(num_tokens, num_distinct, h_out, rank) if kind == "prefill" else {}
+    for part, part_nbytes in parts.items():
+        point[f"{part}_floor_us"] = part_nbytes / bandwidth * 1e6
+    for method in METHODS + tuple(parts):  # prefill: also each SGMV kernel alone
         run_all = [getattr(inst, method) for inst in instances]
 
         def eager():
@@ -206,6 +223,12 @@ def print_table(points):
               f"{p['loop_graph_us']:8.1f} {p['gather_bmm_graph_us']:8.1f} {p['floor_us']:6.1f} "
               f"{100 * p['floor_us'] / best:4.0f} {p['gather_bmm_graph_us'] / best:9.1f} "
               f"{p['loop_graph_us'] / best:9.1f}")
+    print("\nprefill, SGMV kernels alone (graph replay): us and share of copy bandwidth")
+    for p in points:
+        if p["kind"] == "prefill" and p["size"] == 4096 and p["rank"] == RANK:
+            print(f"{p['workload']:9} h_out={p['h_out']:5} " + " ".join(
+                f"{part}={p[f'{part}_graph_us']:.1f} ({100 * p[f'{part}_floor_us'] / p[f'{part}_graph_us']:.0f}%)"
+                for part in ("sgmv_shrink", "sgmv_expand")))
     decode = [p for p in points if p["kind"] == "decode" and p["h_out"] == 4096 and p["rank"] == RANK]
     worst = max(decode, key=lambda p: min(p["sgmv_graph_us"], p["bgmv_graph_us"]))
     print(f"worst decode point (batch 1..64, 4 workloads): {worst['workload']} batch {worst['size']}: "
