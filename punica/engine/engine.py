@@ -234,10 +234,13 @@ class Engine:
         for request in launched.requests:
             if request.finished:
                 continue
-            if (request.params.uses_penalties or len(request.output_token_ids) >= request.params.max_tokens
-                    or request.num_tokens >= self.max_model_len):
+            if request.params.uses_penalties or self._ends_by_length(request, len(request.output_token_ids)):
                 return False
         return self.scheduler.can_grow_running()
+
+    def _ends_by_length(self, request: Request, num_out: int) -> bool:
+        """Whether the request is done once it has `num_out` output tokens (max_tokens or the context)."""
+        return num_out >= request.params.max_tokens or len(request.prompt_token_ids) + num_out >= self.max_model_len
 
     def _launch(self, batch: ScheduledBatch, previous: LaunchedStep | None) -> LaunchedStep:
         """Run the batch and sample on the device; each request gets a PENDING output token."""
@@ -299,7 +302,7 @@ class Engine:
         reason = None
         if stopped_by_string or token in p.stop_token_ids or (token in self.eos_token_ids and not p.ignore_eos):
             reason = "stop"
-        elif num_out >= p.max_tokens or len(request.prompt_token_ids) + num_out >= self.max_model_len:
+        elif self._ends_by_length(request, num_out):
             reason = "length"
         if reason is not None:
             del request.output_token_ids[num_out:]  # a row run past the stop
