@@ -16,7 +16,9 @@ Loop is one (x @ A.T) @ B.T per segment; Gather-BMM gathers every token's A and 
 torch.bmm twice. The floor is the bytes the op must move (x, each distinct adapter's A and
 B, y read and written, v written and read) over the device-to-device copy bandwidth measured
 in the same run; prefill points also time the SGMV shrink and expand alone, each against its
-own bytes. Writes lora_op.json and lora_op.png under --out, prints a table last.
+own bytes, beside two plain kernels that move the same bytes and do no LoRA work (a Triton row
+sum of x, torch's y.add_(1)): what a streaming kernel of that size reaches on this device.
+Writes lora_op.json and lora_op.png under --out, prints a table last.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from pathlib import Path
 
 import torch
 import triton
+import triton.language as tl
 
 from benchmarks.common import copy_bandwidth, save_figure, style_axes
 from punica.lora.batch import LoraBatch
@@ -46,6 +49,16 @@ RANK_SWEEP = (8, 16, 32, 64)
 ROTATE_L2 = 4
 MAX_COPIES = 256
 METHODS = ("sgmv", "bgmv", "loop", "gather_bmm")
+
+
+@triton.jit
+def _row_sum_kernel(x, out, num_cols, stride_x, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
+    """out[rows] = sum of x[rows]: the read-only probe (one load of BLOCK_M whole rows)."""
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.arange(0, BLOCK_K)
+    tile = tl.load(x + rows[:, None].to(tl.int64) * stride_x + cols[None, :], mask=(cols < num_cols)[None, :],
+                   other=0.0)
+    tl.store(out + rows, tl.sum(tile.to(tl.float32), axis=1))
 
 
 def median_ms(fn) -> float:
@@ -66,6 +79,7 @@ class Instance:
         self.x = torch.randn(self.num_tokens, H_IN, device=device, generator=gen, dtype=dtype)
         self.y = torch.randn(self.num_tokens, h_out, device=device, generator=gen, dtype=dtype)
         self.v = torch.empty(self.num_tokens, rank, device=device)
+        self.row_sums = torch.empty(self.num_tokens, device=device)
         self.batch = LoraBatch.build(slots, lens, device=device)
         # host-side segments for Loop (fixed per capture, as a Python loop must be)
         bounds = self.batch.seg_indptr.tolist()
@@ -88,6 +102,14 @@ class Instance:
         kernels.bgmv_shrink_triton(self.x, self.lora_a, b.token_slots, out=self.v)
         kernels.bgmv_expand_triton(self.y, self.v, self.lora_b, b.token_slots, self.scales)
 
+    def read_x(self):
+        block_m = 2  # whole rows, two per program: the fastest of the shapes tried on the H200
+        _row_sum_kernel[(triton.cdiv(self.num_tokens, block_m),)](
+            self.x, self.row_sums, H_IN, self.x.stride(0), BLOCK_M=block_m, BLOCK_K=triton.next_power_of_2(H_IN))
+
+    def add_y(self):
+        self.y.add_(1.0)
+
     def loop(self):
         for slot, lo, hi in self.segments:
             v = self.x[lo:hi] @ self.lora_a[slot].T
@@ -107,6 +129,11 @@ def part_bytes(num_tokens, num_distinct, h_out, rank) -> dict[str, int]:
     and B and reads and writes y."""
     return {"sgmv_shrink": num_tokens * H_IN * 2 + num_distinct * rank * H_IN * 2 + num_tokens * rank * 4,
             "sgmv_expand": num_tokens * rank * 4 + num_distinct * h_out * rank * 2 + num_tokens * h_out * 2 * 2}
+
+
+def probe_bytes(num_tokens, h_out) -> dict[str, int]:
+    """Bytes of the plain kernels: the shrink's x read, the expand's y read and written."""
+    return {"read_x": num_tokens * H_IN * 2, "add_y": num_tokens * h_out * 2 * 2}
 
 
 def floor_bytes(num_tokens, num_distinct, h_out, rank) -> int:
@@ -133,9 +160,10 @@ def measure_point(kind, workload, size, h_out, rank, bandwidth, l2_bytes, device
                  sgmv_block_m=kernels.sgmv_block_m(num_tokens, instances[0].batch.seg_slots.numel()),
                  copies=copies, floor_bytes=nbytes, floor_us=nbytes / bandwidth * 1e6)
     parts = part_bytes(num_tokens, num_distinct, h_out, rank) if kind == "prefill" else {}
+    parts |= probe_bytes(num_tokens, h_out) if kind == "prefill" else {}
     for part, part_nbytes in parts.items():
         point[f"{part}_floor_us"] = part_nbytes / bandwidth * 1e6
-    for method in METHODS + tuple(parts):  # prefill: also each SGMV kernel alone
+    for method in METHODS + tuple(parts):  # prefill: also each SGMV kernel alone, and the probes
         run_all = [getattr(inst, method) for inst in instances]
 
         def eager():
@@ -223,12 +251,13 @@ def print_table(points):
               f"{p['loop_graph_us']:8.1f} {p['gather_bmm_graph_us']:8.1f} {p['floor_us']:6.1f} "
               f"{100 * p['floor_us'] / best:4.0f} {p['gather_bmm_graph_us'] / best:9.1f} "
               f"{p['loop_graph_us'] / best:9.1f}")
-    print("\nprefill, SGMV kernels alone (graph replay): us and share of copy bandwidth")
+    print("\nprefill 4096 tokens, graph replay, us and share of copy bandwidth: each SGMV kernel alone, and "
+          "plain kernels of the same bytes (read_x: the shrink's x; add_y: the expand's y)")
     for p in points:
         if p["kind"] == "prefill" and p["size"] == 4096 and p["rank"] == RANK:
             print(f"{p['workload']:9} h_out={p['h_out']:5} " + " ".join(
                 f"{part}={p[f'{part}_graph_us']:.1f} ({100 * p[f'{part}_floor_us'] / p[f'{part}_graph_us']:.0f}%)"
-                for part in ("sgmv_shrink", "sgmv_expand")))
+                for part in ("sgmv_shrink", "sgmv_expand", "read_x", "add_y")))
     decode = [p for p in points if p["kind"] == "decode" and p["h_out"] == 4096 and p["rank"] == RANK]
     worst = max(decode, key=lambda p: min(p["sgmv_graph_us"], p["bgmv_graph_us"]))
     print(f"worst decode point (batch 1..64, 4 workloads): {worst['workload']} batch {worst['size']}: "
