@@ -159,11 +159,12 @@ def measure_point(kind, workload, size, h_out, rank, bandwidth, l2_bytes, device
                  rank=rank, num_distinct=num_distinct, num_segments=instances[0].batch.seg_slots.numel(),
                  sgmv_block_m=kernels.sgmv_block_m(num_tokens, instances[0].batch.seg_slots.numel()),
                  copies=copies, floor_bytes=nbytes, floor_us=nbytes / bandwidth * 1e6)
-    parts = part_bytes(num_tokens, num_distinct, h_out, rank) if kind == "prefill" else {}
-    parts |= probe_bytes(num_tokens, h_out) if kind == "prefill" else {}
+    parts = {}  # prefill: each SGMV kernel alone, and the probes, against their own bytes
+    if kind == "prefill":
+        parts = part_bytes(num_tokens, num_distinct, h_out, rank) | probe_bytes(num_tokens, h_out)
     for part, part_nbytes in parts.items():
         point[f"{part}_floor_us"] = part_nbytes / bandwidth * 1e6
-    for method in METHODS + tuple(parts):  # prefill: also each SGMV kernel alone, and the probes
+    for method in METHODS + tuple(parts):
         run_all = [getattr(inst, method) for inst in instances]
 
         def eager():
