@@ -87,7 +87,6 @@ class TensorParallelEngine(Engine):
     """Rank 0 of a tensor-parallel group (see the module docstring); `close` stops the workers."""
     overlaps_steps = False  # the workers read every step's tokens from rank 0's host
 
-
     def __init__(self, model: LlamaForCausalLM, tokenizer, config: EngineConfig, adapters: dict[str, str] | None,
                  eos_token_ids: tuple[int, ...], workers: Workers, full_config: ModelConfig):
         self.workers, self.full_config = workers, full_config
