@@ -256,7 +256,8 @@ def main() -> None:
         rows += hf_baseline(config, args.workloads, args.hf_requests, args.hf_max_total, args.rank, dtype, device)
     device_name = torch.cuda.get_device_name() if device == "cuda" else "cpu"
     meta = {"device": device_name if tp == 1 else f"{tp}x {device_name}", "preset": args.preset,
-            "tensor_parallel_size": tp, "overlaps_steps": tp == 1 and not args.no_overlap, "requests": args.requests, "max_total": args.max_total, "rank": args.rank,
+            "tensor_parallel_size": tp, "overlaps_steps": tp == 1 and not args.no_overlap,
+            "requests": args.requests, "max_total": args.max_total, "rank": args.rank,
             "hf_requests": 0 if args.skip_hf or tp > 1 else args.hf_requests, "hf_max_total": args.hf_max_total,
             "hf_batch": HF_BATCH, "date": time.strftime("%Y-%m-%d")}
     write_results(args.out, "textgen", rows, meta)
