@@ -122,11 +122,13 @@ def test_workers_are_added_while_requests_wait_and_released_when_idle(ray_cluste
                                        max_workers=2, policy_config=policy_config)
         await cluster.start()
         try:
+            # enough work that the first worker is still busy once the second has started, on a slow
+            # machine too: 20 requests left ~2x margin and once lost it in CI
             streams = [asyncio.ensure_future(last_output(cluster, f"r{i}", p, a))
-                       for i, (p, a) in enumerate(workload(20, seed=2))]
+                       for i, (p, a) in enumerate(workload(200, seed=2))]
             await until(lambda: len(cluster.workers) == 2)   # requests wait, no GPU lightly loaded
             placed_on_new = set(cluster.policy.gpus[1].running)
-            for i in range(20):
+            for i in range(200):
                 await cluster.abort(f"r{i}")
             outs = await asyncio.gather(*streams)
             await until(lambda: len(cluster.workers) == 1)   # idle for 0.5 s: released
