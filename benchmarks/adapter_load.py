@@ -101,7 +101,7 @@ def throughput(model, config: ModelConfig, names: dict[str, str], stream: list[s
         step_seconds.append(time.perf_counter() - t)
         batch_sizes.append(len(outputs))
         tokens += sum(len(o.new_token_ids) for o in outputs)
-        if not outputs and not engine.has_step_in_flight:
+        if engine.stalled(outputs):
             time.sleep(0.0005)
     if device.type == "cuda":
         torch.cuda.synchronize()

@@ -30,7 +30,7 @@ def warm_up(engine: Engine, adapters: list[str | None]) -> None:
     for adapter in adapters:
         engine.add_request(WARM_UP_PROMPT, SamplingParams(max_tokens=2, ignore_eos=True), adapter)
     while engine.has_unfinished():
-        if not engine.step() and not engine.has_step_in_flight:
+        if engine.stalled(engine.step()):
             time.sleep(0.0005)
 
 

@@ -75,7 +75,7 @@ def serve_all(engine: Engine, requests: list[tuple[list[int], int, str | None]])
     start = time.perf_counter()
     while engine.has_unfinished():
         outputs = engine.step()
-        if not outputs and not engine.has_step_in_flight:
+        if engine.stalled(outputs):
             time.sleep(0.0005)
         finished.update((o.request_id, o) for o in outputs if o.finished)
     return [finished[i] for i in ids], time.perf_counter() - start

@@ -209,6 +209,11 @@ class Engine:
         """A step has been launched whose outputs the next `step` returns."""
         return self._launched is not None
 
+    def stalled(self, outputs: list[RequestOutput]) -> bool:
+        """Whether the `step` that returned `outputs` did nothing (no output, no step in flight):
+        every queued request waits for an adapter load, so a loop may sleep before the next step."""
+        return not outputs and not self.has_step_in_flight
+
     @property
     def num_preemptions(self) -> int:
         return self.scheduler.num_preemptions

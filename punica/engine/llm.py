@@ -102,7 +102,7 @@ class LLM:
         bar = tqdm(total=n, desc="generate", disable=not (use_tqdm if use_tqdm is not None else n >= 64))
         while self.engine.has_unfinished():
             outputs = self.engine.step()
-            if not outputs and not self.engine.has_step_in_flight:
+            if self.engine.stalled(outputs):
                 time.sleep(0.001)  # every queued request waits for an adapter load
             for out in outputs:
                 if out.finished:

@@ -142,7 +142,7 @@ class AsyncEngine:
                 self._deliver(out.request_id, out)
             if self.on_step is not None:
                 self.on_step(self.engine, outputs, time.perf_counter() - start)
-            if not outputs and not self.engine.has_step_in_flight:
+            if self.engine.stalled(outputs):
                 time.sleep(LOADING_WAIT_S)  # queued requests wait for adapter loads
 
     def _fail_running(self, error: Exception) -> None:

@@ -74,7 +74,8 @@ def test_a_request_aborted_in_flight_returns_only_tokens_the_host_has(setup):
     engine = make_engine(setup, max_batch_size=4, page_size=4)
     kept = engine.add_request([5, 6, 7], greedy(6), None)
     dropped = engine.add_request([8, 9], greedy(6), None)
-    engine.step()
+    first = engine.step()
+    assert first == [] and not engine.stalled(first), "no output yet, but a step in flight"
     engine.step()
     assert engine.has_step_in_flight
     out = engine.abort(dropped)
@@ -86,3 +87,4 @@ def test_a_request_aborted_in_flight_returns_only_tokens_the_host_has(setup):
     alone = run_all(make_engine(setup), [([5, 6, 7], None, 6)], greedy)[0]
     assert [o.token_ids for o in outs if o.finished] == [alone.token_ids]
     assert engine.allocator.num_used == 0
+    assert engine.stalled(engine.step()), "nothing queued, nothing in flight"
