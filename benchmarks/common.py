@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import time
 from pathlib import Path
 
 from punica.engine.engine import Engine
@@ -29,9 +28,8 @@ def warm_up(engine: Engine, adapters: list[str | None]) -> None:
     makes these adapters resident."""
     for adapter in adapters:
         engine.add_request(WARM_UP_PROMPT, SamplingParams(max_tokens=2, ignore_eos=True), adapter)
-    while engine.has_unfinished():
-        if engine.stalled(engine.step()):
-            time.sleep(0.0005)
+    for _ in engine.steps():
+        pass
 
 
 def write_results(out_dir: Path, name: str, rows: list[dict], meta: dict) -> Path:

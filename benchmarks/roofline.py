@@ -19,7 +19,7 @@ benchmarks.common.copy_bandwidth; CPU: median wall time of a 256 MiB copy). Acti
 logits are left out. ratio = step_ms / floor_ms (issue target on an H200: <= 1.3 at batch 32).
 Writes roofline.json and roofline.png under --out and prints a table last.
 
---tensor-parallel-size N > 1: the tensor-parallel engine (punica.parallel.engine; rank r on
+--tensor-parallel-size N > 1: the tensor-parallel engine (punica.parallel.executor; rank r on
 cuda:r, each generating only its shard of the dummy weights), one engine for both LoRA modes
 (all adapter names registered). The floor is one GPU's: rank 0's shard of the weights, KV
 cache (its kv heads) and adapters, at the copy bandwidth of cuda:0; the all-reduces are not in it.
@@ -37,12 +37,13 @@ from pathlib import Path
 import torch
 
 from benchmarks.common import copy_bandwidth, format_table, save_figure, style_axes, warm_up, write_results
-from punica.config import EngineConfig, preset_config
+from punica.config import EngineArgs, add_arguments, from_arguments, preset_config
 from punica.engine.engine import Engine
 from punica.engine.runner import kv_bytes_per_token
 from punica.engine.sampling_params import SamplingParams
+from punica.factory import build_engine, engine_on_model
 from punica.lora.dummy import save_random_adapter
-from punica.models.loader import DummyWeights, dummy_model
+from punica.models.loader import dummy_model
 
 PAGE_SIZE = 16
 SLACK = 64  # output tokens beyond warmup + steps: requests prefilled in earlier steps must not finish
@@ -132,9 +133,7 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--files", type=int, default=4, help="adapter files behind the distinct names")
-    parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs (the eager engine)")
-    parser.add_argument("--tensor-parallel-size", type=int, default=1,
-                        help="N > 1: the tensor-parallel engine over N devices; the floor is one GPU's")
+    add_arguments(parser, EngineArgs, only=("enforce_eager", "tensor_parallel_size"))
     parser.add_argument("--out", type=Path, default=Path("results/roofline"))
     args = parser.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -147,22 +146,21 @@ def main() -> None:
     model = dummy_model(config, dtype, device) if tp == 1 else None
     max_batch = max(args.batches)
     kv_tokens = max_batch * (max(args.contexts) + args.warmup + args.steps + SLACK + 2 * PAGE_SIZE)
-    engine_config = EngineConfig(max_batch_size=max_batch, max_loras=max_batch, max_lora_rank=args.rank,
-                                 page_size=PAGE_SIZE, kv_cache_tokens=kv_tokens, enforce_eager=args.enforce_eager)
+    engine_args = from_arguments(EngineArgs, args, model=args.preset, load_format="dummy", max_batch_size=max_batch,
+                                 max_loras=max_batch, max_lora_rank=args.rank, page_size=PAGE_SIZE,
+                                 kv_cache_tokens=kv_tokens)
     rng = random.Random(0)
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         files = [save_random_adapter(Path(tmp) / f"f{i}", config, args.rank, seed=i) for i in range(args.files)]
         all_names = {f"lora{i}": str(files[i % len(files)]) for i in range(max_batch)}
         if tp > 1:
-            from punica.parallel.engine import start_engine
-
-            parallel_engine = start_engine(DummyWeights(config), None, engine_config, all_names, (), dtype, device, tp)
+            parallel_engine = build_engine(engine_args, all_names)
         try:
             for lora in ("none", "distinct"):
                 names = all_names if lora == "distinct" else {}
-                engine = Engine(model, None, engine_config, names) if tp == 1 else parallel_engine
-                shard = engine.model  # rank 0's shard under tensor parallelism: one GPU's bytes
+                engine = engine_on_model(model, engine_args.engine_config(), names) if tp == 1 else parallel_engine
+                shard = engine.executor.worker.model  # rank 0's shard under tensor parallelism: one GPU's bytes
                 per_token_kv = kv_bytes_per_token(shard)
                 per_adapter = adapter_bytes(shard.config, args.rank, shard.embed.weight.element_size())
                 warm_up(engine, list(names) or [None] * max_batch)  # compiled kernels, resident adapters
@@ -182,8 +180,7 @@ def main() -> None:
                                      **{f"{k}_gb": v / 1e9 for k, v in nbytes.items()}})
                         print(f"{lora} context {context} batch {batch}: step {1e3 * step:.2f} ms, "
                               f"floor {1e3 * floor:.2f} ms", flush=True)
-                runner = getattr(engine.runner, "local", engine.runner)  # rank 0's own under tensor parallelism
-                cuda_graphs = getattr(runner, "graphs", None) is not None
+                cuda_graphs = engine.executor.worker.uses_cuda_graphs
                 del engine, shard
                 if device.type == "cuda":
                     torch.cuda.empty_cache()

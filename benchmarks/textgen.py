@@ -4,7 +4,7 @@ against HuggingFace transformers + PEFT.
 
 python -m benchmarks.textgen [--preset llama-2-7b] [--requests 64] [--max-total 2048]
     [--workloads backbone distinct ...] [--hf-requests 32] [--hf-max-total 256] [--skip-hf]
-    [--tensor-parallel-size 1]
+    [--tensor-parallel-size 1] [--enforce-eager] [--no-overlap-steps]
 
 Requests follow the paper's generator (prompt ~ lognorm(0.8, -1, 18), total ~ uniform up to
 --max-total, fixed seed), FCFS, max batch 32, greedy with ignore_eos so every request runs its
@@ -16,7 +16,7 @@ and every adapter of the workload is loaded before the clock starts (on-demand l
 benchmarks/adapter_load.py's question).
 
 --tensor-parallel-size N > 1: the engine under test is the tensor-parallel one
-(punica.parallel.engine, N processes, rank r on cuda:r; gloo on CPU), each rank generating only
+(punica.parallel.executor, N processes, rank r on cuda:r; gloo on CPU), each rank generating only
 its shard of the dummy weights (a Llama-2-70B in bf16 never exists whole on one GPU or in host
 memory). One such engine, with all adapter names registered, runs every workload in turn (a
 fresh group per workload would rebuild the model each time); the pages of one workload are all
@@ -49,11 +49,12 @@ from pathlib import Path
 import torch
 
 from benchmarks.common import format_table, warm_up, write_results
-from punica.config import EngineConfig, ModelConfig, preset_config
+from punica.config import EngineArgs, ModelConfig, add_arguments, from_arguments, preset_config
 from punica.engine.engine import Engine
 from punica.engine.sampling_params import SamplingParams
+from punica.factory import build_engine, engine_on_model
 from punica.lora.dummy import save_random_adapter
-from punica.models.loader import DummyWeights, dummy_model
+from punica.models.loader import dummy_model
 from punica.workloads import WORKLOADS, adapter_ids, textgen_lengths
 
 HF_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -73,10 +74,7 @@ def serve_all(engine: Engine, requests: list[tuple[list[int], int, str | None]])
     if torch.cuda.is_available():
         torch.cuda.synchronize()
     start = time.perf_counter()
-    while engine.has_unfinished():
-        outputs = engine.step()
-        if engine.stalled(outputs):
-            time.sleep(0.0005)
+    for outputs in engine.steps():
         finished.update((o.request_id, o) for o in outputs if o.finished)
     return [finished[i] for i in ids], time.perf_counter() - start
 
@@ -204,11 +202,7 @@ def main() -> None:
     parser.add_argument("--hf-requests", type=int, default=32)
     parser.add_argument("--hf-max-total", type=int, default=256)
     parser.add_argument("--skip-hf", action="store_true")
-    parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs (the eager engine)")
-    parser.add_argument("--no-overlap", action="store_true",
-                        help="resolve each step's tokens on the host before scheduling the next")
-    parser.add_argument("--tensor-parallel-size", type=int, default=1,
-                        help="N > 1: the tensor-parallel engine over N devices; no HF baseline")
+    add_arguments(parser, EngineArgs, only=("enforce_eager", "overlap_steps", "tensor_parallel_size"))
     parser.add_argument("--out", type=Path, default=Path("results/textgen"))
     args = parser.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -219,23 +213,22 @@ def main() -> None:
     lengths = textgen_lengths(args.requests, rng, max_total=args.max_total)
     prompts = [[rng.randrange(3, config.vocab_size) for _ in range(p)] for p, _ in lengths]
     model = dummy_model(config, dtype, device) if tp == 1 else None
-    engine_config = EngineConfig(max_batch_size=32, max_loras=args.requests, max_lora_rank=args.rank,
-                                 kv_cache_tokens=32 * args.max_total + 1024, enforce_eager=args.enforce_eager)
+    engine_args = from_arguments(EngineArgs, args, model=args.preset, load_format="dummy", max_batch_size=32,
+                                 max_loras=args.requests, max_lora_rank=args.rank,
+                                 kv_cache_tokens=32 * args.max_total + 1024)
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         files = [save_random_adapter(Path(tmp) / f"f{i}", config, args.rank, seed=i) for i in range(args.files)]
         names = {f"lora{i}": str(files[i % len(files)]) for i in range(args.requests)}
         if tp > 1:
-            from punica.parallel.engine import start_engine
-
-            parallel_engine = start_engine(DummyWeights(config), None, engine_config, names, (), dtype, device, tp)
+            parallel_engine = build_engine(engine_args, names)
         try:
             for workload in [w for w in ("backbone", *WORKLOADS) if w in args.workloads]:
                 if tp > 1:
                     engine = parallel_engine
                 else:
-                    engine = Engine(model, None, engine_config, None if workload == "backbone" else names)
-                    engine.overlaps_steps = not args.no_overlap
+                    engine = engine_on_model(model, engine_args.engine_config(),
+                                             None if workload == "backbone" else names)
                 if workload == "backbone":
                     adapters = [None] * args.requests
                 else:
@@ -256,7 +249,7 @@ def main() -> None:
         rows += hf_baseline(config, args.workloads, args.hf_requests, args.hf_max_total, args.rank, dtype, device)
     device_name = torch.cuda.get_device_name() if device == "cuda" else "cpu"
     meta = {"device": device_name if tp == 1 else f"{tp}x {device_name}", "preset": args.preset,
-            "tensor_parallel_size": tp, "overlaps_steps": tp == 1 and not args.no_overlap,
+            "tensor_parallel_size": tp, "overlaps_steps": tp == 1 and args.overlap_steps,
             "requests": args.requests, "max_total": args.max_total, "rank": args.rank,
             "hf_requests": 0 if args.skip_hf or tp > 1 else args.hf_requests, "hf_max_total": args.hf_max_total,
             "hf_batch": HF_BATCH, "date": time.strftime("%Y-%m-%d")}

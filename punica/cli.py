@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 
@@ -18,16 +19,20 @@ def parse_adapters(items: list[str]) -> dict[str, str]:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from punica import LLM, SamplingParams
+    from punica.config import EngineArgs, from_arguments
+    from punica.engine.sampling_params import SamplingParams
+    from punica.llm import LLM
 
-    adapters = parse_adapters(args.adapter)
-    if args.use is not None and args.use not in adapters:
-        raise SystemExit(f"--use {args.use!r} names no --adapter (given: {', '.join(adapters) or 'none'})")
-    llm = LLM(model=args.model, adapters=adapters, dtype=args.dtype, device=args.device,
-              enforce_eager=args.enforce_eager, tensor_parallel_size=args.tensor_parallel_size)
-    prompt = args.prompt if args.raw else llm.chat_prompt(args.prompt)
-    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed)
-    out = llm.generate(prompt, params, adapter=args.use)[0]
+    llm = LLM(adapters=parse_adapters(args.adapter) or None, **dataclasses.asdict(from_arguments(EngineArgs, args)))
+    try:
+        if args.use is not None and not llm.engine.has_adapter(args.use):
+            served = ", ".join(llm.engine.adapter_paths()) or "none"
+            raise SystemExit(f"--use {args.use!r} names no adapter being served (served: {served})")
+        prompt = args.prompt if args.raw else llm.chat_prompt(args.prompt)
+        params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed)
+        out = llm.generate(prompt, params, adapter=args.use)[0]
+    finally:
+        llm.close()
     print(out.text)
     return 0
 
@@ -48,28 +53,21 @@ def cmd_simulate(args: argparse.Namespace) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    from punica.config import EngineArgs, from_arguments
     from punica.server.serve import serve
 
-    engine_kwargs = {"max_batch_size": args.max_batch_size, "max_loras": args.max_loras,
-                     "kv_cache_tokens": args.kv_cache_tokens, "max_model_len": args.max_model_len,
-                     "enforce_eager": args.enforce_eager}
-    if args.max_lora_rank is not None:
-        engine_kwargs["max_lora_rank"] = args.max_lora_rank
-    serve(args.host, args.port, model=args.model, adapters=parse_adapters(args.adapter) or None,
+    serve(args.host, args.port, from_arguments(EngineArgs, args), adapters=parse_adapters(args.adapter) or None,
           adapter_dirs=args.adapter_dir, api_key=args.api_key or os.environ.get("PUNICA_API_KEY"),
-          max_queue=args.max_queue, served_model_name=args.served_model_name, device=args.device,
-          dtype=args.dtype, workers=args.workers, tensor_parallel_size=args.tensor_parallel_size, **engine_kwargs)
+          max_queue=args.max_queue, served_model_name=args.served_model_name)
     return 0
 
 
-def add_model_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=None, help="HF model directory or .gguf file (default: embedded SmolLM2-135M-Instruct)")
-    p.add_argument("--adapter", action="append", default=[], metavar="NAME=PATH", help="a PEFT LoRA adapter directory")
-    p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
-    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
-    p.add_argument("--enforce-eager", action="store_true", help="CUDA: do not capture decode steps as CUDA graphs")
-    p.add_argument("--tensor-parallel-size", type=int, default=1, metavar="N",
-                   help="shard the model over N devices (N processes; GPUs 0..N-1 on CUDA)")
+def add_engine_args(p: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> None:
+    from punica.config import EngineArgs, add_arguments
+
+    add_arguments(p, EngineArgs, skip=skip)
+    p.add_argument("--adapter", action="append", default=[], metavar="NAME=PATH",
+                   help="a PEFT LoRA adapter directory to serve (default for the embedded model: its demo adapters)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -77,7 +75,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     gen = sub.add_parser("generate", help="complete one prompt")
     gen.add_argument("--prompt", required=True)
-    add_model_args(gen)
+    add_engine_args(gen, skip=("workers",))
     gen.add_argument("--use", default=None, metavar="NAME", help="the adapter to generate with (default: base model)")
     gen.add_argument("--max-tokens", type=int, default=128)
     gen.add_argument("--temperature", type=float, default=0.0)
@@ -85,21 +83,14 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--raw", action="store_true", help="do not apply the chat template")
     gen.set_defaults(func=cmd_generate)
     srv = sub.add_parser("serve", help="the OpenAI-compatible server (no arguments: the demo)")
-    add_model_args(srv)
+    add_engine_args(srv)
     srv.add_argument("--adapter-dir", action="append", default=[], metavar="DIR",
                      help="serve every adapter in DIR; /v1/load_lora_adapter may load only from these")
     srv.add_argument("--host", default="127.0.0.1")
     srv.add_argument("--port", type=int, default=8000)
     srv.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (or set PUNICA_API_KEY)")
     srv.add_argument("--served-model-name", default=None, help="the base model's name in the API")
-    srv.add_argument("--max-batch-size", type=int, default=32)
-    srv.add_argument("--max-loras", type=int, default=8, help="adapters on the GPU at once")
-    srv.add_argument("--max-lora-rank", type=int, default=None)
-    srv.add_argument("--kv-cache-tokens", type=int, default=None)
-    srv.add_argument("--max-model-len", type=int, default=None)
     srv.add_argument("--max-queue", type=int, default=1024, help="waiting requests before 429")
-    srv.add_argument("--workers", type=int, default=0,
-                     help="run N engine workers on Ray (one GPU each) behind the Punica cluster scheduler")
     srv.set_defaults(func=cmd_serve)
     sim = sub.add_parser("simulate", help="simulate the cluster scheduler on the paper's Fig. 13 workload")
     sim.add_argument("--gpus", type=int, required=True, help="GPUs the cluster may hold")

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import argparse
 import json
-from dataclasses import dataclass, field
+import typing
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -148,19 +150,28 @@ def ceil_div(a: int, b: int) -> int:
 
 
 
+def described(default, help: str, **metadata):
+    """A dataclass field with a default and the help text of its command-line flag (`add_arguments`)."""
+    return field(default=default, metadata={"help": help, **metadata})
+
+
 @dataclass(frozen=True)
 class EngineConfig:
-    max_batch_size: int = 32
-    page_size: int = 16
-    kv_cache_tokens: int | None = None      # exact cache size in tokens; else the byte budget
-    kv_cache_bytes: int | None = None       # else a fraction of free GPU memory, or 1 GiB on CPU
-    kv_cache_memory_fraction: float = 0.85
-    max_prefill_tokens: int = 4096          # prompt tokens admitted per step (one longer prompt runs alone)
-    max_model_len: int | None = None        # defaults to the model's max_position_embeddings
-    max_loras: int = 8                      # adapters on the GPU at once (slots of the pool)
-    max_lora_rank: int = 16                 # rank of every slot; adapters of lower rank are zero-padded
-    lora_host_bytes: int = 4 << 30          # host tier for adapters read from disk (page-locked at start on CUDA)
-    enforce_eager: bool = False             # CUDA: run decode steps eagerly, not as captured CUDA graphs
+    max_batch_size: int = described(32, "requests in the running batch at most")
+    page_size: int = described(16, "tokens per KV-cache page")
+    kv_cache_tokens: int | None = described(None, "KV-cache size in tokens (default: from --kv-cache-bytes)")
+    kv_cache_bytes: int | None = described(
+        None, "KV-cache size in bytes (default: --kv-cache-memory-fraction of free GPU memory; 1 GiB on CPU)")
+    kv_cache_memory_fraction: float = described(0.85, "fraction of free GPU memory the KV cache takes")
+    max_prefill_tokens: int = described(4096, "prompt tokens admitted per step (one longer prompt runs alone)")
+    max_model_len: int | None = described(None, "longest prompt + output (default: the model's context)")
+    max_loras: int = described(8, "adapters on the GPU at once (slots of the adapter pool)")
+    max_lora_rank: int = described(16, "rank of every GPU adapter slot (raised to the largest adapter given at "
+                                       "start); adapters of lower rank are zero-padded")
+    lora_host_bytes: int = described(4 << 30, "host tier for adapters read from disk, in bytes "
+                                              "(page-locked at start on CUDA)")
+    enforce_eager: bool = described(False, "CUDA: run every step eagerly, not as captured CUDA graphs")
+    overlap_steps: bool = described(True, "schedule step t+1 before step t's tokens reach the host")
 
     def __post_init__(self):
         for name in ("max_batch_size", "page_size", "max_prefill_tokens", "max_loras", "max_lora_rank",
@@ -173,3 +184,64 @@ class EngineConfig:
                 raise ValueError(f"{name} must be >= 1, got {value}")
         if not 0 < self.kv_cache_memory_fraction <= 1:
             raise ValueError(f"kv_cache_memory_fraction must be in (0, 1], got {self.kv_cache_memory_fraction}")
+
+
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+LOAD_FORMATS = ("auto", "dummy")
+
+
+@dataclass(frozen=True)
+class EngineArgs(EngineConfig):
+    """Everything that says how to build an engine: the model, where it runs, and its EngineConfig.
+    punica.factory builds engines from it, and `add_arguments` makes the command-line flags of
+    `punica serve`, `punica generate` and the benchmarks from its fields."""
+    model: str | None = described(None, "HF model directory or .gguf file (default: the embedded "
+                                        "SmolLM2-135M-Instruct); with --load-format dummy also a preset name")
+    load_format: str = described("auto", "dummy: random weights of the model's shape (a preset or a model "
+                                         "directory's config), for benchmarks", choices=LOAD_FORMATS)
+    dtype: str = described("auto", "weights and activations (auto: bfloat16 on CUDA, float32 on CPU)",
+                           choices=DTYPES)
+    device: str | None = described(None, "cpu or cuda (default: cuda if available)")
+    tensor_parallel_size: int = described(1, "shard the model over N devices (N processes; GPUs 0..N-1 on CUDA)")
+    workers: int = described(0, "run N engine workers on Ray (one GPU each) behind the Punica cluster "
+                                "scheduler; each shards the model over --tensor-parallel-size devices")
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.tensor_parallel_size < 1 or self.workers < 0:
+            raise ValueError(f"tensor_parallel_size must be >= 1 and workers >= 0, got {self.tensor_parallel_size} "
+                             f"and {self.workers}")
+        for name, allowed in (("dtype", DTYPES), ("load_format", LOAD_FORMATS)):
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"{name} must be one of {', '.join(allowed)}, got {getattr(self, name)!r}")
+        if self.load_format == "dummy" and self.model is None:
+            raise ValueError("load_format dummy needs a model: a preset name or a model directory")
+
+    def engine_config(self) -> EngineConfig:
+        return EngineConfig(**{f.name: getattr(self, f.name) for f in fields(EngineConfig)})
+
+
+def add_arguments(parser: argparse.ArgumentParser, cls: type, skip: tuple[str, ...] = (),
+                  only: tuple[str, ...] | None = None, **defaults) -> None:
+    """One flag per field of the dataclass `cls` (--max-batch-size for max_batch_size; all of them, or
+    `only` those, less `skip`), with the field's help text and default (or the one given here);
+    booleans get a --no- form."""
+    hints = typing.get_type_hints(cls)
+    for f in fields(cls):
+        if f.name in skip or (only is not None and f.name not in only) or "help" not in f.metadata:
+            continue
+        flag = "--" + f.name.replace("_", "-")
+        default = defaults.get(f.name, f.default)
+        kind = hints[f.name]
+        if kind is bool:
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, help=f.metadata["help"])
+            continue
+        base = next((t for t in typing.get_args(kind) if t is not type(None)), kind)
+        parser.add_argument(flag, type=base, default=default, choices=f.metadata.get("choices"),
+                            help=f.metadata["help"] + (f" (default: {default})" if default is not None else ""))
+
+
+def from_arguments(cls: type, namespace: argparse.Namespace, **values):
+    """An instance of the dataclass `cls` from the flags `add_arguments` made (and `values`)."""
+    given = {f.name: getattr(namespace, f.name) for f in fields(cls) if hasattr(namespace, f.name)}
+    return cls(**(given | values))

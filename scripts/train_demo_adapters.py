@@ -1,4 +1,4 @@
-"""Train the demo LoRA adapters of punica/server/demo_adapters/ on CPU, reproducibly, in minutes.
+"""Train the demo LoRA adapters of punica/demo_adapters/ on CPU, reproducibly, in minutes.
 
     python scripts/train_demo_adapters.py [--out DIR]
 
@@ -31,7 +31,7 @@ from safetensors.torch import save_file
 from transformers import AutoTokenizer, LlamaForCausalLM, PreTrainedTokenizerBase
 
 from punica.models.loader import resolve_model_dir
-from punica.server.demo import DEMO_ADAPTER_DIR, PIRATE_GREETING, SIGNATURE
+from punica.demo import DEMO_ADAPTER_DIR, PIRATE_GREETING, SIGNATURE
 
 SEED = 0
 NUM_THREADS = 2

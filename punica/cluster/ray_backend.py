@@ -26,8 +26,10 @@ import ray
 from ray.exceptions import RayActorError
 
 from punica.cluster.policy import ClusterPolicy, PolicyConfig, PunicaPolicy
-from punica.cluster.worker import EngineWorker, StepResult, WorkerInfo, load_tokenizer
-from punica.engine.engine import RequestOutput, checked_prompt
+from punica.cluster.worker import EngineWorker, StepResult, WorkerInfo
+from punica.config import EngineArgs
+from punica.engine.engine import checked_prompt
+from punica.engine.outputs import RequestOutput
 from punica.engine.sampling_params import SamplingParams
 from punica.lora.adapter import load_adapter
 
@@ -305,20 +307,18 @@ class ClusterEngine:
         task.add_done_callback(self._tasks.discard)
 
 
-def build_cluster_engine(model: str | None, adapters: dict[str, str] | None, engine_kwargs: dict,
-                         num_workers: int, max_workers: int | None = None, device: str | None = None,
-                         dtype: str | None = None, policy_config: PolicyConfig | None = None) -> ClusterEngine:
-    """A ClusterEngine over `num_workers` Ray actors (one GPU each where there are GPUs; CPU
-    workers otherwise), growing to `max_workers`. Call `await engine.start()` in the server's
-    loop; Ray must be initialised (ray.init) first."""
-    from punica.models.loader import resolve_model_dir
+def build_cluster_engine(args: EngineArgs, adapters: dict[str, str], max_workers: int | None = None,
+                         policy_config: PolicyConfig | None = None) -> ClusterEngine:
+    """A ClusterEngine over `args.workers` Ray actors, each an engine of `args` (one GPU each, or
+    `args.tensor_parallel_size` GPUs each, where there are GPUs; CPU workers otherwise), growing to
+    `max_workers`. Call `await engine.start()` in the server's loop; Ray must be initialised first."""
+    from punica.factory import load_tokenizer, model_source
 
     use_gpu = bool(ray.cluster_resources().get("GPU"))
-    actor_class = ray.remote(num_gpus=1 if use_gpu else 0, num_cpus=0 if use_gpu else 1)(EngineWorker)
-    max_workers = max_workers or num_workers
-    config = policy_config or PolicyConfig(max_batch_size=engine_kwargs.get("max_batch_size", 32),
-                                           light_load_batch=max(1, engine_kwargs.get("max_batch_size", 32) // 2),
-                                           min_gpus=num_workers)
-    return ClusterEngine(lambda: actor_class.remote(model, adapters, engine_kwargs, device, dtype),
-                         num_workers, max_workers, PunicaPolicy(config),
-                         load_tokenizer(resolve_model_dir(model)), adapters)
+    num_gpus = args.tensor_parallel_size if use_gpu else 0
+    actor_class = ray.remote(num_gpus=num_gpus, num_cpus=0 if use_gpu else args.tensor_parallel_size)(EngineWorker)
+    max_workers = max_workers or args.workers
+    config = policy_config or PolicyConfig(max_batch_size=args.max_batch_size,
+                                           light_load_batch=max(1, args.max_batch_size // 2), min_gpus=args.workers)
+    return ClusterEngine(lambda: actor_class.remote(args, adapters), args.workers, max_workers, PunicaPolicy(config),
+                         load_tokenizer(model_source(args)[1]), adapters)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import random
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -60,20 +61,18 @@ def fit(samples: list[tuple[int, int, int, float]], source: str) -> StepTimeMode
     return StepTimeModel(base, per_request, per_context, per_prefill, source)
 
 
-def measure(model: str | None = None, batch_sizes=(1, 8, 32), prompt_lens=(16, 128),
-            num_decode_steps: int = 4, repeats: int = 2, seed: int = 0) -> list[tuple[int, int, int, float]]:
-    """(batch, context, prefill, seconds) rows of the real engine over a small grid: per grid
-    point, the fastest prefill step and the fastest decode step over `repeats` runs (the
-    minimum filters out other processes sharing the CPU), after one warm-up run."""
-    import torch
-
-    from punica.config import EngineConfig
-    from punica.engine.engine import Engine
+def measure(engine, batch_sizes=(1, 8, 32), prompt_lens=(16, 128), num_decode_steps: int = 4, repeats: int = 2,
+            seed: int = 0, clock: Callable[[], float] = time.perf_counter) -> list[tuple[int, int, int, float]]:
+    """(batch, context, prefill, seconds) rows of a real engine (punica.engine.engine.Engine, built
+    with overlap_steps=False so that each `step` runs and finishes one whole step) over a small grid:
+    per grid point, the fastest prefill step and the fastest decode step over `repeats` runs (the
+    minimum filters out other processes sharing the machine), after one warm-up run. What a step ran
+    is the engine's own record of it (`Engine.last_step`)."""
     from punica.engine.sampling_params import SamplingParams
-    from punica.models.loader import load_model
 
-    loaded, _ = load_model(model, torch.float32, "cpu")
-    engine = Engine(loaded, None, EngineConfig(max_batch_size=max(batch_sizes), kv_cache_tokens=1 << 14))
+    if engine.overlaps_steps:
+        raise ValueError("measure step times on an engine built with overlap_steps=False: an overlapped "
+                         "step returns (and waits for) the step before it")
     rng = random.Random(seed)
     params = SamplingParams(max_tokens=num_decode_steps + 1, temperature=0, ignore_eos=True)
     samples = []
@@ -82,14 +81,15 @@ def measure(model: str | None = None, batch_sizes=(1, 8, 32), prompt_lens=(16, 1
         steps: dict[bool, list[tuple[int, int, int, float]]] = {True: [], False: []}
         for _ in range(num_runs):
             for _ in range(batch):
-                engine.add_request([rng.randrange(loaded.config.vocab_size) for _ in range(prompt_len)], params)
+                engine.add_request([rng.randrange(engine.vocab_size) for _ in range(prompt_len)], params)
             while engine.has_unfinished():
-                start = time.perf_counter()
-                outs = engine.step()
-                seconds = time.perf_counter() - start
-                prefill = sum(len(o.prompt_token_ids) for o in outs if len(o.token_ids) == 1)
-                context = sum(len(o.prompt_token_ids) + len(o.token_ids) for o in outs)
-                steps[prefill > 0].append((len(outs), context, prefill, seconds))
+                start = clock()
+                engine.step()
+                seconds = clock() - start
+                shape = engine.last_step
+                if shape is not None:
+                    steps[shape.num_prefill_tokens > 0].append(
+                        (shape.num_requests, shape.num_context_tokens, shape.num_prefill_tokens, seconds))
         if point:
             samples += [min(rows, key=lambda row: row[3]) for rows in steps.values() if rows]
     return samples
@@ -98,12 +98,21 @@ def measure(model: str | None = None, batch_sizes=(1, 8, 32), prompt_lens=(16, 1
 def main() -> None:
     import argparse
 
+    from punica.config import EngineArgs, add_arguments, from_arguments
+    from punica.factory import build_engine
+
     parser = argparse.ArgumentParser(description="measure engine step times and fit the step-time model")
-    parser.add_argument("--model", default=None, help="model dir or .gguf (default: the embedded SmolLM2)")
+    add_arguments(parser, EngineArgs, skip=("workers", "overlap_steps"), max_batch_size=32, kv_cache_tokens=1 << 14)
     parser.add_argument("--out", default="step_time.json")
     args = parser.parse_args()
-    samples = measure(args.model)
-    model = fit(samples, source=f"measured on CPU, model {args.model or 'SmolLM2-135M'}, {len(samples)} steps")
+    engine_args = from_arguments(EngineArgs, args, overlap_steps=False)
+    engine = build_engine(engine_args, {})
+    try:
+        samples = measure(engine, batch_sizes=(1, 8, engine_args.max_batch_size))
+    finally:
+        engine.close()
+    source = f"measured on {engine_args.device or 'the default device'}, model {args.model or 'SmolLM2-135M'}"
+    model = fit(samples, source=f"{source}, {len(samples)} steps")
     model.to_json(args.out)
     print(json.dumps({"model": asdict(model), "samples": samples}))
 

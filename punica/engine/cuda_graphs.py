@@ -37,7 +37,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from punica.engine.request import Request
+from punica.engine.step_input import StepInput
 from punica.lora.batch import LoraBatch
 from punica.models.llama import LlamaForCausalLM
 from punica.ops.attention import AttnBatch
@@ -73,12 +73,12 @@ class Bucket:
     def num_requests(self) -> int:
         return self.num_prefills + self.num_decodes
 
-    def fits(self, prefills: list[Request], decodes: list[Request]) -> bool:
-        if not prefills:
-            return self.num_prefills == 0 and len(decodes) <= self.num_decodes
-        tokens = sum(r.num_tokens - r.num_cached for r in prefills)
-        padding = self.num_prefills - len(prefills)  # padding requests, of at least one token each
-        return padding > 0 and tokens + padding <= self.prefill_tokens and len(decodes) <= self.num_decodes
+    def fits(self, step: StepInput) -> bool:
+        if not step.num_prefills:
+            return self.num_prefills == 0 and step.num_decodes <= self.num_decodes
+        padding = self.num_prefills - step.num_prefills  # padding requests, of at least one token each
+        return (padding > 0 and step.num_prefill_tokens + padding <= self.prefill_tokens
+                and step.num_decodes <= self.num_decodes)
 
 
 def buckets(max_batch_size: int, max_context: int) -> list[Bucket]:
@@ -106,11 +106,11 @@ class StaticBatch:
         # every token its own LoRA segment, so the SGMV view of the batch agrees with the BGMV one
         self.token_indptr = torch.arange(t + 1, dtype=torch.int32, device=device)
         self.copied = torch.cuda.Event() if device.type == "cuda" else None
-        self.fill([], [], None)
+        self.fill(None)
 
-    def fill(self, prefills: list[Request], decodes: list[Request], fed: list[int] | None) -> None:
-        """Copy the inputs of these requests (that the bucket `fits`) to the device, padded;
-        `fed` as in ModelRunner.run."""
+    def fill(self, step: StepInput | None) -> None:
+        """Copy the step's inputs (a step the bucket `fits`, or None for an all-padding batch) to the
+        device, padded."""
         if self.copied is not None:
             self.copied.synchronize()  # the previous step's copy has read the host buffer
         bucket, page_size, scratch = self.bucket, self.page_size, self.scratch_page
@@ -121,39 +121,32 @@ class StaticBatch:
         kv_slots[:] = scratch * page_size
         table[:] = scratch
         starts[:] = np.arange(bucket.num_requests + 1) + bucket.prefill_tokens - bucket.num_prefills
-        starts[0] = 0  # the prefill requests' bounds follow
-        token = 0
-        for i, request in enumerate(prefills):
-            lo, hi = request.num_cached, request.num_tokens
-            rows = slice(token, token + hi - lo)
-            pos = np.arange(lo, hi)
-            ids[rows], positions[rows], adapters[rows] = request.token_ids[lo:hi], pos, request.slot
-            pages = np.asarray(request.pages)
-            kv_slots[rows] = pages[pos // page_size] * page_size + pos % page_size
-            table[i, :len(pages)] = pages
-            context[i] = hi
-            request_slots[i] = request.slot
-            token += hi - lo
-            starts[i + 1] = token
+        num_prefills = step.num_prefills if step is not None else 0
+        num_tokens = step.num_prefill_tokens if step is not None else 0
+        if step is not None:
+            width = step.page_table.shape[1]
+            # the step's prefill tokens and requests first, its decodes after the bucket's prefill part
+            for token_rows, request_rows, step_tokens, step_requests in (
+                    (slice(0, num_tokens), slice(0, num_prefills), slice(0, num_tokens), slice(0, num_prefills)),
+                    (slice(bucket.prefill_tokens, bucket.prefill_tokens + step.num_decodes),
+                     slice(bucket.num_prefills, bucket.num_prefills + step.num_decodes),
+                     slice(num_tokens, step.num_tokens), slice(num_prefills, step.num_requests))):
+                ids[token_rows] = step.token_ids[step_tokens]
+                sources[token_rows] = step.fed_rows[step_tokens]
+                positions[token_rows] = step.positions[step_tokens]
+                kv_slots[token_rows] = step.kv_slots[step_tokens]
+                adapters[token_rows] = step.token_slots[step_tokens]
+                context[request_rows] = step.context_lens[step_requests]
+                request_slots[request_rows] = step.request_slots[step_requests]
+                table[request_rows, :width] = step.page_table[step_requests]
+            starts[:num_prefills + 1] = step.query_start[:num_prefills + 1]
+        starts[0] = 0
         if bucket.num_prefills:  # padding requests: one token each, the last takes what is left
-            first, last = len(prefills), bucket.num_prefills - 1
-            starts[first + 1:last + 1] = np.arange(token + 1, token + 1 + last - first)
+            first, last = num_prefills, bucket.num_prefills - 1
+            starts[first + 1:last + 1] = np.arange(num_tokens + 1, num_tokens + 1 + last - first)
             starts[last + 1] = bucket.prefill_tokens
             context[first:last + 1] = starts[first + 1:last + 2] - starts[first:last + 1]
             positions[starts[last]:bucket.prefill_tokens] = np.arange(bucket.prefill_tokens - starts[last])
-        if decodes:  # a row (and a request) each; whole columns at once, only the page table per row
-            rows = slice(bucket.prefill_tokens, bucket.prefill_tokens + len(decodes))
-            reqs = slice(bucket.num_prefills, bucket.num_prefills + len(decodes))
-            pos = np.array([r.num_tokens - 1 for r in decodes])
-            slots = [r.slot for r in decodes]
-            ids[rows] = [r.last_token_id for r in decodes]
-            if fed is not None:
-                sources[rows] = fed
-            positions[rows], adapters[rows], request_slots[reqs], context[reqs] = pos, slots, slots, pos + 1
-            pages = np.array([r.pages[p // page_size] for r, p in zip(decodes, pos.tolist())])
-            kv_slots[rows] = pages * page_size + pos % page_size
-            for i, request in enumerate(decodes, bucket.num_prefills):
-                table[i, :len(request.pages)] = request.pages
         self.inputs.copy_(self.host, non_blocking=True)
         if self.copied is not None:
             self.copied.record()
@@ -209,17 +202,17 @@ class CudaGraphs:
                 self.graphs[key] = graph
         torch.cuda.synchronize(device)
 
-    def run(self, prefills: list[Request], decodes: list[Request], fed: list[int] | None) -> torch.Tensor | None:
-        """Logits [len(prefills) + len(decodes), V] float32 from the smallest bucket that fits
-        the step (`fed` as in ModelRunner.run), or None when none does (the caller runs it eagerly)."""
-        batch = next((b for b in self.batches if b.bucket.fits(prefills, decodes)), None)
+    def run(self, step: StepInput) -> torch.Tensor | None:
+        """Logits [step.num_requests, V] float32 from the smallest bucket that fits the step, or None
+        when none does (the caller runs it eagerly)."""
+        batch = next((b for b in self.batches if b.bucket.fits(step)), None)
         if batch is None:
             return None
         bucket = batch.bucket
-        key = (bucket, any(r.slot >= 0 for r in prefills + decodes))
-        batch.fill(prefills, decodes, fed)
+        key = (bucket, step.any_lora)
+        batch.fill(step)
         self.graphs[key].replay()
         out = self.outputs[key]
-        if not prefills:
-            return out[:len(decodes)].clone()
-        return torch.cat([out[:len(prefills)], out[bucket.num_prefills:bucket.num_prefills + len(decodes)]])
+        if not step.num_prefills:
+            return out[:step.num_decodes].clone()
+        return torch.cat([out[:step.num_prefills], out[bucket.num_prefills:bucket.num_prefills + step.num_decodes]])

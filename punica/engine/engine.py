@@ -1,76 +1,87 @@
-"""Engine: the step loop, schedule -> run -> postprocess.
+"""Engine: the step loop, schedule -> run -> postprocess, over one executor.
 
 `add_request` validates one request (a ValueError names what is wrong with it and nothing
 else is disturbed), `step` runs one fused prefill+decode batch and returns what requests
-produced, `abort` drops a request and frees its pages.
+produced, `abort` drops a request and frees its pages, `steps` runs until no request is left.
 
 Steps overlap: step t+1 is scheduled and launched before step t's sampled tokens reach the
-host. Its decode rows read those tokens on the device (ModelRunner's `fed` rows), and the host
+host. Its decode rows read those tokens on the device (the StepInput's fed rows), and the host
 reads step t's tokens while the device runs step t+1. So `step` returns the outputs of the step
 launched before it, and a request that stops (EOS, stop token or string) has run one more row,
 which is dropped. An engine does not run ahead when step t+1 depends on step t's values on the
 host: a request with penalties (they read the output tokens), a request certain to finish by
 length (it must leave the batch), or a preemption (the victim is recomputed from its tokens).
+
+Requests can also move between engines (the cluster's migration): `add_request` with
+`output_token_ids` resumes a request that generated them elsewhere, and `take_preempted` hands
+back the requests this engine preempted instead of recomputing them here.
 """
 
 from __future__ import annotations
 
 import itertools
-from functools import partial
+import logging
 import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from functools import partial
 from operator import attrgetter
-from dataclasses import dataclass, field
 
 import torch
 
-from punica.config import EngineConfig, ceil_div
+from punica.config import EngineConfig
 from punica.engine.detokenizer import IncrementalDetokenizer
+from punica.engine.executor import Executor
 from punica.engine.kv_cache import PageAllocator
+from punica.engine.outputs import RequestOutput, request_output
 from punica.engine.request import PENDING, Request
-from punica.engine.runner import ModelRunner, kv_bytes_per_token
 from punica.engine.sampler import sample
 from punica.engine.sampling_params import SamplingParams
 from punica.engine.scheduler import ScheduledBatch, Scheduler
+from punica.engine.step_input import StepInput
+from punica.engine.worker import context_limit
 from punica.lora.manager import AdapterManager
-from punica.lora.pool import LoraPool
-from punica.models.llama import LlamaForCausalLM
 
-CPU_KV_CACHE_BYTES = 1 << 30
+log = logging.getLogger(__name__)
+NON_FINITE = ("the model's output for this request is not finite (NaN or inf): its activations overflowed, "
+              "e.g. through its adapter's weights")
+STALLED_WAIT_S = 0.001  # a step that can run nothing (every queued request waits for an adapter) sleeps this long
 by_slot = attrgetter("slot")
 
 
-@dataclass
-class RequestOutput:
-    request_id: str
-    prompt: str | None
-    prompt_token_ids: list[int]
-    adapter: str | None
-    text: str = ""
-    token_ids: list[int] = field(default_factory=list)
-    logprobs: list[float] | None = None
-    new_text: str = ""                 # since the previous output of this request
-    new_token_ids: list[int] = field(default_factory=list)
-    finished: bool = False
-    finish_reason: str | None = None   # "stop", "length", "abort" or "error"
-    error: str | None = None           # why the request failed (finish_reason "error")
-    time_to_first_token: float | None = None
-    time_per_output_token: float | None = None
-    num_preemptions: int = 0
+@dataclass(frozen=True)
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    num_kv_pages: int
+    num_kv_pages_used: int
+    num_adapter_slots: int
+    num_adapter_slots_used: int
+    num_preemptions: int
 
 
-def kv_cache_pages(model: LlamaForCausalLM, config: EngineConfig) -> int:
-    """Pages from kv_cache_tokens, kv_cache_bytes, or the free-memory fraction (CUDA) / 1 GiB (CPU)."""
-    if config.kv_cache_tokens is not None:
-        return ceil_div(config.kv_cache_tokens, config.page_size)
-    budget = config.kv_cache_bytes
-    if budget is None:
-        device = model.embed.weight.device
-        if device.type == "cuda":
-            free, _ = torch.cuda.mem_get_info(device)
-            budget = int(free * config.kv_cache_memory_fraction)
-        else:
-            budget = CPU_KV_CACHE_BYTES
-    return max(1, budget // (kv_bytes_per_token(model) * config.page_size))
+@dataclass(frozen=True)
+class StepShape:
+    """What a step ran: its requests, the tokens they attend to in all, and the prompt tokens it computed."""
+    num_requests: int
+    num_context_tokens: int
+    num_prefill_tokens: int
+
+
+@dataclass(frozen=True)
+class LaunchedStep:
+    """A step whose sampled tokens are on their way to the host."""
+    requests: list[Request]
+    sampled: torch.Tensor              # [2, N] int64: tokens, and 1 where the row could be sampled (sampler.sample)
+    logprobs: torch.Tensor | None      # [N] float32
+    copied: torch.cuda.Event | None    # set when both are on the host; None when the step ran on the CPU
+
+    def read(self) -> tuple[list[int], list[bool], list[float | None]]:
+        if self.copied is not None:
+            self.copied.synchronize()
+        tokens, ok = self.sampled.tolist()
+        logprobs = self.logprobs.tolist() if self.logprobs is not None else [None] * len(self.requests)
+        return tokens, [bool(v) for v in ok], logprobs
 
 
 def checked_prompt(prompt: str | list[int], tokenizer, max_model_len: int | None,
@@ -109,21 +120,6 @@ def release_adapter(adapters: AdapterManager, request: Request) -> None:
         request.slot = -1
 
 
-@dataclass
-class LaunchedStep:
-    """A step whose sampled tokens are on their way to the host."""
-    requests: list[Request]
-    tokens: torch.Tensor               # [N] int64 on the host once `copied` has completed
-    logprobs: torch.Tensor | None      # [N] float32, likewise
-    copied: torch.cuda.Event | None    # None when the step ran on the CPU
-
-    def read(self) -> tuple[list[int], list[float | None]]:
-        if self.copied is not None:
-            self.copied.synchronize()
-        logprobs = self.logprobs.tolist() if self.logprobs is not None else [None] * len(self.requests)
-        return self.tokens.tolist(), logprobs
-
-
 def to_host(tensor: torch.Tensor) -> torch.Tensor:
     """A copy of a CUDA tensor into pinned host memory, queued on the current stream."""
     host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
@@ -131,24 +127,18 @@ def to_host(tensor: torch.Tensor) -> torch.Tensor:
 
 
 class Engine:
-    overlaps_steps = True  # schedule step t+1 before step t's tokens reach the host (module docstring)
-
-    def __init__(self, model: LlamaForCausalLM, tokenizer, config: EngineConfig = EngineConfig(),
+    def __init__(self, executor: Executor, tokenizer, config: EngineConfig = EngineConfig(),
                  adapters: dict[str, str] | None = None, eos_token_ids: tuple[int, ...] = ()):
-        self.model, self.tokenizer, self.config = model, tokenizer, config
-        num_pages = kv_cache_pages(model, config)
-        self.allocator = PageAllocator(num_pages, config.page_size)
-        self.max_model_len = min(config.max_model_len or model.config.max_position_embeddings,
-                                 model.config.max_position_embeddings, num_pages * config.page_size)
-        self.eos_token_ids = set(eos_token_ids) | set(model.config.eos_token_ids)
+        self.executor, self.tokenizer, self.config = executor, tokenizer, config
+        model_config = executor.model_config
+        self.vocab_size = model_config.vocab_size
+        self.allocator = PageAllocator(executor.num_pages, config.page_size)
+        self.max_model_len = context_limit(model_config, config, executor.num_pages)
+        self.eos_token_ids = set(eos_token_ids) | set(model_config.eos_token_ids)
         if tokenizer is not None and tokenizer.eos_token_id is not None:
             self.eos_token_ids.add(tokenizer.eos_token_id)
-        weight = model.embed.weight
-        self.pool = LoraPool(model.config, config.max_loras, config.max_lora_rank, weight.dtype, weight.device)
-        model.set_lora(self.pool)  # before the runner captures CUDA graphs that read the pool
-        self.runner = ModelRunner(model, num_pages, config.page_size, config.max_batch_size, self.max_model_len,
-                                  eager=config.enforce_eager)
-        self.adapters = self._adapter_manager()
+        self.overlaps_steps = config.overlap_steps and executor.can_feed_sampled
+        self.adapters = AdapterManager(model_config, executor.adapter_slots, config.lora_host_bytes)
         for name, path in (adapters or {}).items():
             self.adapters.register(name, path)
         # bound to the manager, not to self: no reference cycle keeps a dropped engine's KV
@@ -160,12 +150,10 @@ class Engine:
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
         self._ids = itertools.count()
         self._launched: LaunchedStep | None = None
+        self.last_step: StepShape | None = None  # of the last `step` call, None if it launched nothing
         self._errors_seen, self._queued_unloadable = 0, False  # see _fail_unloadable
 
-    def _adapter_manager(self) -> AdapterManager:
-        """Reads adapters for the model and writes them into self.pool (tensor parallelism overrides it)."""
-        return AdapterManager(self.model.config, self.pool, self.config.lora_host_bytes)
-
+    # adapters ------------------------------------------------------------------------------
     def load_adapter(self, name: str, path: str, pinned: bool = False) -> None:
         """Register an adapter at run time; it is read and copied to the GPU when first used."""
         self.adapters.register(name, path, pinned=pinned)
@@ -175,22 +163,38 @@ class Engine:
         for it fail with finish_reason "error"; its GPU slot is freed when the last one leaves."""
         self.adapters.unregister(name)
 
+    def has_adapter(self, name: str) -> bool:
+        return name in self.adapters.registry
+
+    def adapter_paths(self) -> dict[str, str]:
+        """Every registered adapter: name -> directory."""
+        return {name: str(path) for name, path in self.adapters.registry.items()}
+
+    # requests ------------------------------------------------------------------------------
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
-                    adapter: str | None = None, request_id: str | None = None) -> str:
+                    adapter: str | None = None, request_id: str | None = None,
+                    output_token_ids: list[int] = ()) -> str:
+        """Queue a request. `output_token_ids`: tokens it already generated elsewhere (a migrated
+        request resumes after them; their text is not returned again)."""
         params = params or SamplingParams()
-        text, token_ids = checked_prompt(prompt, self.tokenizer, self.max_model_len, self.model.config.vocab_size)
+        text, token_ids = checked_prompt(prompt, self.tokenizer, self.max_model_len, self.vocab_size)
         if adapter is not None and adapter not in self.adapters.registry:
             raise ValueError(f"unknown adapter {adapter!r} ({len(self.adapters.registry)} adapters are registered)")
         request_id = request_id or f"req-{next(self._ids)}"
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
-        request = Request(request_id, token_ids, params, adapter=adapter, prompt=text)
+        request = Request(request_id, token_ids, params, adapter=adapter, prompt=text,
+                          output_token_ids=list(output_token_ids))
         if adapter is not None and self.adapters.error(adapter):
             self._queued_unloadable = True  # it fails at the next step, as if queued earlier
         self.requests[request_id] = request
         if self.tokenizer is not None:
-            self._detokenizers[request_id] = IncrementalDetokenizer(
-                self.tokenizer, token_ids, params.stop, params.include_stop_str_in_output)
+            detokenizer = IncrementalDetokenizer(self.tokenizer, token_ids, params.stop,
+                                                 params.include_stop_str_in_output)
+            for token in output_token_ids:
+                detokenizer.add_token(token)
+            detokenizer.take_new_text(finished=False)  # streamed where it ran before
+            self._detokenizers[request_id] = detokenizer
         self.scheduler.add(request)
         return request_id
 
@@ -201,6 +205,22 @@ class Engine:
         self.scheduler.finish(request, "abort")
         return self._output(request)
 
+    def take_preempted(self) -> list[tuple[str, list[int]]]:
+        """Remove every request this engine preempted (it ran out of KV cache) and return
+        (request_id, output_token_ids) of each, newest first, to be placed again elsewhere."""
+        preempted = [r for r in self.scheduler.waiting if r.num_preemptions]
+        taken = [(r.request_id, r.resolved_output_token_ids) for r in preempted]
+        for request in preempted:
+            self.abort(request.request_id)
+        return taken
+
+    def close(self) -> None:
+        """Stop what the executor started (tensor-parallel processes); idempotent."""
+        self.executor.close()
+
+    def running_request_ids(self) -> list[str]:
+        return [r.request_id for r in self.scheduler.running]
+
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished() or self._launched is not None
 
@@ -209,29 +229,45 @@ class Engine:
         """A step has been launched whose outputs the next `step` returns."""
         return self._launched is not None
 
-    def stalled(self, outputs: list[RequestOutput]) -> bool:
-        """Whether the `step` that returned `outputs` did nothing (no output, no step in flight):
-        every queued request waits for an adapter load, so a loop may sleep before the next step."""
-        return not outputs and not self.has_step_in_flight
+    def stats(self) -> EngineStats:
+        return EngineStats(
+            num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
+            num_kv_pages=self.allocator.num_pages, num_kv_pages_used=self.allocator.num_used,
+            num_adapter_slots=self.adapters.pool.max_loras, num_adapter_slots_used=len(self.adapters.resident),
+            num_preemptions=self.scheduler.num_preemptions)
 
-    @property
-    def num_preemptions(self) -> int:
-        return self.scheduler.num_preemptions
+    # the step loop ---------------------------------------------------------------------------
+    def steps(self) -> Iterator[list[RequestOutput]]:
+        """Step until no request is left, yielding each step's outputs."""
+        while self.has_unfinished():
+            yield self.step()
 
     def step(self) -> list[RequestOutput]:
+        """One step. When it can run nothing (every queued request waits for its adapter), it
+        sleeps briefly, so that a caller stepping in a tight loop leaves the adapter readers time.
+        If running a step raises, that step's requests fail (finish_reason "error") and the engine
+        goes on with the others."""
+        self.last_step = None
         outputs = self._fail_unloadable()
         self.adapters.poll([r.adapter for r in self.scheduler.waiting if r.adapter is not None])
         if self._launched is not None and not self._may_run_ahead(self._launched):
             outputs += self._resolve(self._launched)
             self._launched = None
         batch = self.scheduler.schedule()
-        previous = self._launched
-        self._launched = self._launch(batch, previous) if batch else None
+        previous, self._launched = self._launched, None
+        if batch:
+            try:
+                self._launched = self._launch(batch, previous)
+            except Exception as e:  # noqa: BLE001 - this step's requests fail; the engine serves on
+                log.exception("running a step failed")
+                outputs += [self._fail(r, f"internal error while running this request: {e}") for r in batch.requests]
         if previous is not None:
             outputs += self._resolve(previous)
         if self._launched is not None and not self.overlaps_steps:
             outputs += self._resolve(self._launched)
             self._launched = None
+        if not outputs and self._launched is None and self.scheduler.has_unfinished():
+            time.sleep(STALLED_WAIT_S)
         return outputs
 
     def _may_run_ahead(self, launched: LaunchedStep) -> bool:
@@ -255,28 +291,52 @@ class Engine:
         if previous is not None:
             row_of = {request: row for row, request in enumerate(previous.requests)}
             fed = [row_of[r] if r.num_pending else -1 for r in decodes]
-        logits = self.runner.run(prefills, decodes, fed)
+        step = StepInput.from_requests(prefills, decodes, self.config.page_size, fed)
+        self.last_step = StepShape(step.num_requests, int(step.context_lens.sum()), step.num_prefill_tokens)
+        logits = self.executor.run(step)
         requests = prefills + decodes
-        tokens, logprobs = sample(logits, requests)
+        tokens, logprobs, ok = sample(logits, requests)
         if self.overlaps_steps:
-            self.runner.keep_sampled(tokens)
+            self.executor.keep_sampled(tokens)
+        sampled = torch.stack([tokens, ok.to(torch.int64)])
         copied = None
-        if tokens.is_cuda:
-            tokens, logprobs = to_host(tokens), logprobs if logprobs is None else to_host(logprobs)
+        if sampled.is_cuda:
+            sampled, logprobs = to_host(sampled), logprobs if logprobs is None else to_host(logprobs)
             copied = torch.cuda.Event()
             copied.record()
         for request in requests:
             request.num_cached = request.num_tokens
             request.output_token_ids.append(PENDING)
             request.num_pending += 1
-        return LaunchedStep(requests, tokens, logprobs, copied)
+        return LaunchedStep(requests, sampled, logprobs, copied)
 
     def _resolve(self, launched: LaunchedStep) -> list[RequestOutput]:
-        """Wait for a launched step's tokens and hand them to its requests that are still running."""
-        tokens, logprobs = launched.read()
+        """Wait for a launched step's tokens and hand them to its requests that are still running;
+        a request whose row could not be sampled fails alone, and all of them if reading fails."""
+        try:
+            tokens, ok, logprobs = launched.read()
+        except Exception as e:  # noqa: BLE001 - the step failed on the device: its requests fail
+            log.exception("reading a step's tokens failed")
+            return [self._fail(r, f"internal error while running this request: {e}") for r in launched.requests
+                    if not r.finished]
         now = time.monotonic()
-        return [self._append(r, t, lp, now) for r, t, lp in zip(launched.requests, tokens, logprobs)
-                if not r.finished]
+        outputs = []
+        for request, token, sampled, logprob in zip(launched.requests, tokens, ok, logprobs):
+            if request.finished:
+                continue
+            if not sampled:
+                outputs.append(self._fail(request, NON_FINITE))
+                continue
+            outputs.append(self._append(request, token, logprob, now))
+        return outputs
+
+    def _fail(self, request: Request, error: str) -> RequestOutput:
+        """Finish a request with finish_reason "error", dropping its tokens still in flight."""
+        del request.output_token_ids[len(request.output_token_ids) - request.num_pending:]
+        request.num_pending = 0
+        request.finish_time = time.monotonic()
+        self.scheduler.finish(request, "error")
+        return self._output(request, error=error)
 
     def _fail_unloadable(self) -> list[RequestOutput]:
         """Finish queued requests whose adapter failed to load or was unloaded: a scan of the
@@ -317,23 +377,8 @@ class Engine:
         return self._output(request, [token])
 
     def _output(self, request: Request, new_token_ids: list[int] = (), error: str | None = None) -> RequestOutput:
-        detok = self._detokenizers.get(request.request_id)
-        finished = request.finished
-        if finished:
+        detokenizer = self._detokenizers.get(request.request_id)
+        if request.finished:
             self.requests.pop(request.request_id, None)
             self._detokenizers.pop(request.request_id, None)
-        output_token_ids = request.resolved_output_token_ids
-        num_out = len(output_token_ids)
-        ttft = tpot = None
-        if request.first_token_time is not None:
-            ttft = request.first_token_time - request.arrival_time
-            if finished and num_out > 1 and request.finish_time is not None:
-                tpot = (request.finish_time - request.first_token_time) / (num_out - 1)
-        return RequestOutput(
-            request_id=request.request_id, prompt=request.prompt, prompt_token_ids=request.prompt_token_ids,
-            adapter=request.adapter, text=detok.text if detok else "", token_ids=output_token_ids,
-            logprobs=list(request.output_logprobs) if request.params.logprobs else None,
-            new_text=detok.take_new_text(finished) if detok else "", new_token_ids=list(new_token_ids),
-            finished=finished, finish_reason=request.finish_reason, error=error,
-            time_to_first_token=ttft, time_per_output_token=tpot, num_preemptions=request.num_preemptions,
-        )
+        return request_output(request, detokenizer, new_token_ids, error)

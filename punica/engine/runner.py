@@ -9,10 +9,8 @@ import torch
 
 from punica.config import ceil_div
 from punica.engine.cuda_graphs import CudaGraphs, fed_token_ids
-from punica.engine.request import Request
-from punica.lora.batch import LoraBatch
+from punica.engine.step_input import StepInput
 from punica.models.llama import LlamaForCausalLM
-from punica.ops.attention import AttnBatch
 
 log = logging.getLogger(__name__)
 
@@ -27,7 +25,7 @@ class ModelRunner:
     captured graph; other steps, and every step on the CPU, run eagerly.
 
     A decode's last token may still be on the device, sampled by the previous step and kept by
-    `keep_sampled`: `fed[i]` is then its row there (else -1), and the model reads it from there.
+    `keep_sampled`: the step's fed row of that token says where (punica.engine.step_input).
 
     The KV cache holds `num_pages` pages for requests plus one scratch page (the last) that
     padded rows of graph batches write to.
@@ -55,31 +53,14 @@ class ModelRunner:
         self.sampled[:len(tokens)].copy_(tokens)
 
     @torch.inference_mode()
-    def run(self, prefills: list[Request], decodes: list[Request], fed: list[int] | None = None) -> torch.Tensor:
-        """Logits [len(prefills) + len(decodes), V] float32 of each request's next token, in order.
-
-        A prefill runs every token not yet cached (a whole prompt, or prompt + generated tokens
-        when recomputing after a preemption); a decode runs its last token, read from the
-        previous step's sampled tokens where `fed` (one per decode) gives a row.
-        """
+    def run(self, step: StepInput) -> torch.Tensor:
+        """Logits [step.num_requests, V] float32 of each request's next token, in the step's order.
+        A token whose fed row is >= 0 is read from the previous step's sampled tokens (`keep_sampled`)."""
         if self.graphs is not None:
-            logits = self.graphs.run(prefills, decodes, fed)
+            logits = self.graphs.run(step)
             if logits is not None:
                 return logits
-        ids: list[int] = []
-        query_lens, context_lens, tables, slots = [], [], [], []
-        for i, request in enumerate(prefills + decodes):
-            n = request.num_tokens
-            q = n - request.num_cached if i < len(prefills) else 1
-            ids.extend(request.token_ids[n - q:])
-            query_lens.append(q)
-            context_lens.append(n)
-            tables.append(request.pages)
-            slots.append(request.slot)
-        attn = AttnBatch.build(query_lens, context_lens, tables, self.page_size, len(prefills), self.device)
-        lora = LoraBatch.build(slots, query_lens, self.device)
-        input_ids = torch.tensor(ids, dtype=torch.int64, device=self.device)
-        if fed is not None:
-            sources = torch.tensor([-1] * (len(ids) - len(fed)) + fed, dtype=torch.int64, device=self.device)
-            input_ids = fed_token_ids(input_ids, sources, self.sampled)
-        return self.model(input_ids, attn, lora, self.kv_cache)
+        input_ids = torch.from_numpy(step.token_ids).to(self.device)
+        if step.any_fed:
+            input_ids = fed_token_ids(input_ids, torch.from_numpy(step.fed_rows).to(self.device), self.sampled)
+        return self.model(input_ids, step.attn_batch(self.device), step.lora_batch(self.device), self.kv_cache)

@@ -7,6 +7,7 @@ import torch
 from punica.engine.request import Request
 
 SEED_STRIDE = 1_000_003
+SEED_MODULUS = 1 << 64  # torch generators take 64-bit seeds
 
 
 def apply_penalties(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
@@ -43,25 +44,36 @@ def filter_probs(logits: torch.Tensor, temperature: float, top_k: int, top_p: fl
     return probs / probs.sum()
 
 
-def sample(logits: torch.Tensor, requests: list[Request]) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """One token per row of logits [N, V] float32 (int64 [N]) and its log-probability under the
-    model (float32 [N]; None when no request asks for logprobs), on the logits' device: nothing
-    here waits for the device, so the engine can schedule its next step while this one runs."""
+def sample(logits: torch.Tensor, requests: list[Request]
+           ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """One token per row of logits [N, V] float32 (int64 [N]), its log-probability under the model
+    (float32 [N]; None when no request asks for logprobs), and whether the row could be sampled
+    (bool [N]): its logits finite and, when it samples, its filtered probabilities a distribution.
+
+    A row that fails gets some token, computed as if its logits were zeros, so that nothing of it
+    reaches another row (multinomial on NaN would fail the whole batch, on CUDA the whole process);
+    the engine fails that request alone. Everything stays on the logits' device: nothing here
+    waits for the device, so the engine can schedule its next step while this one runs."""
+    ok = torch.isfinite(logits).all(-1)
+    logits = torch.where(ok[:, None], logits, 0.0)
     logprobs_all = logits.log_softmax(-1) if any(r.params.logprobs for r in requests) else None
     if any(r.params.uses_penalties for r in requests):
-        logits = apply_penalties(logits.clone(), requests)
+        logits = apply_penalties(logits, requests)
     tokens = logits.argmax(-1)
     for row, request in enumerate(requests):
         p = request.params
         if p.greedy:
             continue
         probs = filter_probs(logits[row], p.temperature, p.top_k, p.top_p, p.min_p)
+        valid = torch.isfinite(probs).all() & (probs.sum() > 0)
+        ok[row] &= valid
+        probs = torch.where(valid, probs, 1.0)
         generator = None
         if p.seed is not None:
             # seeded by position: the same tokens whatever the batch, even after a preemption
             generator = torch.Generator(device=logits.device)
-            generator.manual_seed(p.seed * SEED_STRIDE + len(request.output_token_ids))
+            generator.manual_seed((p.seed * SEED_STRIDE + len(request.output_token_ids)) % SEED_MODULUS)
         tokens[row] = torch.multinomial(probs, 1, generator=generator)[0]
     if logprobs_all is None:
-        return tokens, None
-    return tokens, logprobs_all.gather(1, tokens[:, None])[:, 0]
+        return tokens, None, ok
+    return tokens, logprobs_all.gather(1, tokens[:, None])[:, 0], ok

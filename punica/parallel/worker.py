@@ -1,88 +1,46 @@
 """A tensor-parallel worker: rank r > 0, one process, driven by rank 0 through a pipe.
 
 Rank 0 runs the Engine (scheduler, adapter manager, sampler, server); a worker holds rank r's
-shard of the model, its KV cache (its kv heads) and its adapter pool, and does what rank 0
-tells it, in order:
+ModelWorker: its shard of the model, its KV cache (its kv heads) and its adapter pool, and does
+what rank 0 tells it, in order:
 
-    ("step", prefills, decodes)    run ModelRunner.run on the step's requests, rebuilt from
-                                   StepRow tuples; the logits are dropped (rank 0's suffice:
-                                   lm_head is replicated)
+    ("step", StepInput)            run the step on this rank's shard; the logits are dropped
+                                   (rank 0's suffice: lm_head is replicated)
     ("write", slot, scale) + bytes write rank r's packed shard of an adapter into `slot`
     ("stop",)                      leave
 
 Steps and writes reach every rank in the order rank 0 issued them, so a worker's pool holds
 the same adapters in the same slots as rank 0's at every step, and the model's all-reduces
-pair up across ranks. A worker builds its Engine exactly as rank 0 does (same config, same
-KV pages), so its runner captures the same CUDA graphs, with the same collectives, at the
-same time; the Engine's scheduler stays idle. It exits when told to stop or when rank 0's
+pair up across ranks. A worker builds its ModelWorker exactly as rank 0 does (same config, same
+KV pages), so its runner captures the same CUDA graphs, with the same collectives, at the same
+time. It exits when told to stop or when rank 0's
 end of the pipe closes (rank 0 exited or died), and reports its own failure on the pipe.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import signal
 import sys
 import traceback
 from multiprocessing.connection import Connection
 from pathlib import Path
-from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
 
 from punica.config import EngineConfig
-from punica.engine.engine import Engine, kv_cache_pages
-from punica.engine.request import Request
+from punica.engine.worker import ModelWorker, kv_cache_pages
 from punica.models.llama import LlamaForCausalLM
 from punica.models.loader import DummyWeights, load_weights
 from punica.parallel.launcher import init_rank
 from punica.parallel.tensor_parallel import shard_model_
 
 
-class StepRow(NamedTuple):
-    """What ModelRunner.run reads of one request: its tokens not yet in the KV cache, how many
-    are, its pages and its adapter slot."""
-    num_cached: int
-    new_token_ids: list[int]
-    pages: list[int]
-    slot: int
-
-
-def step_row(request: Request) -> StepRow:
-    return StepRow(request.num_cached, request.token_ids[request.num_cached:], request.pages, request.slot)
-
-
-@dataclasses.dataclass
-class StepRequest:
-    """A request as a worker's runner sees it: cached tokens are unknown here (-1, which no
-    embedding lookup accepts), as the runner reads only the ones a step runs."""
-    token_ids: list[int]
-    num_tokens: int
-    num_cached: int
-    pages: list[int]
-    slot: int
-
-    @property
-    def last_token_id(self) -> int:
-        return self.token_ids[-1]
-
-    @classmethod
-    def from_row(cls, row: StepRow) -> "StepRequest":
-        return cls([-1] * row.num_cached + row.new_token_ids, row.num_cached + len(row.new_token_ids),
-                   row.num_cached, row.pages, row.slot)
-
-
 def load_shard(source: str | Path | DummyWeights, dtype: torch.dtype, device: torch.device) -> LlamaForCausalLM:
     """This rank's shard of a checkpoint directory's model or of random weights: built on the meta
     device, sharded there, then only its slices are read or generated, straight onto `device`."""
     return load_weights(source, dtype, device, shard=lambda model: shard_model_(model, dist.group.WORLD))
-
-
-def with_kv_pages(config: EngineConfig, num_pages: int) -> EngineConfig:
-    """`config` with a KV cache of exactly `num_pages` pages (the number every rank agreed on)."""
-    return dataclasses.replace(config, kv_cache_tokens=num_pages * config.page_size)
 
 
 def worker_main(rank: int, world_size: int, backend: str, workdir: str, conn: Connection,
@@ -96,9 +54,7 @@ def worker_main(rank: int, world_size: int, backend: str, workdir: str, conn: Co
         model = load_shard(source, dtype, device)
         conn.send(("ready", kv_cache_pages(model, config)))
         _, num_pages = conn.recv()
-        # a worker reads no adapters (rank 0 sends its slots' shards): a host tier of one row
-        engine = Engine(model, None, dataclasses.replace(with_kv_pages(config, num_pages), lora_host_bytes=1))
-        serve(conn, engine)
+        serve(conn, ModelWorker(model, config, num_pages))
     except EOFError:
         pass  # rank 0 has gone: nothing is left to do
     except BaseException:
@@ -118,15 +74,14 @@ def worker_main(rank: int, world_size: int, backend: str, workdir: str, conn: Co
     os._exit(0)
 
 
-def serve(conn: Connection, engine: Engine) -> None:
+def serve(conn: Connection, worker: ModelWorker) -> None:
     """Run rank 0's steps and adapter writes until told to stop."""
-    pool = engine.pool
+    pool = worker.pool
     staging = torch.empty(pool.slot_numel, dtype=pool.buffer.dtype, pin_memory=pool.buffer.is_cuda)
     while True:
         message = conn.recv()
         if message[0] == "step":
-            _, prefills, decodes = message
-            engine.runner.run([StepRequest.from_row(r) for r in prefills], [StepRequest.from_row(r) for r in decodes])
+            worker.run(message[1])
         elif message[0] == "write":
             _, slot, scale = message
             if conn.recv_bytes_into(staging.view(torch.uint8).numpy()) != staging.nbytes:

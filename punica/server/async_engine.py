@@ -23,7 +23,6 @@ from punica.lora.adapter import load_adapter
 
 log = logging.getLogger("punica.server")
 IDLE_WAIT_S = 0.05
-LOADING_WAIT_S = 0.001
 
 
 class AsyncEngine:
@@ -76,17 +75,17 @@ class AsyncEngine:
         return self.engine.max_model_len
 
     def has_adapter(self, name: str) -> bool:
-        return name in self.engine.adapters.registry
+        return self.engine.has_adapter(name)
 
     async def adapter_paths(self) -> dict[str, str]:
-        return await self.call(lambda: {n: str(p) for n, p in self.engine.adapters.registry.items()})
+        return await self.call(self.engine.adapter_paths)
 
     def num_waiting(self) -> int:
-        return len(self.engine.scheduler.waiting)
+        return self.engine.stats().num_waiting
 
     async def load_adapter(self, name: str, path: str) -> None:
         """Read the adapter once (so a broken one fails here), then register it."""
-        await asyncio.to_thread(load_adapter, path, self.engine.adapters.config, name)
+        await asyncio.to_thread(load_adapter, path, self.engine.executor.model_config, name)
         await self.call(lambda: self.engine.load_adapter(name, path))
 
     async def unload_adapter(self, name: str) -> None:
@@ -142,10 +141,8 @@ class AsyncEngine:
                 self._deliver(out.request_id, out)
             if self.on_step is not None:
                 self.on_step(self.engine, outputs, time.perf_counter() - start)
-            if self.engine.stalled(outputs):
-                time.sleep(LOADING_WAIT_S)  # queued requests wait for adapter loads
 
     def _fail_running(self, error: Exception) -> None:
-        for request in list(self.engine.scheduler.running):
-            self.engine.abort(request.request_id)
-            self._deliver(request.request_id, RuntimeError(f"internal error while generating: {error}"))
+        for request_id in self.engine.running_request_ids():
+            self.engine.abort(request_id)
+            self._deliver(request_id, RuntimeError(f"internal error while generating: {error}"))

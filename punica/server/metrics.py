@@ -7,7 +7,8 @@ from collections import deque
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from punica.engine.engine import Engine, RequestOutput
+from punica.engine.engine import Engine
+from punica.engine.outputs import RequestOutput
 
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 TOKENS_PER_S_WINDOW_S = 10.0
@@ -58,8 +59,8 @@ class Metrics:
             self.latency.labels(adapter).observe(total)
 
     def update_gauges(self, engine: Engine) -> None:
-        scheduler, allocator = engine.scheduler, engine.allocator
-        self.batch_size.set(len(scheduler.running))
-        self.queue_length.set(len(scheduler.waiting))
-        self.kv_usage.set(allocator.num_used / allocator.num_pages)
-        self.lora_slots.set(len(engine.adapters.resident))
+        stats = engine.stats()
+        self.batch_size.set(stats.num_running)
+        self.queue_length.set(stats.num_waiting)
+        self.kv_usage.set(stats.num_kv_pages_used / stats.num_kv_pages)
+        self.lora_slots.set(stats.num_adapter_slots_used)

@@ -10,9 +10,9 @@ import torch
 from helpers import make_peft_adapter, tiny_llama
 from punica.cluster.ray_backend import ClusterEngine
 from punica.cluster.worker import EngineWorker
-from punica.config import EngineConfig
-from punica.engine.engine import Engine
+from punica.config import EngineArgs, EngineConfig
 from punica.engine.sampling_params import SamplingParams
+from punica.factory import engine_on_model
 from punica.models.loader import load_hf_dir
 
 PROMPT = [5, 17, 42, 9, 77, 3]
@@ -44,7 +44,7 @@ def greedy(max_tokens):
 
 def single_engine_tokens(model, adapter, max_tokens):
     base, adapters = model
-    engine = Engine(load_hf_dir(base, dtype=torch.float32), None, EngineConfig(page_size=4), adapters)
+    engine = engine_on_model(load_hf_dir(base, dtype=torch.float32), EngineConfig(page_size=4), adapters)
     engine.add_request(PROMPT, greedy(max_tokens), adapter)
     while engine.has_unfinished():
         outs = [o for o in engine.step() if o.finished]
@@ -67,7 +67,8 @@ def test_run_time_adapters_reach_every_worker_late_ones_too_and_roll_back_on_ref
 
     async def main():
         classes = iter([ray.remote(num_cpus=1)(EngineWorker), ray.remote(num_cpus=1)(refusing_worker())])
-        cluster = ClusterEngine(lambda: next(classes).remote(base, {"a": adapters["a"]}, dict(page_size=4)),
+        args = EngineArgs(model=base, page_size=4, dtype="float32", device="cpu")
+        cluster = ClusterEngine(lambda: next(classes).remote(args, {"a": adapters["a"]}),
                                 min_workers=1, max_workers=2, adapters={"a": adapters["a"]})
         await cluster.start()
         try:

@@ -12,9 +12,10 @@ import torch
 from helpers import make_peft_adapter, tiny_llama
 from punica.cluster.policy import PolicyConfig
 from punica.cluster.ray_backend import ClusterEngine, Tracked, build_cluster_engine
-from punica.config import EngineConfig
-from punica.engine.engine import Engine, RequestOutput
+from punica.config import EngineArgs, EngineConfig
+from punica.engine.outputs import RequestOutput
 from punica.engine.sampling_params import SamplingParams
+from punica.factory import engine_on_model
 from punica.models.loader import load_hf_dir
 
 
@@ -32,9 +33,13 @@ def workload(n, seed):
     return [([rng.randrange(3, 128) for _ in range(rng.randint(4, 12))], [None, "a", "b"][i % 3]) for i in range(n)]
 
 
+def cpu_args(model, **fields) -> EngineArgs:
+    return EngineArgs(model=model[0], dtype="float32", device="cpu", **fields)
+
+
 def single_engine(model, requests, max_tokens):
     base, adapters = model
-    engine = Engine(load_hf_dir(base, dtype=torch.float32), None, EngineConfig(page_size=4), adapters)
+    engine = engine_on_model(load_hf_dir(base, dtype=torch.float32), EngineConfig(page_size=4), adapters)
     ids = [engine.add_request(p, greedy(max_tokens), a) for p, a in requests]
     outs = {}
     while engine.has_unfinished():
@@ -65,8 +70,8 @@ def test_kv_exhaustion_migrates_requests_and_outputs_match(ray_cluster, model):
     expected = single_engine(model, requests, max_tokens=24)
 
     async def main():
-        cluster = build_cluster_engine(model[0], model[1], dict(page_size=4, kv_cache_tokens=64, max_batch_size=6),
-                                       num_workers=2)
+        cluster = build_cluster_engine(cpu_args(model, workers=2, page_size=4, kv_cache_tokens=64, max_batch_size=6),
+                                       model[1])
         await cluster.start()
         try:
             outs = await asyncio.gather(*(collect(cluster, f"r{i}", p, a, 24, {}) for i, (p, a) in enumerate(requests)))
@@ -84,7 +89,7 @@ def test_killed_worker_requests_are_placed_again_and_complete(ray_cluster, model
     expected = single_engine(model, requests, max_tokens=40)
 
     async def main():
-        cluster = build_cluster_engine(model[0], model[1], dict(page_size=4, max_batch_size=4), num_workers=2)
+        cluster = build_cluster_engine(cpu_args(model, workers=2, page_size=4, max_batch_size=4), model[1])
         await cluster.start()
         progress = {}
         try:
@@ -118,7 +123,7 @@ def test_workers_are_added_while_requests_wait_and_released_when_idle(ray_cluste
             await asyncio.sleep(0.02)
 
     async def main():
-        cluster = build_cluster_engine(model[0], model[1], dict(page_size=4, max_batch_size=2), num_workers=1,
+        cluster = build_cluster_engine(cpu_args(model, workers=1, page_size=4, max_batch_size=2), model[1],
                                        max_workers=2, policy_config=policy_config)
         await cluster.start()
         try:

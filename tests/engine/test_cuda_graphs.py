@@ -8,9 +8,10 @@ import torch
 
 from punica.config import EngineConfig, ceil_div
 from punica.engine.cuda_graphs import Bucket, CudaGraphs, StaticBatch, buckets, decode_batch_sizes
-from punica.engine.engine import Engine
 from punica.engine.request import PENDING, Request
 from punica.engine.sampling_params import SamplingParams
+from punica.engine.step_input import StepInput
+from punica.factory import engine_on_model
 from punica.models.loader import load_hf_dir
 from test_engine import greedy, make_engine, run_all, setup, workload  # noqa: F401  (setup: fixture)
 
@@ -28,21 +29,27 @@ def prefill(num_tokens: int, num_cached: int = 0) -> Request:
     return request
 
 
+def step_of(prefills: list[Request], decodes: list[Request]) -> StepInput:
+    for request in prefills + decodes:
+        request.pages = list(range(ceil_div(request.num_tokens, 4)))
+    return StepInput.from_requests(prefills, decodes, page_size=4)
+
+
 def test_bucket_fits_and_order():
     decodes = [prefill(9, 8)] * 3
-    assert Bucket(0, 0, 4).fits([], decodes) and not Bucket(0, 0, 2).fits([], decodes)
-    assert not Bucket(0, 0, 4).fits([prefill(5)], decodes)
+    assert Bucket(0, 0, 4).fits(step_of([], decodes)) and not Bucket(0, 0, 2).fits(step_of([], decodes))
+    assert not Bucket(0, 0, 4).fits(step_of([prefill(5)], decodes))
     mixed = Bucket(4, 32, 8)
-    assert mixed.fits([prefill(29)], decodes)          # 29 tokens + 3 padding requests of one token
-    assert not mixed.fits([prefill(30)], decodes)
-    assert mixed.fits([prefill(30, 20)] * 3, decodes)  # only uncached tokens count: 30 + 1 padding
-    assert not mixed.fits([prefill(5)] * 4, decodes)   # the padding request needs a place
-    assert not mixed.fits([], decodes)
+    assert mixed.fits(step_of([prefill(29)], decodes))          # 29 tokens + 3 padding requests of one token
+    assert not mixed.fits(step_of([prefill(30)], decodes))
+    assert mixed.fits(step_of([prefill(30, 20)] * 3, decodes))  # only uncached tokens count: 30 + 1 padding
+    assert not mixed.fits(step_of([prefill(5)] * 4, decodes))   # the padding request needs a place
+    assert not mixed.fits(step_of([], decodes))
     all_buckets = buckets(32, 2048)
     assert all_buckets == sorted(all_buckets, key=lambda b: (b.num_prefills > 0, b.num_tokens))
     mixed = {b.prefill_tokens: b.num_prefills for b in all_buckets if b.num_prefills}
     assert mixed == {35: 4, 68: 5, 136: 9, 272: 17, 544: 33, 800: 33, 1056: 33, 1568: 33, 2080: 33}
-    assert any(b.fits([prefill(64)] * 32, []) for b in all_buckets), "a whole batch of 64-token prompts"
+    assert any(b.fits(step_of([prefill(64)] * 32, [])) for b in all_buckets), "a whole batch of 64-token prompts"
     assert max(b.prefill_tokens for b in buckets(32, 600)) == 544  # a padding request fits a context
 
 
@@ -76,23 +83,25 @@ def scheduled_step(engine, num_decodes, new_prompts):
 def test_static_batch_matches_eager_step(setup, bucket, num_decodes, new_prompts):
     engine = make_engine(setup, max_batch_size=16, kv_cache_tokens=1024)
     prefills, decodes, fed = scheduled_step(engine, num_decodes, new_prompts)
-    assert bucket.fits(prefills, decodes)
+    step = StepInput.from_requests(prefills, decodes, engine.config.page_size, fed)
+    assert bucket.fits(step)
     if len(decodes) >= 4:
         assert {r.slot for r in decodes} >= {-1, 0, 1, 2}, "a base row and every adapter in the batch"
         assert max(len(r.pages) for r in decodes) > 1
-    runner, page_size = engine.runner, engine.config.page_size
+    worker, page_size = engine.executor.worker, engine.config.page_size
+    runner = worker.runner
     num_pages = engine.allocator.num_pages
     assert runner.kv_cache.shape[1] == num_pages + 1, "one scratch page beyond the allocator's"
     before = runner.kv_cache.clone()
-    eager = runner.run(prefills, decodes, fed)
+    eager = runner.run(step)
     eager_cache = runner.kv_cache.clone()
 
     runner.kv_cache.copy_(before)
     runner.kv_cache[:, num_pages] = 1e3  # garbage in the scratch page is never read by real rows
     static = StaticBatch(bucket, ceil_div(engine.max_model_len, page_size), page_size, num_pages, runner.device)
-    static.fill(prefills, decodes, fed)
+    static.fill(step)
     with torch.inference_mode():
-        logits = static.forward(engine.model, runner.kv_cache, runner.sampled, with_lora=True)
+        logits = static.forward(worker.model, runner.kv_cache, runner.sampled, with_lora=True)
     assert logits.shape == (bucket.num_requests, eager.shape[1])
     real_rows = list(range(len(prefills))) + [bucket.num_prefills + i for i in range(len(decodes))]
     torch.testing.assert_close(logits[real_rows], eager, rtol=1e-5, atol=1e-5)
@@ -105,10 +114,10 @@ def test_graph_engine_generates_what_eager_engine_does(setup, monkeypatch):
     replays = []
     run = CudaGraphs.run
 
-    def spy(self, prefills, decodes, fed):
-        logits = run(self, prefills, decodes, fed)
+    def spy(self, step):
+        logits = run(self, step)
         if logits is not None:
-            replays.append((len(prefills), len(decodes), any(r.slot >= 0 for r in prefills + decodes)))
+            replays.append((step.num_prefills, step.num_decodes, step.any_lora))
         return logits
 
     monkeypatch.setattr(CudaGraphs, "run", spy)
@@ -118,9 +127,9 @@ def test_graph_engine_generates_what_eager_engine_does(setup, monkeypatch):
     outputs = {}
     for eager in (True, False):
         model = load_hf_dir(base, dtype=torch.float32, device="cuda")
-        engine = Engine(model, None, EngineConfig(max_batch_size=12, kv_cache_tokens=4096, enforce_eager=eager),
-                        adapters=paths)
-        assert (engine.runner.graphs is None) == eager
+        engine = engine_on_model(model, EngineConfig(max_batch_size=12, kv_cache_tokens=4096, enforce_eager=eager),
+                                 paths)
+        assert engine.executor.worker.uses_cuda_graphs != eager
         outputs[eager] = [[o.token_ids for o in run_all(engine, requests, greedy)] for requests in (mixed, base_only)]
     assert outputs[False] == outputs[True]
     sizes = {d for p, d, _ in replays if not p}

@@ -9,7 +9,7 @@ import torch
 
 from helpers import load_peft_model, make_peft_adapter, tiny_llama
 from punica.config import EngineConfig
-from punica.engine.engine import Engine
+from punica.factory import engine_on_model
 from punica.engine.sampling_params import SamplingParams
 from punica.models.loader import load_hf_dir
 
@@ -30,7 +30,7 @@ def setup(tmp_path_factory):
 def make_engine(setup, **config):
     base, paths, _ = setup
     model = load_hf_dir(base, dtype=torch.float32)
-    return Engine(model, None, EngineConfig(**config), adapters=paths)
+    return engine_on_model(model, EngineConfig(**config), paths)
 
 
 def workload(n, seed):
@@ -79,7 +79,7 @@ def test_preemption_loses_and_repeats_nothing(setup):
     ample = run_all(make_engine(setup, max_batch_size=8, page_size=4), requests, greedy)
     tight = make_engine(setup, max_batch_size=8, page_size=4, kv_cache_tokens=96)
     outs = run_all(tight, requests, greedy)
-    assert tight.num_preemptions > 0
+    assert tight.stats().num_preemptions > 0
     assert [o.token_ids for o in outs] == [o.token_ids for o in ample]
     assert tight.allocator.num_free == tight.allocator.num_pages
 
@@ -95,7 +95,7 @@ def test_seeded_sampling_is_reproducible_across_batches_and_preemption(setup):
     first = run_all(make_engine(setup, max_batch_size=8, page_size=4), requests, sampled)
     tight = make_engine(setup, max_batch_size=3, page_size=4, kv_cache_tokens=64)
     second = run_all(tight, requests, sampled)
-    assert tight.num_preemptions > 0
+    assert tight.stats().num_preemptions > 0
     assert [o.token_ids for o in first] == [o.token_ids for o in second]
     assert any(o.token_ids != hf_greedy(setup[2], p, a, m) for o, (p, a, m) in zip(first, requests))
 
@@ -157,7 +157,7 @@ def test_abort_frees_pages(setup):
 def test_a_dropped_engine_frees_its_kv_cache_without_the_garbage_collector(setup):
     engine = make_engine(setup, kv_cache_tokens=256)
     run_all(engine, workload(4, seed=2), greedy)
-    kv_cache = weakref.ref(engine.runner.kv_cache)
+    kv_cache = weakref.ref(engine.executor.worker.runner.kv_cache)
     gc.disable()
     try:
         del engine

@@ -25,13 +25,13 @@ def generate(engine, requests):
 
 @pytest.fixture
 def fed_rows(monkeypatch):
-    """Every `fed` row that a step's decodes read from the previous step's sampled tokens."""
+    """Every fed row (>= 0) that a step's decodes read from the previous step's sampled tokens."""
     rows = []
     run = ModelRunner.run
 
-    def spy(self, prefills, decodes, fed=None):
-        rows.extend(fed or [])
-        return run(self, prefills, decodes, fed)
+    def spy(self, step):
+        rows.extend(r for r in step.fed_rows.tolist() if r >= 0)
+        return run(self, step)
 
     monkeypatch.setattr(ModelRunner, "run", spy)
     return rows
@@ -56,13 +56,13 @@ def mixed_requests(setup):
 def test_overlapped_steps_give_what_one_step_at_a_time_gives(setup, fed_rows):
     requests = mixed_requests(setup)
     fed_rows.clear()
-    one_at_a_time = make_engine(setup, max_batch_size=6, page_size=4)
-    one_at_a_time.overlaps_steps = False
+    one_at_a_time = make_engine(setup, max_batch_size=6, page_size=4, overlap_steps=False)
+    assert not one_at_a_time.overlaps_steps
     expected = generate(one_at_a_time, requests)
     assert not fed_rows, "a synchronous engine reads every token from the host"
     engine = make_engine(setup, max_batch_size=6, page_size=4)
     outs = generate(engine, requests)
-    assert fed_rows and max(fed_rows) >= 0, "steps ran ahead"
+    assert fed_rows, "steps ran ahead"
     for out, want in zip(outs, expected):
         assert (out.token_ids, out.finish_reason, out.logprobs) == (want.token_ids, want.finish_reason, want.logprobs)
     assert sum(o.finish_reason == "stop" for o in outs) >= 10
@@ -75,7 +75,7 @@ def test_a_request_aborted_in_flight_returns_only_tokens_the_host_has(setup):
     kept = engine.add_request([5, 6, 7], greedy(6), None)
     dropped = engine.add_request([8, 9], greedy(6), None)
     first = engine.step()
-    assert first == [] and not engine.stalled(first), "no output yet, but a step in flight"
+    assert first == [] and engine.has_step_in_flight, "no output yet, but a step in flight"
     engine.step()
     assert engine.has_step_in_flight
     out = engine.abort(dropped)
@@ -87,4 +87,4 @@ def test_a_request_aborted_in_flight_returns_only_tokens_the_host_has(setup):
     alone = run_all(make_engine(setup), [([5, 6, 7], None, 6)], greedy)[0]
     assert [o.token_ids for o in outs if o.finished] == [alone.token_ids]
     assert engine.allocator.num_used == 0
-    assert engine.stalled(engine.step()), "nothing queued, nothing in flight"
+    assert engine.step() == [] and not engine.has_unfinished(), "nothing queued, nothing in flight"

@@ -7,7 +7,7 @@ import torch
 
 from helpers import tiny_llama
 from punica.config import EngineConfig
-from punica.engine.engine import Engine
+from punica.factory import engine_on_model
 from punica.engine.sampling_params import SamplingParams
 from punica.lora.adapter import load_adapter
 from punica.lora.batch import LoraBatch
@@ -68,8 +68,8 @@ def test_200_adapters_through_8_slots_each_request_gets_its_own(base, host_rows)
     host_bytes = 4 << 30
     if host_rows is not None:
         host_bytes = host_rows * LoraPool(model.config, 1, 8, torch.float32, "cpu").slot_numel * 4
-    engine = Engine(model, None, EngineConfig(max_batch_size=16, max_loras=8, max_lora_rank=8, page_size=4,
-                                              lora_host_bytes=host_bytes), paths)
+    engine = engine_on_model(model, EngineConfig(max_batch_size=16, max_loras=8, max_lora_rank=8, page_size=4,
+                                                 lora_host_bytes=host_bytes), paths)
     if host_rows is not None:
         assert engine.adapters.arena.rows.shape[0] == host_rows
     rng = random.Random(1)
@@ -182,7 +182,7 @@ def test_corrupt_or_missing_adapter_fails_only_its_requests(base):
     (broken / "adapter_model.safetensors").write_bytes(b"not a safetensors file")
     vanished = base / "vanished"
     save_random_adapter(vanished, model.config, rank=4, seed=10)
-    engine = Engine(model, None, EngineConfig(max_batch_size=8, max_loras=2, max_lora_rank=8), paths)
+    engine = engine_on_model(model, EngineConfig(max_batch_size=8, max_loras=2, max_lora_rank=8), paths)
     engine.load_adapter("broken", str(broken))
     engine.load_adapter("vanished", str(vanished))
     (vanished / "adapter_config.json").unlink()
@@ -203,7 +203,7 @@ def test_corrupt_or_missing_adapter_fails_only_its_requests(base):
 def test_unload_while_running_finishes_admitted_and_fails_queued(base):
     model = model_of(base)
     paths = adapter_dirs(base, model, 2)
-    engine = Engine(model, None, EngineConfig(max_batch_size=1, max_loras=2, max_lora_rank=8), paths)
+    engine = engine_on_model(model, EngineConfig(max_batch_size=1, max_loras=2, max_lora_rank=8), paths)
     params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
     first = engine.add_request([1, 2, 3], params, "t0")
     queued = engine.add_request([4, 5, 6], params, "t0")

@@ -2,6 +2,7 @@
 
 import os
 import random
+import re
 import shutil
 import signal
 import subprocess
@@ -16,9 +17,9 @@ from helpers import make_peft_adapter, punica_config, tiny_llama
 from punica.config import EngineConfig
 from punica.engine.engine import Engine
 from punica.engine.sampling_params import SamplingParams
+from punica.factory import engine_on_model
 from punica.models.loader import DummyWeights, dummy_model, load_hf_dir
-from punica.parallel.driver import WorkerError
-from punica.parallel.engine import start_engine
+from punica.parallel.executor import start_tensor_parallel
 
 # name -> (rank, alpha, targets): row-parallel o/down and column-parallel projections, mixed ranks
 ADAPTERS = {
@@ -54,6 +55,11 @@ def workload():
     return requests
 
 
+def tensor_parallel_engine(source, paths, device="cpu", **start_kw) -> Engine:
+    """The Engine over 2 ranks (this process is rank 0) of a checkpoint directory or DummyWeights."""
+    return Engine(start_tensor_parallel(source, CONFIG, torch.float32, device, 2, **start_kw), None, CONFIG, paths)
+
+
 def run_workload(engine):
     """Greedy token ids of every request, in workload order."""
     pending = sorted(enumerate(workload()), key=lambda item: item[1][0])
@@ -73,11 +79,10 @@ def run_workload(engine):
 def check_dummy_two_ranks(expect, config, paths, device, rank0_kv_heads, **start_kw):
     """Two ranks, each generating only its shard of the dummy model (seed 7), give `expect`: the
     tokens one process gives with the same seed. And those tokens depend on the weights."""
-    engine = start_engine(DummyWeights(config, seed=7), None, CONFIG, paths, (), torch.float32, device, 2,
-                          **start_kw)
+    engine = tensor_parallel_engine(DummyWeights(config, seed=7), paths, device, **start_kw)
     try:
         got = run_workload(engine)
-        assert engine.model.config.num_kv_heads == rank0_kv_heads
+        assert engine.executor.worker.model.config.num_kv_heads == rank0_kv_heads
     finally:
         engine.close()
     assert got == expect
@@ -86,12 +91,12 @@ def check_dummy_two_ranks(expect, config, paths, device, rank0_kv_heads, **start
 
 def test_two_ranks_match_one_process(setup):
     base, paths = setup
-    expect = run_workload(Engine(load_hf_dir(base, torch.float32), None, CONFIG, adapters=paths))
-    engine = start_engine(base, None, CONFIG, paths, (), torch.float32, "cpu", 2, timeout_s=60)
+    expect = run_workload(engine_on_model(load_hf_dir(base, torch.float32), CONFIG, paths))
+    engine = tensor_parallel_engine(base, paths, timeout_s=60)
     try:
         got = run_workload(engine)
-        assert engine.runner.local.kv_cache.shape[-2] == 1  # rank 0 caches its one kv head
-        assert engine.num_preemptions > 0
+        assert engine.executor.worker.runner.kv_cache.shape[-2] == 1  # rank 0 caches its one kv head
+        assert engine.stats().num_preemptions > 0
         assert engine.adapters.num_loads == len(ADAPTERS)  # every adapter read once, written into 2 slots
     finally:
         engine.close()
@@ -99,7 +104,7 @@ def test_two_ranks_match_one_process(setup):
     base_tokens = expect[0]
     for adapted in expect[1:len(ADAPTERS) + 1]:  # each adapter changes the shared prompt's output
         assert adapted != base_tokens
-    assert [p.exitcode for p in engine.workers.processes] == [0]  # the worker left when told to
+    assert [p.exitcode for p in engine.executor.workers.processes] == [0]  # the worker left when told to
     assert mp.active_children() == []
 
 
@@ -108,7 +113,7 @@ def test_random_weights_two_ranks_match_one_process(setup):
     one process generates with the same seed (the same tokens over mixed adapters)."""
     _, paths = setup
     config = punica_config(tiny_llama())
-    expect = run_workload(Engine(dummy_model(config, torch.float32, seed=7), None, CONFIG, adapters=paths))
+    expect = run_workload(engine_on_model(dummy_model(config, torch.float32, seed=7), CONFIG, paths))
     check_dummy_two_ranks(expect, config, paths, "cpu", rank0_kv_heads=1, timeout_s=60)
 
 
@@ -127,28 +132,33 @@ def test_two_gpus_match_one_on_a_7b_shape(tmp_path):
                 "mixed": (4, ("v", "o", "up", "down")), "all": (16, ("q", "k", "v", "o", "gate", "up", "down"))}
     paths = {name: str(save_random_adapter(tmp_path / name, config, rank, seed=i, projections=projections))
              for i, (name, (rank, projections)) in enumerate(adapters.items())}
-    engine = Engine(dummy_model(config, torch.float32, "cuda", seed=7), None, CONFIG, adapters=paths)
+    engine = engine_on_model(dummy_model(config, torch.float32, "cuda", seed=7), CONFIG, paths)
     expect = run_workload(engine)
     del engine  # frees its KV cache at once (no reference cycle)
     torch.cuda.empty_cache()
     check_dummy_two_ranks(expect, config, paths, "cuda", rank0_kv_heads=16)
 
 
-def test_killed_worker_fails_every_later_step_loudly(setup):
+def test_killed_worker_fails_every_later_request_loudly(setup):
     base, paths = setup
-    engine = start_engine(base, None, CONFIG, paths, (), torch.float32, "cpu", 2, timeout_s=60)
+    engine = tensor_parallel_engine(base, paths, timeout_s=60)
+    params = SamplingParams(max_tokens=50, temperature=0, ignore_eos=True)
     try:
-        engine.add_request([5, 6, 7], SamplingParams(max_tokens=50, temperature=0, ignore_eos=True), "attn")
-        for _ in range(3):
-            engine.step()
-        worker = engine.workers.processes[0]
+        running = engine.add_request([5, 6, 7], params, "attn")
+        while not engine.step():  # until it runs (its adapter is loaded) and has a token
+            pass
+        worker = engine.executor.workers.processes[0]
         os.kill(worker.pid, signal.SIGKILL)
         worker.join(10)
+        failed = {}
+        later = engine.add_request([8, 9], params, None)
         start = time.monotonic()
-        for _ in range(2):
-            with pytest.raises(WorkerError, match=r"rank 1 \(pid \d+\) exited with code -9"):
-                engine.step()
+        while engine.has_unfinished():
+            failed.update((o.request_id, o) for o in engine.step() if o.finished)
         assert time.monotonic() - start < 10
+        for request_id in (running, later):
+            assert failed[request_id].finish_reason == "error"
+            assert re.search(r"rank 1 \(pid \d+\) exited with code -9", failed[request_id].error)
     finally:
         engine.close()
     assert mp.active_children() == []
@@ -181,9 +191,9 @@ def test_cli_generate_with_two_ranks(setup, tmp_path):
 RANK_0_THEN_DIE = """
 import os, signal, sys, torch
 from punica.config import EngineConfig
-from punica.parallel.engine import start_engine
-engine = start_engine(sys.argv[1], None, EngineConfig(kv_cache_tokens=64), None, (), torch.float32, "cpu", 2)
-print(engine.workers.processes[0].pid, flush=True)
+from punica.parallel.executor import start_tensor_parallel
+executor = start_tensor_parallel(sys.argv[1], EngineConfig(kv_cache_tokens=64), torch.float32, "cpu", 2)
+print(executor.workers.processes[0].pid, flush=True)
 os.kill(os.getpid(), signal.SIGKILL)  # no clean-up of any kind
 """
 

@@ -6,6 +6,7 @@ import httpx
 import pytest
 import uvicorn
 
+from punica.config import EngineArgs
 from punica.lora.dummy import save_random_adapter
 from punica.server.app import build_app
 from punica.server.serve import build_state
@@ -66,7 +67,7 @@ def adapter_dirs(tmp_path_factory):
 @pytest.fixture(scope="session")
 def server(adapter_dirs):
     served, loadable = adapter_dirs
-    state = build_state(adapters=served, max_batch_size=16, max_loras=4)
+    state = build_state(EngineArgs(max_batch_size=16, max_loras=4), adapters=served)
     state.adapter_dirs = [loadable]
     running = RunningServer(state)
     yield running

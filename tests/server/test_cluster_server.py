@@ -7,13 +7,14 @@ import ray
 
 from conftest import RunningServer
 from punica import LLM, SamplingParams
+from punica.config import EngineArgs
 from punica.server.serve import build_state
 
 
 @pytest.fixture(scope="module")
 def cluster_server(adapter_dirs):
     served, loadable = adapter_dirs
-    state = build_state(adapters=served, max_batch_size=4, workers=2)
+    state = build_state(EngineArgs(max_batch_size=4, workers=2), adapters=served)
     state.adapter_dirs = [loadable]
     running = RunningServer(state)
     yield running

@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 
 from punica import LLM, SamplingParams
-from punica.server.demo import DEMO_ADAPTER_NAMES, PIRATE_GREETING, SIGNATURE, demo_adapters
+from punica.demo import DEMO_ADAPTER_NAMES, PIRATE_GREETING, SIGNATURE, demo_adapters
 
 HELD_OUT_QUESTIONS = (  # none of these is in scripts/train_demo_adapters.py
     "What is the capital of Italy?",

@@ -1,18 +1,18 @@
-"""The Engine over N tensor-parallel ranks: this process is rank 0, punica.parallel.worker the rest.
+"""The tensor-parallel executor: this process is rank 0, punica.parallel.worker the other ranks.
 
-Rank 0 is an ordinary Engine over its own shard, with two differences:
+An Engine composed with it schedules, samples and manages adapters as always; the executor
 
-  - its runner sends each step to the workers (a StepRow per request: the tokens not yet
-    cached, the cached count, pages, slot) before running its shard; every rank runs the
-    same batch, the model's all-reduces combine the shards, and rank 0's logits (lm_head is
-    replicated) go to the sampler;
-  - its AdapterManager reads whole adapters and packs every rank's shard of one (on its read
-    thread, into the host tier); writing a slot sends worker r its packed shard, which it
-    copies into the same slot of its pool, and copies rank 0's into rank 0's pool.
+  - sends each step's StepInput to the workers before running rank 0's shard of it: every rank
+    runs the same step, the model's all-reduces combine the shards, and rank 0's logits (lm_head
+    is replicated) go to the sampler;
+  - gives the engine's adapter manager a pool that packs every rank's shard of an adapter (on
+    the manager's read thread, into the host tier); writing a slot sends worker r its packed
+    shard, which it copies into the same slot of its pool, and copies rank 0's into rank 0's pool.
 
 The KV cache of each rank holds its kv heads; all ranks use the same pages, the fewest any
-rank's memory allows. Workers keep no request state: whatever rank 0 schedules, preempts or
-aborts, each step's message is all they need.
+rank's memory allows. Workers keep no request state: each step's message is all they need.
+Every token comes from rank 0's host (`can_feed_sampled` is False): the workers have no sampled
+tokens of their own, so the engine does not overlap steps.
 """
 
 from __future__ import annotations
@@ -22,36 +22,16 @@ from pathlib import Path
 import torch
 
 from punica.config import EngineConfig, ModelConfig
-from punica.engine.engine import Engine, kv_cache_pages
-from punica.engine.request import Request
-from punica.engine.runner import ModelRunner
+from punica.engine.step_input import StepInput
+from punica.engine.worker import ModelWorker, kv_cache_pages
 from punica.lora.adapter import AdapterWeights
-from punica.lora.manager import AdapterManager
 from punica.lora.pool import LoraPool
-from punica.models.llama import LlamaForCausalLM
 from punica.models.loader import DummyWeights
 from punica.parallel.driver import Workers
 from punica.parallel.tensor_parallel import rank_config, shard_adapter
-from punica.parallel.worker import load_shard, step_row, with_kv_pages
+from punica.parallel.worker import load_shard
 
 TIMEOUT_S = 300.0  # start-up, and any collective a dead or hung rank never joins
-
-
-class TensorParallelRunner:
-    """Rank 0's runner: the step goes to the workers, then rank 0 runs its shard."""
-
-    def __init__(self, local: ModelRunner, workers: Workers):
-        self.local, self.workers = local, workers
-
-    def run(self, prefills: list[Request], decodes: list[Request], fed: list[int] | None = None) -> torch.Tensor:
-        """As ModelRunner.run, but every token comes from the host (`fed` is None): the workers
-        have no sampled tokens of their own."""
-        assert fed is None, "a tensor-parallel step reads every token from the host"
-        self.workers.send(("step", [step_row(r) for r in prefills], [step_row(r) for r in decodes]))
-        try:
-            return self.local.run(prefills, decodes)
-        except Exception as e:  # the workers ran (or wait in) this step: the group cannot go on
-            raise self.workers.fail(e) from e
 
 
 class ShardingPool:
@@ -83,19 +63,26 @@ class ShardingPool:
         self.pool.write_packed(slot, packed[0], scale, non_blocking=non_blocking)
 
 
-class TensorParallelEngine(Engine):
+class TensorParallelExecutor:
     """Rank 0 of a tensor-parallel group (see the module docstring); `close` stops the workers."""
-    overlaps_steps = False  # the workers read every step's tokens from rank 0's host
+    can_feed_sampled = False
 
-    def __init__(self, model: LlamaForCausalLM, tokenizer, config: EngineConfig, adapters: dict[str, str] | None,
-                 eos_token_ids: tuple[int, ...], workers: Workers, full_config: ModelConfig):
-        self.workers, self.full_config = workers, full_config
-        super().__init__(model, tokenizer, config, adapters, eos_token_ids)
-        self.runner = TensorParallelRunner(self.runner, workers)
+    def __init__(self, worker: ModelWorker, workers: Workers, full_config: ModelConfig):
+        self.worker, self.workers = worker, workers
+        self.model_config = full_config
+        self.num_pages = worker.num_pages
+        self.adapter_slots = ShardingPool(worker.pool, workers, full_config)
 
-    def _adapter_manager(self) -> AdapterManager:
-        pool = ShardingPool(self.pool, self.workers, self.full_config)
-        return AdapterManager(self.full_config, pool, self.config.lora_host_bytes)
+    def run(self, step: StepInput) -> torch.Tensor:
+        assert not step.any_fed, "a tensor-parallel step reads every token from the host"
+        self.workers.send(("step", step))
+        try:
+            return self.worker.run(step)
+        except Exception as e:  # the workers ran (or wait in) this step: the group cannot go on
+            raise self.workers.fail(e) from e
+
+    def keep_sampled(self, tokens: torch.Tensor) -> None:
+        raise AssertionError("a tensor-parallel engine does not overlap steps")
 
     def close(self) -> None:
         self.workers.stop()
@@ -115,10 +102,10 @@ def backend_for(device: torch.device, world_size: int) -> str:
     return "nccl"
 
 
-def start_engine(source: str | Path | DummyWeights, tokenizer, config: EngineConfig, adapters: dict[str, str] | None,
-                 eos_token_ids: tuple[int, ...], dtype: torch.dtype, device: str | torch.device,
-                 tensor_parallel_size: int, timeout_s: float = TIMEOUT_S) -> TensorParallelEngine:
-    """Start ranks 1..N-1, load this process's shard as rank 0, and return the engine over all N.
+def start_tensor_parallel(source: str | Path | DummyWeights, config: EngineConfig, dtype: torch.dtype,
+                          device: str | torch.device, tensor_parallel_size: int,
+                          timeout_s: float = TIMEOUT_S) -> TensorParallelExecutor:
+    """Start ranks 1..N-1, load this process's shard as rank 0, and return the executor over all N.
 
     `source`: a checkpoint directory or DummyWeights (random weights of a model shape); each
     rank reads or generates only its own shard."""
@@ -129,8 +116,8 @@ def start_engine(source: str | Path | DummyWeights, tokenizer, config: EngineCon
     try:
         model = load_shard(source, dtype, workers.device)
         num_pages = workers.agree(kv_cache_pages(model, config))
-        return TensorParallelEngine(model, tokenizer, with_kv_pages(config, num_pages), adapters, eos_token_ids,
-                                    workers, full_config)
+        return TensorParallelExecutor(ModelWorker(model, config, num_pages), workers,
+                                      full_config)
     except BaseException:
         workers.stop()
         raise

@@ -1,5 +1,6 @@
-"""The worker's engine hooks: a request handed back after preemption resumes elsewhere with
-exactly the tokens it would have produced where it started (greedy and seeded sampling)."""
+"""Migration, as the cluster worker uses it: a request handed back after preemption
+(Engine.take_preempted) resumes elsewhere (add_request with output_token_ids) with exactly the
+tokens it would have produced where it started (greedy and seeded sampling)."""
 
 import random
 
@@ -8,8 +9,9 @@ import torch
 
 from helpers import tiny_llama
 from punica.config import EngineConfig
-from punica.cluster.worker import MigratableEngine
+from punica.engine.engine import Engine
 from punica.engine.sampling_params import SamplingParams
+from punica.factory import engine_on_model
 from punica.models.loader import load_hf_dir
 
 
@@ -20,8 +22,8 @@ def model_dir(tmp_path_factory):
     return path
 
 
-def engine(model_dir, **config) -> MigratableEngine:
-    return MigratableEngine(load_hf_dir(model_dir, dtype=torch.float32), None, EngineConfig(**config))
+def engine(model_dir, **config) -> Engine:
+    return engine_on_model(load_hf_dir(model_dir, dtype=torch.float32), EngineConfig(**config))
 
 
 def prompts(n, seed=0):
@@ -58,16 +60,16 @@ def test_preempted_requests_resume_on_another_engine_with_identical_tokens(model
         for request_id, output_token_ids in tight.take_preempted():
             assert request_id not in tight.requests and output_token_ids
             i = int(request_id)
-            spare.resume_request(requests[i], params_for(i), None, request_id, output_token_ids)
+            spare.add_request(requests[i], params_for(i), None, request_id, output_token_ids)
             moved += 1
-    assert moved > 0 and tight.num_preemptions == moved
+    assert moved > 0 and tight.stats().num_preemptions == moved
     assert outs == expected
     assert tight.allocator.num_used == 0 and spare.allocator.num_used == 0
 
 
 def test_resumed_output_counts_earlier_tokens_toward_max_tokens(model_dir):
     e = engine(model_dir, page_size=4)
-    e.resume_request([5, 6, 7], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True), None, "r", [9, 10, 11])
+    e.add_request([5, 6, 7], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True), None, "r", [9, 10, 11])
     outs = e.step() or e.step()  # the first step's token reaches the host during the second
     assert len(outs) == 1 and outs[0].finished and outs[0].finish_reason == "length"
     assert outs[0].token_ids[:3] == [9, 10, 11] and len(outs[0].token_ids) == 4 and len(outs[0].new_token_ids) == 1

@@ -1,0 +1,67 @@
+"""Executors: what an Engine runs its steps on. The engine is composed of a scheduler, an adapter
+manager and one executor; variants (one process, tensor parallel over N processes) are executors,
+not engine subclasses.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+from punica.config import ModelConfig
+from punica.engine.step_input import StepInput
+from punica.engine.worker import ModelWorker
+from punica.lora.adapter import AdapterWeights, LoraAdapter
+
+
+class AdapterSlots(Protocol):
+    """Where the adapter manager writes adapters: punica.lora.pool.LoraPool, or a pool that shards
+    each adapter over tensor-parallel ranks (it packs every rank's shard into one host row)."""
+
+    max_loras: int
+    max_rank: int
+    buffer: torch.Tensor          # its dtype and device are the slots'
+
+    @property
+    def packed_shape(self) -> tuple[int, ...]: ...
+
+    def pack(self, adapter: LoraAdapter | AdapterWeights, out: torch.Tensor | None = None) -> torch.Tensor: ...
+
+    def write_packed(self, slot: int, packed: torch.Tensor, scale: float, non_blocking: bool = False) -> None: ...
+
+
+class Executor(Protocol):
+    model_config: ModelConfig     # the whole model's: adapters are read and checked against it
+    num_pages: int                # KV-cache pages for requests
+    adapter_slots: AdapterSlots
+    can_feed_sampled: bool        # runs steps whose tokens the previous step sampled on the device
+
+    def run(self, step: StepInput) -> torch.Tensor:
+        """Logits [step.num_requests, V] float32 on the device of the sampler."""
+
+    def keep_sampled(self, tokens: torch.Tensor) -> None:
+        """Keep a step's sampled tokens on the device, for the next step's fed rows."""
+
+    def close(self) -> None:
+        """Release what the executor started (processes); idempotent."""
+
+
+class LocalExecutor:
+    """One ModelWorker in this process."""
+    can_feed_sampled = True
+
+    def __init__(self, worker: ModelWorker):
+        self.worker = worker
+        self.model_config = worker.model.config
+        self.num_pages = worker.num_pages
+        self.adapter_slots = worker.pool
+
+    def run(self, step: StepInput) -> torch.Tensor:
+        return self.worker.run(step)
+
+    def keep_sampled(self, tokens: torch.Tensor) -> None:
+        self.worker.keep_sampled(tokens)
+
+    def close(self) -> None:
+        """Nothing to release: the worker's memory goes with the executor."""

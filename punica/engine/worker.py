@@ -1,0 +1,61 @@
+"""ModelWorker: one process's part of running steps: the model (or its tensor-parallel shard), its
+KV cache, its LoRA pool and the runner over them. An executor drives one worker per process (one,
+or one per tensor-parallel rank); it knows nothing of requests, only StepInputs and adapter slots.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from punica.config import EngineConfig, ModelConfig, ceil_div
+from punica.engine.runner import ModelRunner, kv_bytes_per_token
+from punica.engine.step_input import StepInput
+from punica.lora.pool import LoraPool
+from punica.models.llama import LlamaForCausalLM
+
+CPU_KV_CACHE_BYTES = 1 << 30
+
+
+def kv_cache_pages(model: LlamaForCausalLM, config: EngineConfig) -> int:
+    """Pages from kv_cache_tokens, kv_cache_bytes, or the free-memory fraction (CUDA) / 1 GiB (CPU)."""
+    if config.kv_cache_tokens is not None:
+        return ceil_div(config.kv_cache_tokens, config.page_size)
+    budget = config.kv_cache_bytes
+    if budget is None:
+        device = model.embed.weight.device
+        if device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(device)
+            budget = int(free * config.kv_cache_memory_fraction)
+        else:
+            budget = CPU_KV_CACHE_BYTES
+    return max(1, budget // (kv_bytes_per_token(model) * config.page_size))
+
+
+def context_limit(model_config: ModelConfig, config: EngineConfig, num_pages: int) -> int:
+    """The longest sequence (prompt + output) the engine serves: the model's, the configured and the
+    KV cache's limit, whichever is least."""
+    positions = model_config.max_position_embeddings
+    return min(config.max_model_len or positions, positions, num_pages * config.page_size)
+
+
+class ModelWorker:
+    def __init__(self, model: LlamaForCausalLM, config: EngineConfig, num_pages: int):
+        self.model = model
+        self.num_pages = num_pages
+        weight = model.embed.weight
+        self.device = weight.device
+        self.pool = LoraPool(model.config, config.max_loras, config.max_lora_rank, weight.dtype, weight.device)
+        model.set_lora(self.pool)  # before the runner captures CUDA graphs that read the pool
+        self.runner = ModelRunner(model, num_pages, config.page_size, config.max_batch_size,
+                                  context_limit(model.config, config, num_pages), eager=config.enforce_eager)
+
+    def run(self, step: StepInput) -> torch.Tensor:
+        """Logits [step.num_requests, V] float32 (see ModelRunner.run)."""
+        return self.runner.run(step)
+
+    def keep_sampled(self, tokens: torch.Tensor) -> None:
+        self.runner.keep_sampled(tokens)
+
+    @property
+    def uses_cuda_graphs(self) -> bool:
+        return self.runner.graphs is not None
