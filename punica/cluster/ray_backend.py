@@ -315,8 +315,8 @@ def build_cluster_engine(args: EngineArgs, adapters: dict[str, str], max_workers
     from punica.factory import load_tokenizer, model_source
 
     use_gpu = bool(ray.cluster_resources().get("GPU"))
-    num_gpus = args.tensor_parallel_size if use_gpu else 0
-    actor_class = ray.remote(num_gpus=num_gpus, num_cpus=0 if use_gpu else args.tensor_parallel_size)(EngineWorker)
+    actor_class = ray.remote(num_gpus=args.tensor_parallel_size if use_gpu else 0, num_cpus=0 if use_gpu else 1)(
+        EngineWorker)
     max_workers = max_workers or args.workers
     config = policy_config or PolicyConfig(max_batch_size=args.max_batch_size,
                                            light_load_batch=max(1, args.max_batch_size // 2), min_gpus=args.workers)

@@ -84,6 +84,27 @@ def test_kv_exhaustion_migrates_requests_and_outputs_match(ray_cluster, model):
     assert outs == expected
 
 
+def test_two_workers_of_two_tensor_parallel_ranks_each_match_one_engine(ray_cluster, model):
+    """--workers 2 --tensor-parallel-size 2: two Ray workers, each driving a gloo group of two
+    processes, serve mixed adapters (and migrate on KV exhaustion) with one engine's tokens."""
+    requests = workload(9, seed=3)
+    expected = single_engine(model, requests, max_tokens=16)
+
+    async def main():
+        args = cpu_args(model, workers=2, tensor_parallel_size=2, page_size=4, kv_cache_tokens=64, max_batch_size=4)
+        cluster = build_cluster_engine(args, model[1])
+        await cluster.start()
+        try:
+            outs = await asyncio.gather(*(collect(cluster, f"r{i}", p, a, 16, {}) for i, (p, a) in enumerate(requests)))
+            return outs, len(cluster.workers)
+        finally:
+            await cluster.shutdown()
+
+    outs, num_workers = asyncio.run(asyncio.wait_for(main(), 180))
+    assert num_workers == 2
+    assert outs == expected
+
+
 def test_killed_worker_requests_are_placed_again_and_complete(ray_cluster, model):
     requests = workload(8, seed=1)
     expected = single_engine(model, requests, max_tokens=40)
