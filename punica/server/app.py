@@ -16,6 +16,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from punica.server.async_engine import AsyncEngine
+from punica.server.limits import DEFAULT_MAX_REQUEST_BYTES, RequestBodyLimit
 from punica.server.metrics import Metrics
 from punica.server.openai_api import OpenAIHandlers, error_body
 from punica.server.protocol import (ChatCompletionRequest, CompletionRequest, LoadLoraRequest, ProtocolError,
@@ -73,7 +74,7 @@ def error_response(status: int, message: str, kind: str = "invalid_request_error
     return JSONResponse({"error": error_body(message, kind, param, status)}, status_code=status, headers=headers)
 
 
-def build_app(state: ServerState) -> FastAPI:
+def build_app(state: ServerState, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         await state.backend.start()
@@ -81,6 +82,7 @@ def build_app(state: ServerState) -> FastAPI:
         await state.backend.shutdown()
 
     app = FastAPI(title="punica", version="0.1.0", lifespan=lifespan)
+    app.add_middleware(RequestBodyLimit, max_bytes=max_request_bytes)
     handlers = OpenAIHandlers(state)
 
     @app.exception_handler(ProtocolError)

@@ -15,6 +15,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from punica.engine.engine import RequestOutput
 from punica.engine.sampling_params import SamplingParams
+from punica.server.limits import PromptBound
 from punica.server.protocol import ChatCompletionRequest, CompletionRequest, ProtocolError, SamplingFields
 
 DISCONNECT_POLL_S = 0.25
@@ -32,12 +33,13 @@ class Choice:
 class OpenAIHandlers:
     def __init__(self, state):
         self.state = state  # punica.server.app.ServerState
+        self.prompt_bound = PromptBound(state.tokenizer)
 
     # entry points --------------------------------------------------------------------------
     async def completions(self, body: CompletionRequest, request: Request):
         body.check_supported()
         adapter = await self.state.resolve_model(body.model)
-        prompts = [self._tokenize(p) for p in body.prompts()]
+        prompts = await asyncio.to_thread(self._tokenize, body.prompts())  # off the event loop: it can take seconds
         max_tokens = body.max_tokens if body.max_tokens is not None else 16
         choices = self._choices("cmpl", body, prompts, lambda ids: max_tokens, body.logprobs is not None)
         return await self._respond("text_completion", body, adapter, choices, request)
@@ -46,11 +48,9 @@ class OpenAIHandlers:
         body.check_supported()
         adapter = await self.state.resolve_model(body.model)
         messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-        tok = self.state.tokenizer
-        if not tok.chat_template:
+        if not self.state.tokenizer.chat_template:
             raise ProtocolError("this model has no chat template: use /v1/completions")
-        text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-        prompt_ids = tok.encode(text, add_special_tokens=False)
+        prompt_ids = await asyncio.to_thread(self._chat_prompt_ids, messages)
         limit = body.max_completion_tokens or body.max_tokens
         max_model_len = self.state.max_model_len
         choices = self._choices("chatcmpl", body, [prompt_ids],
@@ -58,10 +58,19 @@ class OpenAIHandlers:
         return await self._respond("chat.completion", body, adapter, choices, request)
 
     # shared ------------------------------------------------------------------------------
-    def _tokenize(self, prompt: str | list[int]) -> list[int]:
-        if isinstance(prompt, str):
-            return self.state.tokenizer.encode(prompt)
-        return list(prompt)
+    def _tokenize(self, prompts: list[str | list[int]]) -> list[list[int]]:
+        for prompt in prompts:
+            if isinstance(prompt, str):
+                self.prompt_bound.check(len(prompt.encode()), self.state.max_model_len, "prompt")
+        return [self.state.tokenizer.encode(p) if isinstance(p, str) else list(p) for p in prompts]
+
+    def _chat_prompt_ids(self, messages: list[dict[str, str]]) -> list[int]:
+        # the template only adds text: contents that cannot fit are refused before templating
+        self.prompt_bound.check(sum(len(m["content"].encode()) for m in messages), self.state.max_model_len,
+                                "messages")
+        tok = self.state.tokenizer
+        text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        return tok.encode(text, add_special_tokens=False)
 
     def _choices(self, prefix: str, body: SamplingFields, prompts: list[list[int]], max_tokens_of,
                  logprobs: bool) -> list[Choice]:

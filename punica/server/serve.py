@@ -13,6 +13,7 @@ from punica.models.loader import resolve_model_dir
 from punica.server.app import ServerState, build_app
 from punica.server.async_engine import AsyncEngine
 from punica.server.demo import demo_adapters
+from punica.server.limits import DEFAULT_MAX_REQUEST_BYTES
 
 log = logging.getLogger("punica.server")
 
@@ -66,10 +67,12 @@ def build_state(model: str | None = None, adapters: dict[str, str] | None = None
     return state
 
 
-def serve(host: str, port: int, **kwargs) -> None:
+def serve(host: str, port: int, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES, **kwargs) -> None:
     import uvicorn
 
+    if max_request_bytes < 1:
+        raise ValueError(f"--max-request-bytes must be >= 1, got {max_request_bytes}")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    app = build_app(build_state(**kwargs))
+    app = build_app(build_state(**kwargs), max_request_bytes)
     log.info("serving the OpenAI API at http://%s:%d/v1 and the playground at http://%s:%d/", host, port, host, port)
     uvicorn.run(app, host=host, port=port, log_level="info")
