@@ -16,6 +16,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from punica.server.async_engine import AsyncEngine
+from punica.server.interrupts import InFlight
 from punica.server.limits import DEFAULT_MAX_REQUEST_BYTES, RequestBodyLimit
 from punica.server.metrics import Metrics
 from punica.server.openai_api import OpenAIHandlers, error_body
@@ -36,6 +37,7 @@ class ServerState:
     api_key: str | None = None
     max_queue: int = 1024
     metrics: Metrics = field(default_factory=Metrics)
+    in_flight: InFlight = field(default_factory=InFlight)
 
     @property
     def max_model_len(self) -> int:

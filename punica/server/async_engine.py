@@ -49,13 +49,9 @@ class AsyncEngine:
         for a request the engine rejects. Leaving the iteration early aborts the request."""
         stream: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = (asyncio.get_running_loop(), stream)
-        try:
-            await self.call(lambda: self.engine.add_request(prompt, params, adapter, request_id))
-        except BaseException:
-            self._streams.pop(request_id, None)
-            raise
         finished = False
         try:
+            await self.call(lambda: self.engine.add_request(prompt, params, adapter, request_id))
             while not finished:
                 item = await stream.get()
                 if isinstance(item, BaseException):
@@ -64,11 +60,15 @@ class AsyncEngine:
                 yield item
         finally:
             self._streams.pop(request_id, None)
-            if not finished:
-                await self.abort(request_id)
+            if not finished:  # also when cancelled while being added: the abort runs after the add
+                self._abort_soon(request_id)
 
     async def abort(self, request_id: str) -> None:
         await self.call(lambda: self.engine.abort(request_id))
+
+    def _abort_soon(self, request_id: str) -> None:
+        """Queue the abort without waiting for it: safe in a cancelled task, and with a hung engine."""
+        self._commands.put((lambda: self.engine.abort(request_id), Future()))
 
     # what the server asks of its backend besides generate/abort (see ClusterBackend too) ----
     @property
