@@ -7,6 +7,7 @@ import os
 import sys
 
 from punica.server.limits import DEFAULT_MAX_REQUEST_BYTES
+from punica.server.shutdown import DEFAULT_SHUTDOWN_TIMEOUT_S
 
 
 def parse_adapters(items: list[str]) -> dict[str, str]:
@@ -57,7 +58,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                      "enforce_eager": args.enforce_eager}
     if args.max_lora_rank is not None:
         engine_kwargs["max_lora_rank"] = args.max_lora_rank
-    serve(args.host, args.port, args.max_request_bytes,
+    serve(args.host, args.port, args.max_request_bytes, args.shutdown_timeout,
           model=args.model, adapters=parse_adapters(args.adapter) or None,
           adapter_dirs=args.adapter_dir, api_key=args.api_key or os.environ.get("PUNICA_API_KEY"),
           max_queue=args.max_queue, served_model_name=args.served_model_name, device=args.device,
@@ -103,6 +104,9 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--max-queue", type=int, default=1024, help="waiting requests before 429")
     srv.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES, metavar="N",
                      help="a request body over N bytes is refused with 413 as it arrives (default: 8 MiB)")
+    srv.add_argument("--shutdown-timeout", type=float, default=DEFAULT_SHUTDOWN_TIMEOUT_S, metavar="S",
+                     help="on SIGTERM, seconds in-flight requests may still run before they end with "
+                          "finish_reason 'abort' (default: %(default)g)")
     srv.add_argument("--workers", type=int, default=0,
                      help="run N engine workers on Ray (one GPU each) behind the Punica cluster scheduler")
     srv.set_defaults(func=cmd_serve)

@@ -27,6 +27,8 @@ LOADING_WAIT_S = 0.001
 
 
 class AsyncEngine:
+    STOP_TIMEOUT_S = 10.0
+
     def __init__(self, engine: Engine, on_step: Callable[[Engine, list[RequestOutput], float], None] | None = None):
         self.engine = engine
         self.on_step = on_step
@@ -99,8 +101,14 @@ class AsyncEngine:
         """Nothing to do: the engine thread runs from construction."""
 
     async def shutdown(self) -> None:
+        """Stop the engine thread after its current step. A step that does not end within
+        STOP_TIMEOUT_S is left behind (the thread is a daemon), so a hung engine cannot keep
+        the server from exiting."""
         self._stop.set()
-        await asyncio.to_thread(self._thread.join, 10)
+        await asyncio.to_thread(self._thread.join, self.STOP_TIMEOUT_S)
+        if self._thread.is_alive():
+            log.error("the engine thread did not stop within %g s (a step hangs); exiting without it",
+                      self.STOP_TIMEOUT_S)
 
     # engine thread -----------------------------------------------------------------------
     def _deliver(self, request_id: str, item: RequestOutput | BaseException) -> None:
@@ -126,6 +134,14 @@ class AsyncEngine:
                 return
 
     def _run(self) -> None:
+        try:
+            self._serve()
+        finally:
+            close = getattr(self.engine, "close", None)  # a tensor-parallel engine's worker processes
+            if close is not None:
+                close()
+
+    def _serve(self) -> None:
         while not self._stop.is_set():
             busy = self.engine.has_unfinished()
             self._run_commands(0 if busy else IDLE_WAIT_S)

@@ -14,6 +14,7 @@ from punica.server.app import ServerState, build_app
 from punica.server.async_engine import AsyncEngine
 from punica.server.demo import demo_adapters
 from punica.server.limits import DEFAULT_MAX_REQUEST_BYTES
+from punica.server.shutdown import DEFAULT_SHUTDOWN_TIMEOUT_S
 
 log = logging.getLogger("punica.server")
 
@@ -67,12 +68,19 @@ def build_state(model: str | None = None, adapters: dict[str, str] | None = None
     return state
 
 
-def serve(host: str, port: int, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES, **kwargs) -> None:
+def serve(host: str, port: int, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+          shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT_S, **kwargs) -> None:
     import uvicorn
+
+    from punica.server.shutdown import GracefulServer
 
     if max_request_bytes < 1:
         raise ValueError(f"--max-request-bytes must be >= 1, got {max_request_bytes}")
+    if shutdown_timeout < 0:
+        raise ValueError(f"--shutdown-timeout must be >= 0 seconds, got {shutdown_timeout}")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    app = build_app(build_state(**kwargs), max_request_bytes)
+    state = build_state(**kwargs)
+    app = build_app(state, max_request_bytes)
     log.info("serving the OpenAI API at http://%s:%d/v1 and the playground at http://%s:%d/", host, port, host, port)
-    uvicorn.run(app, host=host, port=port, log_level="info")
+    config = uvicorn.Config(app, host=host, port=port, log_level="info")
+    GracefulServer(config, state.in_flight, shutdown_timeout).run()

@@ -21,13 +21,14 @@ def free_port() -> int:
 class RunningServer:
     """A punica server on a free 127.0.0.1 port, in a thread of this process."""
 
-    def __init__(self, state, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES):
+    def __init__(self, state, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES, server_class=uvicorn.Server,
+                 **server_kwargs):
         self.state = state
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         config = uvicorn.Config(build_app(state, max_request_bytes), host="127.0.0.1", port=self.port,
                                 log_level="warning")
-        self.server = uvicorn.Server(config)
+        self.server = server_class(config, **server_kwargs)
         self.thread = threading.Thread(target=self.server.run, daemon=True)
         self.thread.start()
         deadline = time.monotonic() + 60
