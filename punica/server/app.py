@@ -83,7 +83,9 @@ def build_app(state: ServerState, max_request_bytes: int = DEFAULT_MAX_REQUEST_B
         yield
         await state.backend.shutdown()
 
-    app = FastAPI(title="punica", version="0.1.0", lifespan=lifespan)
+    # no /docs or /redoc (their pages load scripts from a CDN); /openapi.json is served below, behind the API key
+    app = FastAPI(title="punica", version="0.1.0", lifespan=lifespan, docs_url=None, redoc_url=None,
+                  openapi_url=None)
     app.add_middleware(RequestBodyLimit, max_bytes=max_request_bytes)
     handlers = OpenAIHandlers(state)
 
@@ -153,6 +155,10 @@ def build_app(state: ServerState, max_request_bytes: int = DEFAULT_MAX_REQUEST_B
             raise ProtocolError(f"the adapter {body.lora_name!r} is not loaded", status=404, param="lora_name",
                                 kind="NotFoundError") from e
         return Response(f"Success: LoRA adapter '{body.lora_name}' removed successfully.", media_type="text/plain")
+
+    @app.get("/openapi.json", dependencies=v1, include_in_schema=False)
+    async def openapi():
+        return app.openapi()
 
     @app.get("/health")
     async def health():
