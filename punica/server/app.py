@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import os
 import time
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
@@ -15,6 +14,7 @@ from fastapi.responses import HTMLResponse, JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from punica.server.adapter_paths import resolved_inside
 from punica.server.async_engine import AsyncEngine
 from punica.server.interrupts import InFlight
 from punica.server.limits import DEFAULT_MAX_REQUEST_BYTES, RequestBodyLimit
@@ -62,11 +62,9 @@ class ServerState:
         if not self.adapter_dirs:
             raise ProtocolError("loading adapters at run time is disabled: start the server with --adapter-dir",
                                 status=400)
-        real = Path(os.path.realpath(path))
-        for root in self.adapter_dirs:
-            root = Path(os.path.realpath(root))
-            if real == root or root in real.parents:
-                return real
+        real = resolved_inside(path, self.adapter_dirs)
+        if real is not None:
+            return real
         raise ProtocolError(f"lora_path {path!r} is outside the configured adapter directories", status=403,
                             param="lora_path", kind="PermissionDeniedError")
 

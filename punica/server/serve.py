@@ -10,6 +10,7 @@ import torch
 from punica.config import EngineConfig
 from punica.engine.llm import build_engine, resolve_dtype, with_lora_rank_for
 from punica.models.loader import resolve_model_dir
+from punica.server.adapter_paths import resolved_inside
 from punica.server.app import ServerState, build_app
 from punica.server.async_engine import AsyncEngine
 from punica.server.demo import demo_adapters
@@ -20,10 +21,19 @@ log = logging.getLogger("punica.server")
 
 
 def adapters_in(directory: Path) -> dict[str, str]:
-    """Every PEFT adapter directly under `directory`, named by its folder."""
+    """Every PEFT adapter directly under `directory`, named by its folder. A folder that is a
+    symlink to outside `directory` is skipped, as /v1/load_lora_adapter refuses it (403)."""
     if not directory.is_dir():
         raise FileNotFoundError(f"--adapter-dir {directory} is not a directory")
-    return {p.name: str(p) for p in sorted(directory.iterdir()) if (p / "adapter_config.json").is_file()}
+    adapters = {}
+    for p in sorted(directory.iterdir()):
+        if not (p / "adapter_config.json").is_file():
+            continue
+        if resolved_inside(p, [directory]) is None:
+            log.warning("skipping adapter %s: it links to %s, outside --adapter-dir %s", p.name, p.resolve(), directory)
+            continue
+        adapters[p.name] = str(p)
+    return adapters
 
 
 def build_state(model: str | None = None, adapters: dict[str, str] | None = None,
