@@ -8,6 +8,7 @@ import os
 import sys
 
 
+
 def parse_adapters(items: list[str]) -> dict[str, str]:
     adapters = {}
     for item in items:
@@ -54,11 +55,11 @@ def cmd_simulate(args: argparse.Namespace) -> int:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     from punica.config import EngineArgs, from_arguments
+    from punica.server.args import ServerArgs
     from punica.server.serve import serve
 
-    serve(args.host, args.port, from_arguments(EngineArgs, args), adapters=parse_adapters(args.adapter) or None,
-          adapter_dirs=args.adapter_dir, api_key=args.api_key or os.environ.get("PUNICA_API_KEY"),
-          max_queue=args.max_queue, served_model_name=args.served_model_name)
+    server = from_arguments(ServerArgs, args, api_key=args.api_key or os.environ.get("PUNICA_API_KEY"))
+    serve(from_arguments(EngineArgs, args), server, parse_adapters(args.adapter) or None)
     return 0
 
 
@@ -71,6 +72,9 @@ def add_engine_args(p: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> N
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from punica.config import add_arguments
+    from punica.server.args import ServerArgs
+
     parser = argparse.ArgumentParser(prog="punica", description="Multi-tenant LoRA serving")
     sub = parser.add_subparsers(dest="command", required=True)
     gen = sub.add_parser("generate", help="complete one prompt")
@@ -84,13 +88,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.set_defaults(func=cmd_generate)
     srv = sub.add_parser("serve", help="the OpenAI-compatible server (no arguments: the demo)")
     add_engine_args(srv)
-    srv.add_argument("--adapter-dir", action="append", default=[], metavar="DIR",
-                     help="serve every adapter in DIR; /v1/load_lora_adapter may load only from these")
-    srv.add_argument("--host", default="127.0.0.1")
-    srv.add_argument("--port", type=int, default=8000)
-    srv.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (or set PUNICA_API_KEY)")
-    srv.add_argument("--served-model-name", default=None, help="the base model's name in the API")
-    srv.add_argument("--max-queue", type=int, default=1024, help="waiting requests before 429")
+    add_arguments(srv, ServerArgs)
     srv.set_defaults(func=cmd_serve)
     sim = sub.add_parser("simulate", help="simulate the cluster scheduler on the paper's Fig. 13 workload")
     sim.add_argument("--gpus", type=int, required=True, help="GPUs the cluster may hold")

@@ -236,6 +236,10 @@ def add_arguments(parser: argparse.ArgumentParser, cls: type, skip: tuple[str, .
         if kind is bool:
             parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, help=f.metadata["help"])
             continue
+        if typing.get_origin(kind) is tuple:  # a repeatable flag
+            parser.add_argument(flag, type=typing.get_args(kind)[0], action="append", default=list(default),
+                                help=f.metadata["help"])
+            continue
         base = next((t for t in typing.get_args(kind) if t is not type(None)), kind)
         parser.add_argument(flag, type=base, default=default, choices=f.metadata.get("choices"),
                             help=f.metadata["help"] + (f" (default: {default})" if default is not None else ""))

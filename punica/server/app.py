@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import os
 import time
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
@@ -15,7 +14,11 @@ from fastapi.responses import HTMLResponse, JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from punica.server.adapter_paths import resolved_inside
 from punica.server.async_engine import AsyncEngine
+from punica.server.interrupts import InFlight
+from punica.server.args import DEFAULT_MAX_REQUEST_BYTES
+from punica.server.limits import RequestBodyLimit
 from punica.server.metrics import Metrics
 from punica.server.openai_api import OpenAIHandlers, error_body
 from punica.server.protocol import (ChatCompletionRequest, CompletionRequest, LoadLoraRequest, ProtocolError,
@@ -35,6 +38,7 @@ class ServerState:
     api_key: str | None = None
     max_queue: int = 1024
     metrics: Metrics = field(default_factory=Metrics)
+    in_flight: InFlight = field(default_factory=InFlight)
 
     @property
     def max_model_len(self) -> int:
@@ -59,11 +63,9 @@ class ServerState:
         if not self.adapter_dirs:
             raise ProtocolError("loading adapters at run time is disabled: start the server with --adapter-dir",
                                 status=400)
-        real = Path(os.path.realpath(path))
-        for root in self.adapter_dirs:
-            root = Path(os.path.realpath(root))
-            if real == root or root in real.parents:
-                return real
+        real = resolved_inside(path, self.adapter_dirs)
+        if real is not None:
+            return real
         raise ProtocolError(f"lora_path {path!r} is outside the configured adapter directories", status=403,
                             param="lora_path", kind="PermissionDeniedError")
 
@@ -73,14 +75,17 @@ def error_response(status: int, message: str, kind: str = "invalid_request_error
     return JSONResponse({"error": error_body(message, kind, param, status)}, status_code=status, headers=headers)
 
 
-def build_app(state: ServerState) -> FastAPI:
+def build_app(state: ServerState, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         await state.backend.start()
         yield
         await state.backend.shutdown()
 
-    app = FastAPI(title="punica", version="0.1.0", lifespan=lifespan)
+    # no /docs or /redoc (their pages load scripts from a CDN); /openapi.json is served below, behind the API key
+    app = FastAPI(title="punica", version="0.1.0", lifespan=lifespan, docs_url=None, redoc_url=None,
+                  openapi_url=None)
+    app.add_middleware(RequestBodyLimit, max_bytes=max_request_bytes)
     handlers = OpenAIHandlers(state)
 
     @app.exception_handler(ProtocolError)
@@ -149,6 +154,10 @@ def build_app(state: ServerState) -> FastAPI:
             raise ProtocolError(f"the adapter {body.lora_name!r} is not loaded", status=404, param="lora_name",
                                 kind="NotFoundError") from e
         return Response(f"Success: LoRA adapter '{body.lora_name}' removed successfully.", media_type="text/plain")
+
+    @app.get("/openapi.json", dependencies=v1, include_in_schema=False)
+    async def openapi():
+        return app.openapi()
 
     @app.get("/health")
     async def health():

@@ -26,6 +26,8 @@ IDLE_WAIT_S = 0.05
 
 
 class AsyncEngine:
+    STOP_TIMEOUT_S = 10.0
+
     def __init__(self, engine: Engine, on_step: Callable[[Engine, list[RequestOutput], float], None] | None = None):
         self.engine = engine
         self.on_step = on_step
@@ -48,13 +50,9 @@ class AsyncEngine:
         for a request the engine rejects. Leaving the iteration early aborts the request."""
         stream: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = (asyncio.get_running_loop(), stream)
-        try:
-            await self.call(lambda: self.engine.add_request(prompt, params, adapter, request_id))
-        except BaseException:
-            self._streams.pop(request_id, None)
-            raise
         finished = False
         try:
+            await self.call(lambda: self.engine.add_request(prompt, params, adapter, request_id))
             while not finished:
                 item = await stream.get()
                 if isinstance(item, BaseException):
@@ -63,11 +61,15 @@ class AsyncEngine:
                 yield item
         finally:
             self._streams.pop(request_id, None)
-            if not finished:
-                await self.abort(request_id)
+            if not finished:  # also when cancelled while being added: the abort runs after the add
+                self._abort_soon(request_id)
 
     async def abort(self, request_id: str) -> None:
         await self.call(lambda: self.engine.abort(request_id))
+
+    def _abort_soon(self, request_id: str) -> None:
+        """Queue the abort without waiting for it: safe in a cancelled task, and with a hung engine."""
+        self._commands.put((lambda: self.engine.abort(request_id), Future()))
 
     # what the server asks of its backend besides generate/abort (see ClusterBackend too) ----
     @property
@@ -98,8 +100,14 @@ class AsyncEngine:
         """Nothing to do: the engine thread runs from construction."""
 
     async def shutdown(self) -> None:
+        """Stop the engine thread after its current step. A step that does not end within
+        STOP_TIMEOUT_S is left behind (the thread is a daemon), so a hung engine cannot keep
+        the server from exiting."""
         self._stop.set()
-        await asyncio.to_thread(self._thread.join, 10)
+        await asyncio.to_thread(self._thread.join, self.STOP_TIMEOUT_S)
+        if self._thread.is_alive():
+            log.error("the engine thread did not stop within %g s (a step hangs); exiting without it",
+                      self.STOP_TIMEOUT_S)
 
     # engine thread -----------------------------------------------------------------------
     def _deliver(self, request_id: str, item: RequestOutput | BaseException) -> None:
@@ -125,6 +133,12 @@ class AsyncEngine:
                 return
 
     def _run(self) -> None:
+        try:
+            self._serve()
+        finally:
+            self.engine.close()  # a tensor-parallel engine's worker processes
+
+    def _serve(self) -> None:
         while not self._stop.is_set():
             busy = self.engine.has_unfinished()
             self._run_commands(0 if busy else IDLE_WAIT_S)

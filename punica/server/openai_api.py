@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import time
 import uuid
 from collections.abc import AsyncIterator
+from contextlib import aclosing
 from dataclasses import dataclass
 from typing import Any
 
@@ -15,9 +17,10 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from punica.engine.engine import RequestOutput
 from punica.engine.sampling_params import SamplingParams
+from punica.server.interrupts import DISCONNECT, Interrupt
+from punica.server.limits import PromptBound
 from punica.server.protocol import ChatCompletionRequest, CompletionRequest, ProtocolError, SamplingFields
 
-DISCONNECT_POLL_S = 0.25
 CLIENT_CLOSED_REQUEST = 499
 
 
@@ -32,12 +35,14 @@ class Choice:
 class OpenAIHandlers:
     def __init__(self, state):
         self.state = state  # punica.server.app.ServerState
+        self.prompt_bound = PromptBound(state.tokenizer)
+        self._aborts: set[asyncio.Task] = set()  # the loop holds tasks weakly
 
     # entry points --------------------------------------------------------------------------
     async def completions(self, body: CompletionRequest, request: Request):
         body.check_supported()
         adapter = await self.state.resolve_model(body.model)
-        prompts = [self._tokenize(p) for p in body.prompts()]
+        prompts = await asyncio.to_thread(self._tokenize, body.prompts())  # off the event loop: it can take seconds
         max_tokens = body.max_tokens if body.max_tokens is not None else 16
         choices = self._choices("cmpl", body, prompts, lambda ids: max_tokens, body.logprobs is not None)
         return await self._respond("text_completion", body, adapter, choices, request)
@@ -46,11 +51,9 @@ class OpenAIHandlers:
         body.check_supported()
         adapter = await self.state.resolve_model(body.model)
         messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-        tok = self.state.tokenizer
-        if not tok.chat_template:
+        if not self.state.tokenizer.chat_template:
             raise ProtocolError("this model has no chat template: use /v1/completions")
-        text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-        prompt_ids = tok.encode(text, add_special_tokens=False)
+        prompt_ids = await asyncio.to_thread(self._chat_prompt_ids, messages)
         limit = body.max_completion_tokens or body.max_tokens
         max_model_len = self.state.max_model_len
         choices = self._choices("chatcmpl", body, [prompt_ids],
@@ -58,10 +61,19 @@ class OpenAIHandlers:
         return await self._respond("chat.completion", body, adapter, choices, request)
 
     # shared ------------------------------------------------------------------------------
-    def _tokenize(self, prompt: str | list[int]) -> list[int]:
-        if isinstance(prompt, str):
-            return self.state.tokenizer.encode(prompt)
-        return list(prompt)
+    def _tokenize(self, prompts: list[str | list[int]]) -> list[list[int]]:
+        for prompt in prompts:
+            if isinstance(prompt, str):
+                self.prompt_bound.check(len(prompt.encode()), self.state.max_model_len, "prompt")
+        return [self.state.tokenizer.encode(p) if isinstance(p, str) else list(p) for p in prompts]
+
+    def _chat_prompt_ids(self, messages: list[dict[str, str]]) -> list[int]:
+        # the template only adds text: contents that cannot fit are refused before templating
+        self.prompt_bound.check(sum(len(m["content"].encode()) for m in messages), self.state.max_model_len,
+                                "messages")
+        tok = self.state.tokenizer
+        text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        return tok.encode(text, add_special_tokens=False)
 
     def _choices(self, prefix: str, body: SamplingFields, prompts: list[list[int]], max_tokens_of,
                  logprobs: bool) -> list[Choice]:
@@ -85,45 +97,66 @@ class OpenAIHandlers:
                        request: Request):
         self.state.check_queue(len(choices))
         first = choices[0]
-        # the first choice goes in before the response starts, so a rejected request is a clean 400
+        interrupt = Interrupt(request.receive, self.state.in_flight)
+        interrupt.on_fire(lambda reason: self._abort(choices))
         gens = [self.state.backend.generate(c.prompt_ids, c.params, adapter, c.request_id) for c in choices]
         try:
-            head = await anext(gens[0])
+            # the first choice goes in before the response starts, so a rejected request is a clean 400
+            head = await _unless_interrupted(anext(gens[0]), interrupt)
         except ValueError as e:
+            interrupt.close()
             raise ProtocolError(str(e)) from e
+        except BaseException:
+            interrupt.close()
+            raise
+        if interrupt.client_gone:
+            interrupt.close()
+            return Response(status_code=CLIENT_CLOSED_REQUEST)
         meta = {"id": first.request_id.rsplit("-", 1)[0], "created": int(time.time()), "model": body.model}
         usage_wanted = body.stream_options is not None and body.stream_options.include_usage
         if body.stream:
-            events = self._stream(kind, meta, choices, gens, head, usage_wanted)
-            return StreamingResponse(_sse(events, [c.request_id for c in choices], self.state.backend),
-                                     media_type="text/event-stream")
-        finals = await self._collect(choices, gens, head, request)
+            events = self._stream(kind, meta, choices, gens, head, usage_wanted, interrupt)
+            return StreamingResponse(_sse(events, interrupt), media_type="text/event-stream")
+        try:
+            finals = await self._collect(choices, gens, head, interrupt)
+        finally:
+            interrupt.close()
         if finals is None:
             return Response(status_code=CLIENT_CLOSED_REQUEST)
         return JSONResponse(self._final_response(kind, meta, choices, finals))
 
-    async def _collect(self, choices: list[Choice], gens, head: RequestOutput,
-                       request: Request) -> list[RequestOutput] | None:
-        async def last(i: int, gen) -> RequestOutput:
-            out = head if i == 0 else None
-            if out is None or not out.finished:
-                async for out in gen:
-                    pass
-            return out
+    def _abort(self, choices: list[Choice]) -> None:
+        """Abort every choice of an interrupted request (those already finished are no-ops), each in
+        its own task, so that no cancellation of the request's own tasks can stop it."""
+        for c in choices:
+            task = asyncio.ensure_future(self.state.backend.abort(c.request_id))
+            self._aborts.add(task)
+            task.add_done_callback(self._aborts.discard)
 
-        tasks = [asyncio.ensure_future(last(i, g)) for i, g in enumerate(gens)]
-        watcher = asyncio.ensure_future(_wait_disconnect(request))
+    async def _collect(self, choices: list[Choice], gens, head: RequestOutput | None,
+                       interrupt: Interrupt) -> list[RequestOutput] | None:
+        """Every choice's final output; None if the client went away. At a shutdown, the unfinished
+        choices end with what they have, finish_reason "abort"."""
+        latest: list[RequestOutput | None] = [head] + [None] * (len(choices) - 1)
+
+        async def follow(i: int, gen) -> None:
+            if latest[i] is None or not latest[i].finished:
+                async for out in gen:
+                    latest[i] = out
+
+        pending = set() if interrupt.fired else {asyncio.ensure_future(follow(i, g)) for i, g in enumerate(gens)}
         try:
-            done = asyncio.ensure_future(asyncio.gather(*tasks))
-            await asyncio.wait([done, watcher], return_when=asyncio.FIRST_COMPLETED)
-            if not done.done():  # the client went away: abort every choice, free their pages
-                done.cancel()
-                for c in choices:
-                    await self.state.backend.abort(c.request_id)
-                return None
-            return done.result()
+            while pending and not interrupt.fired:
+                done, pending = await asyncio.wait(pending | {interrupt.reason}, return_when=asyncio.FIRST_COMPLETED)
+                pending.discard(interrupt.reason)
+                for task in done - {interrupt.reason}:
+                    task.result()  # a failed step's error
         finally:
-            watcher.cancel()
+            for task in pending:
+                task.cancel()
+        if interrupt.client_gone:
+            return None
+        return [out if out is not None and out.finished else _aborted(out, c) for out, c in zip(latest, choices)]
 
     def _final_response(self, kind: str, meta: dict, choices: list[Choice], finals: list[RequestOutput]) -> dict:
         for out in finals:
@@ -139,23 +172,25 @@ class OpenAIHandlers:
                               "logprobs": self._completion_logprobs(out.token_ids, out.logprobs)})
         return {**meta, "object": kind, "choices": items, "usage": _usage(choices, finals)}
 
-    async def _stream(self, kind: str, meta: dict, choices: list[Choice], gens, head: RequestOutput,
-                      usage_wanted: bool) -> AsyncIterator[dict]:
+    async def _stream(self, kind: str, meta: dict, choices: list[Choice], gens, head: RequestOutput | None,
+                      usage_wanted: bool, interrupt: Interrupt) -> AsyncIterator[dict]:
         chunk_kind = "chat.completion.chunk" if kind == "chat.completion" else "text_completion"
         merged: asyncio.Queue = asyncio.Queue()
+        if head is not None:
+            merged.put_nowait((0, head))
+        interrupt.on_fire(lambda reason: merged.put_nowait((None, reason)))
 
         async def pump(i: int, gen) -> None:
             try:
-                if i == 0:
-                    await merged.put((0, head))
-                    if head.finished:
-                        return
+                if i == 0 and head.finished:
+                    return
                 async for out in gen:
                     await merged.put((i, out))
             except Exception as e:  # noqa: BLE001 - reported to the client as an error event
                 await merged.put((i, e))
 
-        tasks = [asyncio.ensure_future(pump(i, g)) for i, g in enumerate(gens)]
+        tasks = [] if interrupt.fired else [asyncio.ensure_future(pump(i, g)) for i, g in enumerate(gens)]
+        latest: list[RequestOutput | None] = [None] * len(choices)
         finals: list[RequestOutput | None] = [None] * len(choices)
         try:
             if kind == "chat.completion":
@@ -164,9 +199,19 @@ class OpenAIHandlers:
                         {"index": c.index, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}]}
             while any(f is None for f in finals):
                 i, out = await merged.get()
+                if i is None:  # interrupted
+                    if out == DISCONNECT:
+                        return
+                    for j, c in enumerate(choices):  # a shutdown: the unfinished choices end here
+                        if finals[j] is None:
+                            finals[j] = _aborted(latest[j], c)
+                            yield {**meta, "object": chunk_kind, "choices": [self._chunk_choice(kind, c.index,
+                                                                                                 finals[j])]}
+                    break
                 if isinstance(out, Exception):
                     yield {"error": error_body(f"internal error: {out}", "server_error")}
                     return
+                latest[i] = out
                 if out.finished:
                     finals[i] = out
                     if out.finish_reason == "error":
@@ -223,20 +268,32 @@ def error_body(message: str, kind: str, param: str | None = None, code: int | No
     return {"message": message, "type": kind, "param": param, "code": code}
 
 
-async def _wait_disconnect(request: Request) -> None:
-    while not await request.is_disconnected():
-        await asyncio.sleep(DISCONNECT_POLL_S)
-
-
-async def _sse(events: AsyncIterator[dict], request_ids: list[str], backend) -> AsyncIterator[str]:
-    """Server-sent events; if the client goes away mid-stream, every choice is aborted."""
-    finished = False
+async def _unless_interrupted(awaitable, interrupt: Interrupt):
+    """The awaitable's result, or None (the awaitable cancelled) if the request is interrupted first."""
+    task = asyncio.ensure_future(awaitable)
     try:
-        async for event in events:
-            yield f"data: {json.dumps(event)}\n\n"
-        yield "data: [DONE]\n\n"
-        finished = True
+        await asyncio.wait([task, interrupt.reason], return_when=asyncio.FIRST_COMPLETED)
     finally:
-        if not finished:
-            for request_id in request_ids:
-                await backend.abort(request_id)
+        if not task.done():
+            task.cancel()
+    return task.result() if task.done() and not task.cancelled() else None
+
+
+def _aborted(out: RequestOutput | None, choice: Choice) -> RequestOutput:
+    """The final output of a choice ended by a shutdown: its text so far, nothing new, "abort"."""
+    if out is None:
+        return RequestOutput(choice.request_id, None, choice.prompt_ids, None, finished=True, finish_reason="abort",
+                             logprobs=[] if choice.params.logprobs else None)
+    return dataclasses.replace(out, new_text="", new_token_ids=[], finished=True, finish_reason="abort")
+
+
+async def _sse(events: AsyncIterator[dict], interrupt: Interrupt) -> AsyncIterator[str]:
+    """Server-sent events, ending with [DONE] unless the client went away."""
+    try:
+        async with aclosing(events):
+            async for event in events:
+                yield f"data: {json.dumps(event)}\n\n"
+        if not interrupt.client_gone:
+            yield "data: [DONE]\n\n"
+    finally:
+        interrupt.close()

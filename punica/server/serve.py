@@ -7,30 +7,42 @@ from pathlib import Path
 
 from punica.config import EngineArgs
 from punica.factory import build_engine, load_tokenizer, model_source, resolve_device, startup_adapters
+from punica.server.adapter_paths import resolved_inside
 from punica.server.app import ServerState, build_app
 from punica.server.async_engine import AsyncEngine
+from punica.server.args import ServerArgs
 
 log = logging.getLogger("punica.server")
 
 
 def adapters_in(directory: Path) -> dict[str, str]:
-    """Every PEFT adapter directly under `directory`, named by its folder."""
+    """Every PEFT adapter directly under `directory`, named by its folder. A folder that is a
+    symlink to outside `directory` is skipped, as /v1/load_lora_adapter refuses it (403)."""
     if not directory.is_dir():
         raise FileNotFoundError(f"--adapter-dir {directory} is not a directory")
-    return {p.name: str(p) for p in sorted(directory.iterdir()) if (p / "adapter_config.json").is_file()}
+    adapters = {}
+    for p in sorted(directory.iterdir()):
+        if not (p / "adapter_config.json").is_file():
+            continue
+        if resolved_inside(p, [directory]) is None:
+            log.warning("skipping adapter %s: it links to %s, outside --adapter-dir %s", p.name, p.resolve(), directory)
+            continue
+        adapters[p.name] = str(p)
+    return adapters
 
 
-def build_state(args: EngineArgs, adapters: dict[str, str] | None = None, adapter_dirs: list[str] | None = None,
-                api_key: str | None = None, max_queue: int = 1024, served_model_name: str | None = None) -> ServerState:
+def build_state(args: EngineArgs, adapters: dict[str, str] | None = None, server: ServerArgs = ServerArgs()
+                ) -> ServerState:
     """The server's state: one engine in this process (over `args.tensor_parallel_size` devices), or
     `args.workers` Ray workers behind the Punica cluster scheduler."""
-    dirs = [Path(d) for d in adapter_dirs or []]
+    dirs = [Path(d) for d in server.adapter_dir]
+    api_key, max_queue = server.api_key, server.max_queue
     scanned = {}
     for d in dirs:
         scanned.update(adapters_in(d))
     all_adapters = startup_adapters(args, None if adapters is None and not dirs else {**scanned, **(adapters or {})})
     _, model_dir = model_source(args)
-    name = served_model_name or (model_dir.name if model_dir is not None else str(args.model))
+    name = server.served_model_name or (model_dir.name if model_dir is not None else str(args.model))
     if name in all_adapters:
         raise ValueError(f"an adapter is named like the base model ({name!r}); rename it")
     for adapter, path in all_adapters.items():
@@ -53,10 +65,15 @@ def build_state(args: EngineArgs, adapters: dict[str, str] | None = None, adapte
     return state
 
 
-def serve(host: str, port: int, args: EngineArgs, **kwargs) -> None:
+def serve(args: EngineArgs, server: ServerArgs, adapters: dict[str, str] | None = None) -> None:
     import uvicorn
 
+    from punica.server.shutdown import GracefulServer
+
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    app = build_app(build_state(args, **kwargs))
+    state = build_state(args, adapters, server)
+    app = build_app(state, server.max_request_bytes)
+    host, port = server.host, server.port
     log.info("serving the OpenAI API at http://%s:%d/v1 and the playground at http://%s:%d/", host, port, host, port)
-    uvicorn.run(app, host=host, port=port, log_level="info")
+    config = uvicorn.Config(app, host=host, port=port, log_level="info")
+    GracefulServer(config, state.in_flight, server.shutdown_timeout).run()

@@ -8,7 +8,8 @@ import uvicorn
 
 from punica.config import EngineArgs
 from punica.lora.dummy import save_random_adapter
-from punica.server.app import build_app
+from punica.server.app import ServerState, build_app
+from punica.server.args import DEFAULT_MAX_REQUEST_BYTES
 from punica.server.serve import build_state
 
 
@@ -21,12 +22,14 @@ def free_port() -> int:
 class RunningServer:
     """A punica server on a free 127.0.0.1 port, in a thread of this process."""
 
-    def __init__(self, state):
+    def __init__(self, state, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES, server_class=uvicorn.Server,
+                 **server_kwargs):
         self.state = state
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        config = uvicorn.Config(build_app(state), host="127.0.0.1", port=self.port, log_level="warning")
-        self.server = uvicorn.Server(config)
+        config = uvicorn.Config(build_app(state, max_request_bytes), host="127.0.0.1", port=self.port,
+                                log_level="warning")
+        self.server = server_class(config, **server_kwargs)
         self.thread = threading.Thread(target=self.server.run, daemon=True)
         self.thread.start()
         deadline = time.monotonic() + 60
@@ -78,3 +81,42 @@ def server(adapter_dirs):
 def http(server):
     with httpx.Client(base_url=server.url, timeout=120) as client:
         yield client
+
+
+class StubBackend:
+    """What the HTTP layer asks of a backend before a request reaches the engine, for tests of
+    that layer alone: there is no model, and `generate` is not there."""
+
+    def __init__(self, max_model_len: int = 2048, adapters: dict[str, str] | None = None):
+        self.max_model_len = max_model_len
+        self.adapters = dict(adapters or {})
+
+    def has_adapter(self, name: str) -> bool:
+        return name in self.adapters
+
+    async def adapter_paths(self) -> dict[str, str]:
+        return dict(self.adapters)
+
+    def num_waiting(self) -> int:
+        return 0
+
+    async def start(self) -> None:
+        pass
+
+    async def shutdown(self) -> None:
+        pass
+
+
+@pytest.fixture(scope="session")
+def tokenizer():
+    from transformers import AutoTokenizer
+
+    from punica.models.loader import resolve_model_dir
+
+    return AutoTokenizer.from_pretrained(str(resolve_model_dir(None)))
+
+
+def stub_state(tokenizer, **kwargs) -> ServerState:
+    """A ServerState over a StubBackend whose base model is named "base"."""
+    backend_kwargs = {k: kwargs.pop(k) for k in ("max_model_len", "adapters") if k in kwargs}
+    return ServerState(StubBackend(**backend_kwargs), tokenizer, "base", **kwargs)

@@ -1,0 +1,39 @@
+"""ServerArgs: how `punica serve` serves (the engine's own settings are punica.config.EngineArgs);
+the command's flags are made from its fields (punica.config.add_arguments)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from punica.config import described
+
+# 8 MiB holds the longest context punica serves (131,072 tokens) as text at 64 bytes a token
+# (English averages about 4, JSON-escaped non-ASCII text up to about 24) or as token ids
+# (at most 8 bytes each with the separator); a body over it cannot be a prompt that fits.
+DEFAULT_MAX_REQUEST_BYTES = 8 * 1024 * 1024
+DEFAULT_SHUTDOWN_TIMEOUT_S = 30.0
+
+
+@dataclass(frozen=True)
+class ServerArgs:
+    """How `punica serve` serves (the engine's own settings are EngineArgs); its flags are made from these fields."""
+    host: str = described("127.0.0.1", "address to listen on")
+    port: int = described(8000, "port to listen on")
+    api_key: str | None = described(None, "require 'Authorization: Bearer KEY' (default: $PUNICA_API_KEY, if set)")
+    served_model_name: str | None = described(None, "the base model's name in the API (default: its directory's)")
+    adapter_dir: tuple[str, ...] = described((), "serve every adapter in this directory (repeatable); "
+                                                 "/v1/load_lora_adapter loads only from these")
+    max_queue: int = described(1024, "requests waiting to run before new ones get 429")
+    max_request_bytes: int = described(DEFAULT_MAX_REQUEST_BYTES, "a request body over this many bytes is refused "
+                                                                  "with 413 as it arrives")
+    shutdown_timeout: float = described(DEFAULT_SHUTDOWN_TIMEOUT_S, "on SIGTERM, seconds in-flight requests may "
+                                                                    "still run before they end with finish_reason "
+                                                                    "'abort'")
+
+    def __post_init__(self):
+        object.__setattr__(self, "adapter_dir", tuple(self.adapter_dir))
+        if self.max_queue < 0 or self.max_request_bytes < 1:
+            raise ValueError(f"max_queue must be >= 0 and max_request_bytes >= 1, got {self.max_queue} and "
+                             f"{self.max_request_bytes}")
+        if self.shutdown_timeout < 0:
+            raise ValueError(f"shutdown_timeout must be >= 0 seconds, got {self.shutdown_timeout}")
