@@ -15,6 +15,7 @@ from fastapi.responses import HTMLResponse, JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from punica.lora.adapter import AdapterError
 from punica.server.async_engine import AsyncEngine
 from punica.server.metrics import Metrics
 from punica.server.openai_api import OpenAIHandlers, error_body
@@ -46,13 +47,12 @@ class ServerState:
             return None
         if self.backend.has_adapter(model):
             return model
-        raise ProtocolError(f"The model `{model}` does not exist.", status=404, param="model",
-                            kind="NotFoundError")
+        raise ProtocolError(f"The model `{model}` does not exist.", status=404, param="model", code="model_not_found")
 
     def check_queue(self, num_new: int) -> None:
         if self.backend.num_waiting() + num_new > self.max_queue:
             raise ProtocolError(f"the queue is full ({self.max_queue} requests wait); retry later",
-                                status=429, kind="RateLimitError")
+                                status=429, kind="requests", code="rate_limit_exceeded")
 
     def allowed_adapter_path(self, path: str) -> Path:
         """A path inside one of the configured adapter directories, or a 4xx."""
@@ -65,12 +65,41 @@ class ServerState:
             if real == root or root in real.parents:
                 return real
         raise ProtocolError(f"lora_path {path!r} is outside the configured adapter directories", status=403,
-                            param="lora_path", kind="PermissionDeniedError")
+                            param="lora_path")
 
 
 def error_response(status: int, message: str, kind: str = "invalid_request_error", param: str | None = None,
-                   headers: dict[str, str] | None = None) -> JSONResponse:
-    return JSONResponse({"error": error_body(message, kind, param, status)}, status_code=status, headers=headers)
+                   headers: dict[str, str] | None = None, code: str | None = None) -> JSONResponse:
+    return JSONResponse({"error": error_body(message, kind, param, code)}, status_code=status, headers=headers)
+
+
+def _dotted(loc) -> str:
+    return ".".join(str(x) for x in loc)
+
+
+def validation_problem(errors: list[dict]) -> tuple[str, str | None]:
+    """The message and `param` of a 400 for pydantic's errors: every unknown field named, as
+    OpenAI does ("Unrecognized request argument supplied: foo"), then each other problem; param
+    is the field of the first problem (pydantic's loc, "messages.0.role"), None for the body."""
+    params, unknown, problems = [], [], []
+    for err in errors:
+        ctx = err.get("ctx") or {}
+        if err["type"] == "json_invalid":
+            params.append(None)
+            problems.append(f"the body is not valid JSON ({ctx.get('error', err['msg'])})")
+            continue
+        loc = err["loc"][1:] if err["loc"][:1] == ("body",) else err["loc"]
+        where = ctx.get("param") or (_dotted(loc) if loc else None)
+        params.append(where)
+        if err["type"] == "extra_forbidden":
+            unknown.append(where)
+        elif err["msg"].startswith(f"{where} "):  # a message of ours, which names the field itself
+            problems.append(err["msg"])
+        else:
+            problems.append(f"{where or 'body'}: {err['msg']}")
+    parts = [f"Unrecognized request argument supplied: {', '.join(unknown)}"] if unknown else []
+    parts += [f"invalid request: {'; '.join(problems)}"] if problems else []
+    return "; ".join(parts), next((p for p in params if p), None)
 
 
 def build_app(state: ServerState) -> FastAPI:
@@ -86,16 +115,18 @@ def build_app(state: ServerState) -> FastAPI:
     @app.exception_handler(ProtocolError)
     async def protocol_error(request: Request, e: ProtocolError):
         headers = {"Retry-After": str(RETRY_AFTER_S)} if e.status == 429 else None
-        return error_response(e.status, str(e), e.kind, e.param, headers)
+        return error_response(e.status, str(e), e.kind, e.param, headers, e.code)
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(request: Request, e: RequestValidationError):
-        problems = "; ".join(f"{'.'.join(str(x) for x in err['loc'][1:]) or 'body'}: {err['msg']}" for err in e.errors())
-        return error_response(400, f"invalid request: {problems}")
+        message, param = validation_problem(e.errors())
+        return error_response(400, message, param=param)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, e: StarletteHTTPException):
-        return error_response(e.status_code, str(e.detail), "invalid_request_error")
+        message = f"Invalid URL ({request.method} {request.url.path})" if e.status_code == 404 else str(e.detail)
+        kind = "invalid_request_error" if e.status_code < 500 else "server_error"
+        return error_response(e.status_code, message, kind)
 
     @app.exception_handler(Exception)
     async def unexpected(request: Request, e: Exception):
@@ -105,10 +136,11 @@ def build_app(state: ServerState) -> FastAPI:
     async def authorize(request: Request) -> None:
         if state.api_key is None:
             return
-        header = request.headers.get("authorization", "")
+        header = request.headers.get("authorization")
+        if header is None:  # OpenAI's code: null when no key is given, invalid_api_key for a wrong one
+            raise ProtocolError("missing API key: send it in an Authorization: Bearer KEY header", status=401)
         if header != f"Bearer {state.api_key}":
-            raise ProtocolError("missing or invalid API key (Authorization: Bearer ...)", status=401,
-                                kind="AuthenticationError")
+            raise ProtocolError("invalid API key (Authorization: Bearer KEY)", status=401, code="invalid_api_key")
 
     v1 = [Depends(authorize)]
 
@@ -137,8 +169,10 @@ def build_app(state: ServerState) -> FastAPI:
             raise ProtocolError(f"an adapter or model named {body.lora_name!r} is already loaded", param="lora_name")
         try:
             await state.backend.load_adapter(body.lora_name, str(path))
-        except ValueError as e:
+        except AdapterError as e:  # the adapter at the path cannot be read or served
             raise ProtocolError(str(e), param="lora_path") from e
+        except ValueError as e:  # the engine refused the name
+            raise ProtocolError(str(e), param="lora_name") from e
         return Response(f"Success: LoRA adapter '{body.lora_name}' added successfully.", media_type="text/plain")
 
     @app.post("/v1/unload_lora_adapter", dependencies=v1)
@@ -146,8 +180,8 @@ def build_app(state: ServerState) -> FastAPI:
         try:
             await state.backend.unload_adapter(body.lora_name)
         except ValueError as e:
-            raise ProtocolError(f"the adapter {body.lora_name!r} is not loaded", status=404, param="lora_name",
-                                kind="NotFoundError") from e
+            raise ProtocolError(f"the adapter {body.lora_name!r} is not loaded", status=404,
+                                param="lora_name") from e
         return Response(f"Success: LoRA adapter '{body.lora_name}' removed successfully.", media_type="text/plain")
 
     @app.get("/health")

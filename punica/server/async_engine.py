@@ -75,6 +75,10 @@ class AsyncEngine:
     def max_model_len(self) -> int:
         return self.engine.max_model_len
 
+    @property
+    def vocab_size(self) -> int:
+        return self.engine.model.config.vocab_size
+
     def has_adapter(self, name: str) -> bool:
         return name in self.engine.adapters.registry
 

@@ -38,29 +38,35 @@ class OpenAIHandlers:
         body.check_supported()
         adapter = await self.state.resolve_model(body.model)
         prompts = [self._tokenize(p) for p in body.prompts()]
-        max_tokens = body.max_tokens if body.max_tokens is not None else 16
+        max_tokens = body.max_tokens_or_default()
         choices = self._choices("cmpl", body, prompts, lambda ids: max_tokens, body.logprobs is not None)
         return await self._respond("text_completion", body, adapter, choices, request)
 
     async def chat(self, body: ChatCompletionRequest, request: Request):
         body.check_supported()
         adapter = await self.state.resolve_model(body.model)
-        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+        messages = [m.template_message(f"messages.{i}") for i, m in enumerate(body.messages)]
         tok = self.state.tokenizer
         if not tok.chat_template:
             raise ProtocolError("this model has no chat template: use /v1/completions")
         text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
         prompt_ids = tok.encode(text, add_special_tokens=False)
-        limit = body.max_completion_tokens or body.max_tokens
+        limit = body.completion_limit()
         max_model_len = self.state.max_model_len
         choices = self._choices("chatcmpl", body, [prompt_ids],
-                                lambda ids: limit or max(1, max_model_len - len(ids)), body.logprobs)
+                                lambda ids: limit if limit is not None else max(1, max_model_len - len(ids)),
+                                bool(body.logprobs))
         return await self._respond("chat.completion", body, adapter, choices, request)
 
     # shared ------------------------------------------------------------------------------
     def _tokenize(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
             return self.state.tokenizer.encode(prompt)
+        vocab_size = self.state.backend.vocab_size
+        if not all(0 <= t < vocab_size for t in prompt):
+            # checked here, not only by the engine: a later prompt of the request goes in after
+            # the response has started
+            raise ProtocolError(f"prompt token ids must be integers in [0, {vocab_size})", param="prompt")
         return list(prompt)
 
     def _choices(self, prefix: str, body: SamplingFields, prompts: list[list[int]], max_tokens_of,
@@ -76,8 +82,8 @@ class OpenAIHandlers:
                     f"This model's maximum context length is {self.state.max_model_len} tokens. However, you "
                     f"requested {len(ids) + max_tokens} tokens ({len(ids)} in the prompt, {max_tokens} for the "
                     f"completion). Please reduce the prompt or max_tokens.", param="max_tokens")
-            for j in range(body.n):
-                index = p * body.n + j
+            for j in range(body.num_choices):
+                index = p * body.num_choices + j
                 choices.append(Choice(index, f"{base}-{index}", ids, body.sampling_params(max_tokens, logprobs, j)))
         return choices
 
@@ -92,9 +98,8 @@ class OpenAIHandlers:
         except ValueError as e:
             raise ProtocolError(str(e)) from e
         meta = {"id": first.request_id.rsplit("-", 1)[0], "created": int(time.time()), "model": body.model}
-        usage_wanted = body.stream_options is not None and body.stream_options.include_usage
         if body.stream:
-            events = self._stream(kind, meta, choices, gens, head, usage_wanted)
+            events = self._stream(kind, meta, choices, gens, head, body.usage_wanted)
             return StreamingResponse(_sse(events, [c.request_id for c in choices], self.state.backend),
                                      media_type="text/event-stream")
         finals = await self._collect(choices, gens, head, request)
@@ -219,7 +224,9 @@ def _raise_if_failed(out: RequestOutput) -> None:
         raise ProtocolError(out.error or "request failed", status=500, kind="server_error")
 
 
-def error_body(message: str, kind: str, param: str | None = None, code: int | None = None) -> dict[str, Any]:
+def error_body(message: str, kind: str, param: str | None = None, code: str | None = None) -> dict[str, Any]:
+    """OpenAI's error object: `kind` is its `type` ("invalid_request_error" for a client's error,
+    "server_error" for ours), `param` the request field at fault, `code` a string or None."""
     return {"message": message, "type": kind, "param": param, "code": code}
 
 
