@@ -18,7 +18,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from punica.lora.adapter import AdapterError
 from punica.server.async_engine import AsyncEngine
 from punica.server.metrics import Metrics
-from punica.server.openai_api import OpenAIHandlers, error_body
+from punica.server.openai_api import CLIENT_CLOSED_REQUEST, OpenAIHandlers, error_body
 from punica.server.protocol import (ChatCompletionRequest, CompletionRequest, LoadLoraRequest, ProtocolError,
                                     UnloadLoraRequest)
 
@@ -102,6 +102,36 @@ def validation_problem(errors: list[dict]) -> tuple[str, str | None]:
     return "; ".join(parts), next((p for p in params if p), None)
 
 
+class CountRejections:
+    """ASGI middleware: every HTTP answer with a 4xx or 5xx status goes to punica_rejected_requests_total
+    (an exception no handler answered counts as the 500 Starlette sends), except the 499 of a client
+    that went away (counted as an aborted request)."""
+
+    def __init__(self, app, metrics: Metrics):
+        self.app, self.metrics = app, metrics
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        started = False
+
+        async def counting_send(message):
+            nonlocal started
+            if message["type"] == "http.response.start":
+                started = True
+                status = message["status"]
+                if status >= 400 and status != CLIENT_CLOSED_REQUEST:
+                    self.metrics.rejected.labels(str(status)).inc()
+            await send(message)
+
+        try:
+            await self.app(scope, receive, counting_send)
+        except Exception:
+            if not started:
+                self.metrics.rejected.labels("500").inc()
+            raise
+
+
 def build_app(state: ServerState) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -110,6 +140,7 @@ def build_app(state: ServerState) -> FastAPI:
         await state.backend.shutdown()
 
     app = FastAPI(title="punica", version="0.1.0", lifespan=lifespan)
+    app.add_middleware(CountRejections, metrics=state.metrics)
     handlers = OpenAIHandlers(state)
 
     @app.exception_handler(ProtocolError)
@@ -164,6 +195,14 @@ def build_app(state: ServerState) -> FastAPI:
 
     @app.post("/v1/load_lora_adapter", dependencies=v1)
     async def load_lora(body: LoadLoraRequest):
+        try:
+            await load_adapter(body)
+        except Exception:
+            state.metrics.adapter_load_failures.inc()
+            raise
+        return Response(f"Success: LoRA adapter '{body.lora_name}' added successfully.", media_type="text/plain")
+
+    async def load_adapter(body: LoadLoraRequest) -> None:
         path = state.allowed_adapter_path(body.lora_path)
         if body.lora_name == state.base_model_name or state.backend.has_adapter(body.lora_name):
             raise ProtocolError(f"an adapter or model named {body.lora_name!r} is already loaded", param="lora_name")
@@ -173,7 +212,6 @@ def build_app(state: ServerState) -> FastAPI:
             raise ProtocolError(str(e), param="lora_path") from e
         except ValueError as e:  # the engine refused the name
             raise ProtocolError(str(e), param="lora_name") from e
-        return Response(f"Success: LoRA adapter '{body.lora_name}' added successfully.", media_type="text/plain")
 
     @app.post("/v1/unload_lora_adapter", dependencies=v1)
     async def unload_lora(body: UnloadLoraRequest):

@@ -2,13 +2,16 @@
 
 Every Engine call happens on that thread. The asyncio side sends commands (add, abort,
 load/unload adapter) through a queue and awaits their result; outputs come back to each
-request's asyncio.Queue. A failure inside a step fails the requests of that step, and the
-loop keeps serving the others.
+request's asyncio.Queue. A failure inside a step fails the requests of that step (each gets a
+finished output with finish_reason "error"), and the loop keeps serving the others. Every
+finished output, whether a step, an abort or a failure ended the request, goes to `on_finished`
+exactly once.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import queue
 import threading
@@ -27,9 +30,11 @@ LOADING_WAIT_S = 0.001
 
 
 class AsyncEngine:
-    def __init__(self, engine: Engine, on_step: Callable[[Engine, list[RequestOutput], float], None] | None = None):
+    def __init__(self, engine: Engine, on_step: Callable[[Engine, list[RequestOutput], float], None] | None = None,
+                 on_finished: Callable[[RequestOutput], None] | None = None):
         self.engine = engine
-        self.on_step = on_step
+        self.on_step = on_step          # after each step: (engine, the step's outputs, seconds)
+        self.on_finished = on_finished  # each request's finished output, on the engine thread
         self._commands: queue.Queue[tuple[Callable[[], Any], Future]] = queue.Queue()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._stop = threading.Event()
@@ -68,7 +73,7 @@ class AsyncEngine:
                 await self.abort(request_id)
 
     async def abort(self, request_id: str) -> None:
-        await self.call(lambda: self.engine.abort(request_id))
+        await self.call(lambda: self._abort(request_id))
 
     # what the server asks of its backend besides generate/abort (see ClusterBackend too) ----
     @property
@@ -113,6 +118,20 @@ class AsyncEngine:
             loop, stream = target
             loop.call_soon_threadsafe(stream.put_nowait, item)
 
+    def _emit(self, outputs: list[RequestOutput]) -> None:
+        """Outputs to their streams, the finished ones to on_finished first (so a client that has
+        its answer finds it counted). Exactly once each: the engine forgets a request when it
+        hands out its finished output."""
+        for out in outputs:
+            if out.finished and self.on_finished is not None:
+                self.on_finished(out)
+            self._deliver(out.request_id, out)
+
+    def _abort(self, request_id: str) -> None:
+        out = self.engine.abort(request_id)  # None for a request already finished
+        if out is not None:
+            self._emit([out])
+
     def _run_commands(self, wait: float) -> None:
         try:
             fn, future = self._commands.get(timeout=wait) if wait else self._commands.get_nowait()
@@ -142,14 +161,17 @@ class AsyncEngine:
                 log.exception("engine step failed")
                 self._fail_running(e)
                 continue
-            for out in outputs:
-                self._deliver(out.request_id, out)
+            self._emit(outputs)
             if self.on_step is not None:
                 self.on_step(self.engine, outputs, time.perf_counter() - start)
             if self.engine.stalled(outputs):
                 time.sleep(LOADING_WAIT_S)  # queued requests wait for adapter loads
 
     def _fail_running(self, error: Exception) -> None:
+        message = f"internal error while generating: {error}"
+        failed = []
         for request in list(self.engine.scheduler.running):
-            self.engine.abort(request.request_id)
-            self._deliver(request.request_id, RuntimeError(f"internal error while generating: {error}"))
+            out = self.engine.abort(request.request_id)
+            if out is not None:
+                failed.append(dataclasses.replace(out, finish_reason="error", error=message))
+        self._emit(failed)

@@ -59,7 +59,7 @@ def build_state(model: str | None = None, adapters: dict[str, str] | None = None
     engine = build_engine(model_dir, tokenizer, EngineConfig(**engine_kwargs), all_adapters,
                           resolve_dtype(dtype, device), device, tensor_parallel_size)
     state = ServerState(AsyncEngine(engine), tokenizer, name, dirs, api_key, max_queue)
-    state.backend.on_step = state.metrics.on_step
+    state.backend.on_step, state.backend.on_finished = state.metrics.on_step, state.metrics.finished
     log.info("model %s from %s on %s x%d (%s), context %d tokens, KV cache %d pages of %d tokens",
              name, model_dir, device, tensor_parallel_size, engine.model.embed.weight.dtype, engine.max_model_len,
              engine.allocator.num_pages, engine.config.page_size)
