@@ -1,8 +1,57 @@
-"""SamplingParams: how one request's tokens are chosen and when it stops (vLLM's names)."""
+"""SamplingParams: how one request's tokens are chosen and when it stops (vLLM's names).
+
+Every field is range-checked when the object is built, so a request's parameters can never
+fail the step that samples it together with other requests (NaN or infinite logits, an
+integer overflow in a seed). A bad value raises SamplingParamsError naming the field.
+"""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
+
+# logits / temperature: below MIN_TEMPERATURE it can overflow float32 (1e-38 turns logits of a
+# few hundred into inf, and softmax into NaN); at 1e-2 it is 100x the logits, as good as greedy
+MIN_TEMPERATURE = 1e-2
+MAX_TEMPERATURE = 100.0
+# the penalty divides or multiplies logits: outside these bounds they underflow to 0 or overflow
+MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY = 0.01, 100.0
+MAX_ABS_FREQUENCY_PRESENCE = 2.0  # OpenAI's range for frequency_penalty and presence_penalty
+# what torch.Generator.manual_seed accepts
+MIN_SEED, SEED_MODULUS = -(1 << 63), 1 << 64
+MAX_STOP_STRINGS = MAX_STOP_TOKEN_IDS = 64
+MAX_STOP_STRING_CHARS = 256
+
+
+class SamplingParamsError(ValueError):
+    """A sampling parameter out of range; `field` is its name (the same as OpenAI's and vLLM's)."""
+
+    def __init__(self, field: str, message: str):
+        super().__init__(message)
+        self.field = field
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def offset_seed(seed: int, offset: int) -> int:
+    """seed + offset (offset >= 0), wrapped modulo 2**64 into [-2**63, 2**64) (torch's generators
+    keep 64 bits): the seed of choice `offset` of a request. A seed out of that range is returned
+    unchanged, for SamplingParams to reject."""
+    if not _is_int(seed) or not MIN_SEED <= seed < SEED_MODULUS:
+        return seed
+    seed += offset
+    return seed - SEED_MODULUS if seed >= SEED_MODULUS else seed
+
+
+def _check_float(name: str, value, low: float, high: float, low_open: bool = False) -> None:
+    """A finite number (int or float, not bool) in [low, high], or (low, high] when low_open."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise SamplingParamsError(name, f"{name} must be a finite number, got {value!r}")
+    if value < low or (low_open and value == low) or value > high:
+        bounds = f"({low:g}, {high:g}]" if low_open else f"[{low:g}, {high:g}]"
+        raise SamplingParamsError(name, f"{name} must be in {bounds}, got {value!r}")
 
 
 @dataclass(frozen=True)
@@ -26,24 +75,45 @@ class SamplingParams:
         # accept lists and a single stop string for convenience; store tuples (frozen, hashable)
         if isinstance(self.stop, str):
             object.__setattr__(self, "stop", (self.stop,))
-        object.__setattr__(self, "stop", tuple(self.stop or ()))
-        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids or ()))
-        checks = [
-            (isinstance(self.max_tokens, int) and self.max_tokens >= 1, f"max_tokens must be an integer >= 1, got {self.max_tokens!r}"),
-            (self.temperature >= 0, f"temperature must be >= 0, got {self.temperature}"),
-            (isinstance(self.top_k, int) and (self.top_k >= 0 or self.top_k == -1), f"top_k must be -1, 0 (off) or a positive integer, got {self.top_k!r}"),
-            (0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}"),
-            (0 <= self.min_p <= 1, f"min_p must be in [0, 1], got {self.min_p}"),
-            (self.repetition_penalty > 0, f"repetition_penalty must be > 0, got {self.repetition_penalty}"),
-            (-2 <= self.frequency_penalty <= 2, f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}"),
-            (-2 <= self.presence_penalty <= 2, f"presence_penalty must be in [-2, 2], got {self.presence_penalty}"),
-            (self.seed is None or isinstance(self.seed, int), f"seed must be an integer, got {self.seed!r}"),
-            (all(isinstance(s, str) and s for s in self.stop), "stop strings must be non-empty strings"),
-            (all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids), "stop_token_ids must be non-negative integers"),
-        ]
-        for ok, message in checks:
-            if not ok:
-                raise ValueError(message)
+        for name in ("stop", "stop_token_ids"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, (list, tuple)):
+                raise SamplingParamsError(name, f"{name} must be a list, got {value!r}")
+            object.__setattr__(self, name, tuple(value or ()))
+        self._check()
+
+    def _check(self) -> None:
+        if not _is_int(self.max_tokens) or self.max_tokens < 1:
+            raise SamplingParamsError("max_tokens", f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        _check_float("temperature", self.temperature, 0, MAX_TEMPERATURE)
+        if 0 < self.temperature < MIN_TEMPERATURE:
+            raise SamplingParamsError(
+                "temperature", f"temperature must be 0 (greedy) or in [{MIN_TEMPERATURE:g}, {MAX_TEMPERATURE:g}], "
+                f"got {self.temperature!r}")
+        if not _is_int(self.top_k) or self.top_k < -1:
+            raise SamplingParamsError("top_k", f"top_k must be -1, 0 (off) or a positive integer, got {self.top_k!r}")
+        _check_float("top_p", self.top_p, 0, 1, low_open=True)
+        _check_float("min_p", self.min_p, 0, 1)
+        _check_float("repetition_penalty", self.repetition_penalty, MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY)
+        for name in ("frequency_penalty", "presence_penalty"):
+            _check_float(name, getattr(self, name), -MAX_ABS_FREQUENCY_PRESENCE, MAX_ABS_FREQUENCY_PRESENCE)
+        if self.seed is not None and not (_is_int(self.seed) and MIN_SEED <= self.seed < SEED_MODULUS):
+            raise SamplingParamsError("seed", f"seed must be an integer in [-2**63, 2**64), got {self.seed!r}")
+        if len(self.stop) > MAX_STOP_STRINGS:
+            raise SamplingParamsError("stop", f"at most {MAX_STOP_STRINGS} stop strings, got {len(self.stop)}")
+        for s in self.stop:
+            if not isinstance(s, str) or not 0 < len(s) <= MAX_STOP_STRING_CHARS:
+                raise SamplingParamsError(
+                    "stop", f"stop strings must be non-empty strings of at most {MAX_STOP_STRING_CHARS} characters, "
+                    f"got {s!r:.80}")
+        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            raise SamplingParamsError("stop_token_ids", f"at most {MAX_STOP_TOKEN_IDS} stop_token_ids, "
+                                                        f"got {len(self.stop_token_ids)}")
+        if not all(_is_int(t) and t >= 0 for t in self.stop_token_ids):
+            raise SamplingParamsError("stop_token_ids", "stop_token_ids must be non-negative integers")
+        for name in ("include_stop_str_in_output", "ignore_eos", "logprobs"):
+            if not isinstance(getattr(self, name), bool):
+                raise SamplingParamsError(name, f"{name} must be a bool, got {getattr(self, name)!r}")
 
     @property
     def greedy(self) -> bool:

@@ -14,13 +14,14 @@ from fastapi.responses import HTMLResponse, JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from punica.lora.adapter import AdapterError
 from punica.server.adapter_paths import resolved_inside
 from punica.server.async_engine import AsyncEngine
 from punica.server.interrupts import InFlight
 from punica.server.args import DEFAULT_MAX_REQUEST_BYTES
 from punica.server.limits import RequestBodyLimit
 from punica.server.metrics import Metrics
-from punica.server.openai_api import OpenAIHandlers, error_body
+from punica.server.openai_api import CLIENT_CLOSED_REQUEST, OpenAIHandlers, error_body
 from punica.server.protocol import (ChatCompletionRequest, CompletionRequest, LoadLoraRequest, ProtocolError,
                                     UnloadLoraRequest)
 
@@ -50,13 +51,12 @@ class ServerState:
             return None
         if self.backend.has_adapter(model):
             return model
-        raise ProtocolError(f"The model `{model}` does not exist.", status=404, param="model",
-                            kind="NotFoundError")
+        raise ProtocolError(f"The model `{model}` does not exist.", status=404, param="model", code="model_not_found")
 
     def check_queue(self, num_new: int) -> None:
         if self.backend.num_waiting() + num_new > self.max_queue:
             raise ProtocolError(f"the queue is full ({self.max_queue} requests wait); retry later",
-                                status=429, kind="RateLimitError")
+                                status=429, kind="requests", code="rate_limit_exceeded")
 
     def allowed_adapter_path(self, path: str) -> Path:
         """A path inside one of the configured adapter directories, or a 4xx."""
@@ -67,12 +67,71 @@ class ServerState:
         if real is not None:
             return real
         raise ProtocolError(f"lora_path {path!r} is outside the configured adapter directories", status=403,
-                            param="lora_path", kind="PermissionDeniedError")
+                            param="lora_path")
 
 
 def error_response(status: int, message: str, kind: str = "invalid_request_error", param: str | None = None,
-                   headers: dict[str, str] | None = None) -> JSONResponse:
-    return JSONResponse({"error": error_body(message, kind, param, status)}, status_code=status, headers=headers)
+                   headers: dict[str, str] | None = None, code: str | None = None) -> JSONResponse:
+    return JSONResponse({"error": error_body(message, kind, param, code)}, status_code=status, headers=headers)
+
+
+def _dotted(loc) -> str:
+    return ".".join(str(x) for x in loc)
+
+
+def validation_problem(errors: list[dict]) -> tuple[str, str | None]:
+    """The message and `param` of a 400 for pydantic's errors: every unknown field named, as
+    OpenAI does ("Unrecognized request argument supplied: foo"), then each other problem; param
+    is the field of the first problem (pydantic's loc, "messages.0.role"), None for the body."""
+    params, unknown, problems = [], [], []
+    for err in errors:
+        ctx = err.get("ctx") or {}
+        if err["type"] == "json_invalid":
+            params.append(None)
+            problems.append(f"the body is not valid JSON ({ctx.get('error', err['msg'])})")
+            continue
+        loc = err["loc"][1:] if err["loc"][:1] == ("body",) else err["loc"]
+        where = ctx.get("param") or (_dotted(loc) if loc else None)
+        params.append(where)
+        if err["type"] == "extra_forbidden":
+            unknown.append(where)
+        elif err["msg"].startswith(f"{where} "):  # a message of ours, which names the field itself
+            problems.append(err["msg"])
+        else:
+            problems.append(f"{where or 'body'}: {err['msg']}")
+    parts = [f"Unrecognized request argument supplied: {', '.join(unknown)}"] if unknown else []
+    parts += [f"invalid request: {'; '.join(problems)}"] if problems else []
+    return "; ".join(parts), next((p for p in params if p), None)
+
+
+class CountRejections:
+    """ASGI middleware: every HTTP answer with a 4xx or 5xx status goes to punica_rejected_requests_total
+    (an exception no handler answered counts as the 500 Starlette sends), except the 499 of a client
+    that went away (counted as an aborted request)."""
+
+    def __init__(self, app, metrics: Metrics):
+        self.app, self.metrics = app, metrics
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        started = False
+
+        async def counting_send(message):
+            nonlocal started
+            if message["type"] == "http.response.start":
+                started = True
+                status = message["status"]
+                if status >= 400 and status != CLIENT_CLOSED_REQUEST:
+                    self.metrics.rejected.labels(str(status)).inc()
+            await send(message)
+
+        try:
+            await self.app(scope, receive, counting_send)
+        except Exception:
+            if not started:
+                self.metrics.rejected.labels("500").inc()
+            raise
 
 
 def build_app(state: ServerState, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> FastAPI:
@@ -86,21 +145,24 @@ def build_app(state: ServerState, max_request_bytes: int = DEFAULT_MAX_REQUEST_B
     app = FastAPI(title="punica", version="0.1.0", lifespan=lifespan, docs_url=None, redoc_url=None,
                   openapi_url=None)
     app.add_middleware(RequestBodyLimit, max_bytes=max_request_bytes)
+    app.add_middleware(CountRejections, metrics=state.metrics)  # outermost: counts the 413s too
     handlers = OpenAIHandlers(state)
 
     @app.exception_handler(ProtocolError)
     async def protocol_error(request: Request, e: ProtocolError):
         headers = {"Retry-After": str(RETRY_AFTER_S)} if e.status == 429 else None
-        return error_response(e.status, str(e), e.kind, e.param, headers)
+        return error_response(e.status, str(e), e.kind, e.param, headers, e.code)
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(request: Request, e: RequestValidationError):
-        problems = "; ".join(f"{'.'.join(str(x) for x in err['loc'][1:]) or 'body'}: {err['msg']}" for err in e.errors())
-        return error_response(400, f"invalid request: {problems}")
+        message, param = validation_problem(e.errors())
+        return error_response(400, message, param=param)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, e: StarletteHTTPException):
-        return error_response(e.status_code, str(e.detail), "invalid_request_error")
+        message = f"Invalid URL ({request.method} {request.url.path})" if e.status_code == 404 else str(e.detail)
+        kind = "invalid_request_error" if e.status_code < 500 else "server_error"
+        return error_response(e.status_code, message, kind)
 
     @app.exception_handler(Exception)
     async def unexpected(request: Request, e: Exception):
@@ -110,10 +172,11 @@ def build_app(state: ServerState, max_request_bytes: int = DEFAULT_MAX_REQUEST_B
     async def authorize(request: Request) -> None:
         if state.api_key is None:
             return
-        header = request.headers.get("authorization", "")
+        header = request.headers.get("authorization")
+        if header is None:  # OpenAI's code: null when no key is given, invalid_api_key for a wrong one
+            raise ProtocolError("missing API key: send it in an Authorization: Bearer KEY header", status=401)
         if header != f"Bearer {state.api_key}":
-            raise ProtocolError("missing or invalid API key (Authorization: Bearer ...)", status=401,
-                                kind="AuthenticationError")
+            raise ProtocolError("invalid API key (Authorization: Bearer KEY)", status=401, code="invalid_api_key")
 
     v1 = [Depends(authorize)]
 
@@ -137,22 +200,31 @@ def build_app(state: ServerState, max_request_bytes: int = DEFAULT_MAX_REQUEST_B
 
     @app.post("/v1/load_lora_adapter", dependencies=v1)
     async def load_lora(body: LoadLoraRequest):
+        try:
+            await load_adapter(body)
+        except Exception:
+            state.metrics.adapter_load_failures.inc()
+            raise
+        return Response(f"Success: LoRA adapter '{body.lora_name}' added successfully.", media_type="text/plain")
+
+    async def load_adapter(body: LoadLoraRequest) -> None:
         path = state.allowed_adapter_path(body.lora_path)
         if body.lora_name == state.base_model_name or state.backend.has_adapter(body.lora_name):
             raise ProtocolError(f"an adapter or model named {body.lora_name!r} is already loaded", param="lora_name")
         try:
             await state.backend.load_adapter(body.lora_name, str(path))
-        except ValueError as e:
+        except AdapterError as e:  # the adapter at the path cannot be read or served
             raise ProtocolError(str(e), param="lora_path") from e
-        return Response(f"Success: LoRA adapter '{body.lora_name}' added successfully.", media_type="text/plain")
+        except ValueError as e:  # the engine refused the name
+            raise ProtocolError(str(e), param="lora_name") from e
 
     @app.post("/v1/unload_lora_adapter", dependencies=v1)
     async def unload_lora(body: UnloadLoraRequest):
         try:
             await state.backend.unload_adapter(body.lora_name)
         except ValueError as e:
-            raise ProtocolError(f"the adapter {body.lora_name!r} is not loaded", status=404, param="lora_name",
-                                kind="NotFoundError") from e
+            raise ProtocolError(f"the adapter {body.lora_name!r} is not loaded", status=404,
+                                param="lora_name") from e
         return Response(f"Success: LoRA adapter '{body.lora_name}' removed successfully.", media_type="text/plain")
 
     @app.get("/openapi.json", dependencies=v1, include_in_schema=False)

@@ -2,13 +2,16 @@
 
 Every Engine call happens on that thread. The asyncio side sends commands (add, abort,
 load/unload adapter) through a queue and awaits their result; outputs come back to each
-request's asyncio.Queue. A failure inside a step fails the requests of that step, and the
-loop keeps serving the others.
+request's asyncio.Queue. A failure inside a step fails the requests of that step (each gets a
+finished output with finish_reason "error"), and the loop keeps serving the others. Every
+finished output, whether a step, an abort or a failure ended the request, goes to `on_finished`
+exactly once.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import queue
 import threading
@@ -28,9 +31,11 @@ IDLE_WAIT_S = 0.05
 class AsyncEngine:
     STOP_TIMEOUT_S = 10.0
 
-    def __init__(self, engine: Engine, on_step: Callable[[Engine, list[RequestOutput], float], None] | None = None):
+    def __init__(self, engine: Engine, on_step: Callable[[Engine, list[RequestOutput], float], None] | None = None,
+                 on_finished: Callable[[RequestOutput], None] | None = None):
         self.engine = engine
-        self.on_step = on_step
+        self.on_step = on_step          # after each step: (engine, the step's outputs, seconds)
+        self.on_finished = on_finished  # each request's finished output, on the engine thread
         self._commands: queue.Queue[tuple[Callable[[], Any], Future]] = queue.Queue()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._stop = threading.Event()
@@ -65,16 +70,20 @@ class AsyncEngine:
                 self._abort_soon(request_id)
 
     async def abort(self, request_id: str) -> None:
-        await self.call(lambda: self.engine.abort(request_id))
+        await self.call(lambda: self._abort(request_id))
 
     def _abort_soon(self, request_id: str) -> None:
         """Queue the abort without waiting for it: safe in a cancelled task, and with a hung engine."""
-        self._commands.put((lambda: self.engine.abort(request_id), Future()))
+        self._commands.put((lambda: self._abort(request_id), Future()))
 
     # what the server asks of its backend besides generate/abort (see ClusterBackend too) ----
     @property
     def max_model_len(self) -> int:
         return self.engine.max_model_len
+
+    @property
+    def vocab_size(self) -> int:
+        return self.engine.vocab_size
 
     def has_adapter(self, name: str) -> bool:
         return self.engine.has_adapter(name)
@@ -116,6 +125,20 @@ class AsyncEngine:
             loop, stream = target
             loop.call_soon_threadsafe(stream.put_nowait, item)
 
+    def _emit(self, outputs: list[RequestOutput]) -> None:
+        """Outputs to their streams, the finished ones to on_finished first (so a client that has
+        its answer finds it counted). Exactly once each: the engine forgets a request when it
+        hands out its finished output."""
+        for out in outputs:
+            if out.finished and self.on_finished is not None:
+                self.on_finished(out)
+            self._deliver(out.request_id, out)
+
+    def _abort(self, request_id: str) -> None:
+        out = self.engine.abort(request_id)  # None for a request already finished
+        if out is not None:
+            self._emit([out])
+
     def _run_commands(self, wait: float) -> None:
         try:
             fn, future = self._commands.get(timeout=wait) if wait else self._commands.get_nowait()
@@ -151,12 +174,15 @@ class AsyncEngine:
                 log.exception("engine step failed")
                 self._fail_running(e)
                 continue
-            for out in outputs:
-                self._deliver(out.request_id, out)
+            self._emit(outputs)
             if self.on_step is not None:
                 self.on_step(self.engine, outputs, time.perf_counter() - start)
 
     def _fail_running(self, error: Exception) -> None:
+        message = f"internal error while generating: {error}"
+        failed = []
         for request_id in self.engine.running_request_ids():
-            self.engine.abort(request_id)
-            self._deliver(request_id, RuntimeError(f"internal error while generating: {error}"))
+            out = self.engine.abort(request_id)
+            if out is not None:
+                failed.append(dataclasses.replace(out, finish_reason="error", error=message))
+        self._emit(failed)

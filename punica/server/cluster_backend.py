@@ -28,6 +28,10 @@ class ClusterBackend:
     def max_model_len(self) -> int:
         return self.cluster.max_model_len
 
+    @property
+    def vocab_size(self) -> int:
+        return self.cluster.model_config.vocab_size
+
     def has_adapter(self, name: str) -> bool:
         return name in self.cluster.adapters
 

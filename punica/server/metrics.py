@@ -18,7 +18,13 @@ class Metrics:
     def __init__(self):
         self.registry = CollectorRegistry()
         r = self.registry
-        self.requests = Counter("punica_requests", "Finished requests", ["adapter", "finish_reason"], registry=r)
+        self.requests = Counter("punica_requests", "Finished requests by how they ended: stop, length, abort "
+                                "(the client went away or aborted it) or error (it failed)",
+                                ["adapter", "finish_reason"], registry=r)
+        self.rejected = Counter("punica_rejected_requests", "HTTP requests answered with an error status", ["status"],
+                                registry=r)
+        self.adapter_load_failures = Counter("punica_adapter_load_failures",
+                                             "/v1/load_lora_adapter calls that loaded no adapter", registry=r)
         self.latency = Histogram("punica_request_latency_seconds", "Arrival to last token", ["adapter"],
                                  buckets=LATENCY_BUCKETS, registry=r)
         self.ttft = Histogram("punica_time_to_first_token_seconds", "Arrival to first token", ["adapter"],
@@ -35,7 +41,7 @@ class Metrics:
         self._recent: deque[tuple[float, int]] = deque()
 
     def on_step(self, engine: Engine, outputs: list[RequestOutput], seconds: float) -> None:
-        """Called by the engine thread after every step."""
+        """Called by the engine thread after every step (finished outputs also go to `finished`)."""
         now = time.monotonic()
         self.step_time.observe(seconds)
         new_tokens = sum(len(o.new_token_ids) for o in outputs)
@@ -44,19 +50,18 @@ class Metrics:
         while self._recent and self._recent[0][0] < now - TOKENS_PER_S_WINDOW_S:
             self._recent.popleft()
         self.tokens_per_s.set(sum(n for _, n in self._recent) / TOKENS_PER_S_WINDOW_S)
-        for out in outputs:
-            if out.finished:
-                self.finished(out)
         self.update_gauges(engine)
 
     def finished(self, out: RequestOutput) -> None:
+        """Called once per request, with its finished output, whatever ended it."""
         adapter = out.adapter or ""
         self.requests.labels(adapter, out.finish_reason or "").inc()
         self.prompt_tokens.inc(len(out.prompt_token_ids))
         if out.time_to_first_token is not None:
             self.ttft.labels(adapter).observe(out.time_to_first_token)
-            total = out.time_to_first_token + (out.time_per_output_token or 0) * max(0, len(out.token_ids) - 1)
-            self.latency.labels(adapter).observe(total)
+            if out.finish_reason in ("stop", "length"):  # an aborted or failed request has no last token
+                total = out.time_to_first_token + (out.time_per_output_token or 0) * max(0, len(out.token_ids) - 1)
+                self.latency.labels(adapter).observe(total)
 
     def update_gauges(self, engine: Engine) -> None:
         stats = engine.stats()

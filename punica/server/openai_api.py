@@ -35,7 +35,7 @@ class Choice:
 class OpenAIHandlers:
     def __init__(self, state):
         self.state = state  # punica.server.app.ServerState
-        self.prompt_bound = PromptBound(state.tokenizer)
+        self.prompt_bound = PromptBound(state.tokenizer) if state.tokenizer is not None else None
         self._aborts: set[asyncio.Task] = set()  # the loop holds tasks weakly
 
     # entry points --------------------------------------------------------------------------
@@ -43,28 +43,36 @@ class OpenAIHandlers:
         body.check_supported()
         adapter = await self.state.resolve_model(body.model)
         prompts = await asyncio.to_thread(self._tokenize, body.prompts())  # off the event loop: it can take seconds
-        max_tokens = body.max_tokens if body.max_tokens is not None else 16
+        max_tokens = body.max_tokens_or_default()
         choices = self._choices("cmpl", body, prompts, lambda ids: max_tokens, body.logprobs is not None)
         return await self._respond("text_completion", body, adapter, choices, request)
 
     async def chat(self, body: ChatCompletionRequest, request: Request):
         body.check_supported()
         adapter = await self.state.resolve_model(body.model)
-        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-        if not self.state.tokenizer.chat_template:
+        messages = [m.template_message(f"messages.{i}") for i, m in enumerate(body.messages)]
+        if self.state.tokenizer is None or not self.state.tokenizer.chat_template:
             raise ProtocolError("this model has no chat template: use /v1/completions")
         prompt_ids = await asyncio.to_thread(self._chat_prompt_ids, messages)
-        limit = body.max_completion_tokens or body.max_tokens
+        limit = body.completion_limit()
         max_model_len = self.state.max_model_len
         choices = self._choices("chatcmpl", body, [prompt_ids],
-                                lambda ids: limit or max(1, max_model_len - len(ids)), body.logprobs)
+                                lambda ids: limit if limit is not None else max(1, max_model_len - len(ids)),
+                                bool(body.logprobs))
         return await self._respond("chat.completion", body, adapter, choices, request)
 
     # shared ------------------------------------------------------------------------------
     def _tokenize(self, prompts: list[str | list[int]]) -> list[list[int]]:
+        vocab_size = self.state.backend.vocab_size
         for prompt in prompts:
             if isinstance(prompt, str):
+                if self.prompt_bound is None:
+                    raise ProtocolError("this model has no tokenizer: send the prompt as token ids", param="prompt")
                 self.prompt_bound.check(len(prompt.encode()), self.state.max_model_len, "prompt")
+            elif not all(0 <= t < vocab_size for t in prompt):
+                # checked here, not only by the engine: a later prompt of the request goes in after
+                # the response has started
+                raise ProtocolError(f"prompt token ids must be integers in [0, {vocab_size})", param="prompt")
         return [self.state.tokenizer.encode(p) if isinstance(p, str) else list(p) for p in prompts]
 
     def _chat_prompt_ids(self, messages: list[dict[str, str]]) -> list[int]:
@@ -88,8 +96,8 @@ class OpenAIHandlers:
                     f"This model's maximum context length is {self.state.max_model_len} tokens. However, you "
                     f"requested {len(ids) + max_tokens} tokens ({len(ids)} in the prompt, {max_tokens} for the "
                     f"completion). Please reduce the prompt or max_tokens.", param="max_tokens")
-            for j in range(body.n):
-                index = p * body.n + j
+            for j in range(body.num_choices):
+                index = p * body.num_choices + j
                 choices.append(Choice(index, f"{base}-{index}", ids, body.sampling_params(max_tokens, logprobs, j)))
         return choices
 
@@ -113,9 +121,8 @@ class OpenAIHandlers:
             interrupt.close()
             return Response(status_code=CLIENT_CLOSED_REQUEST)
         meta = {"id": first.request_id.rsplit("-", 1)[0], "created": int(time.time()), "model": body.model}
-        usage_wanted = body.stream_options is not None and body.stream_options.include_usage
         if body.stream:
-            events = self._stream(kind, meta, choices, gens, head, usage_wanted, interrupt)
+            events = self._stream(kind, meta, choices, gens, head, body.usage_wanted, interrupt)
             return StreamingResponse(_sse(events, interrupt), media_type="text/event-stream")
         try:
             finals = await self._collect(choices, gens, head, interrupt)
@@ -233,10 +240,15 @@ class OpenAIHandlers:
         return {"index": index, "text": out.new_text, "finish_reason": reason,
                 "logprobs": self._completion_logprobs(out.new_token_ids, new_logprobs)}
 
+    def _token_text(self, token_id: int) -> str:
+        """A token's text; "token_id:N" (vLLM's form) for a model without a tokenizer."""
+        tokenizer = self.state.tokenizer
+        return tokenizer.decode([token_id]) if tokenizer is not None else f"token_id:{token_id}"
+
     def _completion_logprobs(self, token_ids: list[int], logprobs: list[float] | None) -> dict | None:
         if logprobs is None:
             return None
-        tokens = [self.state.tokenizer.decode([t]) for t in token_ids]
+        tokens = [self._token_text(t) for t in token_ids]
         return {"tokens": tokens, "token_logprobs": logprobs, "top_logprobs": None, "text_offset": None}
 
     def _chat_logprobs(self, out: RequestOutput, token_ids: list[int], logprobs: list[float] | None) -> dict | None:
@@ -244,7 +256,7 @@ class OpenAIHandlers:
             return None
         content = []
         for t, lp in zip(token_ids, logprobs):
-            text = self.state.tokenizer.decode([t])
+            text = self._token_text(t)
             content.append({"token": text, "logprob": lp, "bytes": list(text.encode()), "top_logprobs": []})
         return {"content": content}
 
@@ -264,7 +276,9 @@ def _raise_if_failed(out: RequestOutput) -> None:
         raise ProtocolError(out.error or "request failed", status=500, kind="server_error")
 
 
-def error_body(message: str, kind: str, param: str | None = None, code: int | None = None) -> dict[str, Any]:
+def error_body(message: str, kind: str, param: str | None = None, code: str | None = None) -> dict[str, Any]:
+    """OpenAI's error object: `kind` is its `type` ("invalid_request_error" for a client's error,
+    "server_error" for ours), `param` the request field at fault, `code` a string or None."""
     return {"message": message, "type": kind, "param": param, "code": code}
 
 

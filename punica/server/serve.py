@@ -57,7 +57,7 @@ def build_state(args: EngineArgs, adapters: dict[str, str] | None = None, server
         return ServerState(ClusterBackend(cluster), load_tokenizer(model_dir), name, dirs, api_key, max_queue)
     engine = build_engine(args, all_adapters)
     state = ServerState(AsyncEngine(engine), engine.tokenizer, name, dirs, api_key, max_queue)
-    state.backend.on_step = state.metrics.on_step
+    state.backend.on_step, state.backend.on_finished = state.metrics.on_step, state.metrics.finished
     stats = engine.stats()
     log.info("model %s on %s x%d (%s), context %d tokens, KV cache %d pages of %d tokens", name,
              resolve_device(args.device), args.tensor_parallel_size, args.dtype, engine.max_model_len,

@@ -87,8 +87,8 @@ class StubBackend:
     """What the HTTP layer asks of a backend before a request reaches the engine, for tests of
     that layer alone: there is no model, and `generate` is not there."""
 
-    def __init__(self, max_model_len: int = 2048, adapters: dict[str, str] | None = None):
-        self.max_model_len = max_model_len
+    def __init__(self, max_model_len: int = 2048, adapters: dict[str, str] | None = None, vocab_size: int = 49152):
+        self.max_model_len, self.vocab_size = max_model_len, vocab_size
         self.adapters = dict(adapters or {})
 
     def has_adapter(self, name: str) -> bool:

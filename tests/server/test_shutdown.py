@@ -169,7 +169,7 @@ class HungEngine:
     """An engine whose first step never returns (until `release`): what a stuck GPU looks like.
     It has what AsyncEngine uses of an Engine."""
 
-    max_model_len = 2048
+    max_model_len, vocab_size = 2048, 49152
 
     def __init__(self):
         self.requests: dict[str, object] = {}
