@@ -115,8 +115,9 @@ def acquire_adapter(adapters: AdapterManager, request: Request) -> bool:
 
 
 def release_adapter(adapters: AdapterManager, request: Request) -> None:
+    """Let go of the slot the request holds (it is that of the registration it was admitted on)."""
     if request.slot >= 0:
-        adapters.release(request.adapter)
+        adapters.release(request.slot)
         request.slot = -1
 
 

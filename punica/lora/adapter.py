@@ -5,7 +5,9 @@
     delta_y      = scale * (x @ lora_a[proj][layer].T) @ lora_b[proj][layer].T
 
 Only targeted projections are keys; layers the adapter does not touch are zeros. Anything the
-canonical layout cannot express exactly is rejected with an AdapterError, never dropped.
+canonical layout cannot express exactly is rejected with an AdapterError, never dropped; so is
+an adapter that could overflow the activations of its requests (a non-finite value, a scale
+over MAX_LORA_SCALE, a layer's delta with a gain over MAX_LORA_GAIN).
 """
 
 from __future__ import annotations
@@ -46,6 +48,39 @@ UNSUPPORTED_OPTIONS = {
     "rank_pattern": "rank_pattern (per-module ranks)",
     "alpha_pattern": "alpha_pattern (per-module lora_alpha)",
 }
+
+
+# Bounds on what one adapter may do to the activations, checked when it is read. A layer's LoRA
+# delta adds scale * B @ A @ x to a projection's output, x being the projection's RMS-normalised
+# input (||x||_2 = sqrt(hidden) times the norm weights), so each delta scales its input by at most
+# its gain |scale| * ||B @ A||_2. Within one decoder layer at most ~gain^3 reaches the residual
+# stream (v then o on the attention path; gate times up, then down, on the MLP path, whose product
+# is quadratic in ||x||). With gains <= 1e3 a layer adds at most ~1e9 * hidden (~1e13 for hidden
+# 8192) to the residual, 100 layers ~1e15: far below bf16's and float32's max (~3.4e38), and below
+# the ~1.8e19 whose square RMSNorm's float32 sum of squares still holds, with four orders of
+# magnitude left for the base weights' own norms. The demo adapters' gains are 0.5-3.5 and the
+# random test and benchmark adapters' at most ~20, a margin of 50x; weights of 1e30 (finite in
+# bf16) give gains of ~1e60 and are refused instead of making inf/NaN of every request on them.
+MAX_LORA_GAIN = 1e3
+# |lora_alpha / r| (or / sqrt(r)): float32 (the pool's scales) holds it with room to spare; real
+# adapters use ~0.1-100, so a larger scale means a broken config (e.g. lora_alpha 1e300).
+MAX_LORA_SCALE = 1e6
+# adapter names: letters/digits first, then letters, digits, '.', '_', '-'; optionally an org
+# prefix and one '/'; nothing that reads as a path ("..", leading '.') or needs quoting
+ADAPTER_NAME = re.compile(r"(?:[A-Za-z0-9][A-Za-z0-9._-]*/)?[A-Za-z0-9][A-Za-z0-9._-]*")
+MAX_ADAPTER_NAME_LEN = 128
+
+
+def check_adapter_name(name: str) -> str:
+    """`name`, if it is a valid adapter name; else a ValueError naming the rule it breaks."""
+    if len(name) > MAX_ADAPTER_NAME_LEN:
+        raise ValueError(f"adapter name {name[:32]!r}... has {len(name)} characters, over the "
+                         f"limit of {MAX_ADAPTER_NAME_LEN}")
+    if not ADAPTER_NAME.fullmatch(name):
+        raise ValueError(f"adapter name {name!r} is invalid: it must start with an ASCII letter or digit and hold "
+                         "only ASCII letters, digits, '.', '_' and '-', optionally after an org prefix of the same "
+                         "form and one '/' (e.g. 'tenant-a', 'org/adapter_v1.2')")
+    return name
 
 
 class AdapterError(ValueError):
@@ -133,8 +168,14 @@ def read_adapter(path: str | Path, config: ModelConfig, name: str | None = None,
     checked = {}
     for (proj, layer), sides in sorted(pairs.items(), key=lambda kv: PROJECTIONS.index(kv[0][0])):
         h_in, h_out = shapes[proj]
-        checked[proj, layer] = (_checked(*sides["A"], (rank, h_in), 0, proj, dtype, fail),
-                                _checked(*sides["B"], (h_out, rank), 1, proj, dtype, fail))
+        a = _checked(*sides["A"], (rank, h_in), 0, proj, dtype, fail)
+        b = _checked(*sides["B"], (h_out, rank), 1, proj, dtype, fail)
+        gain = lora_gain(a, b, scale)
+        if not gain <= MAX_LORA_GAIN:
+            raise fail(f"layer {layer} {proj} projection ({sides['A'][0]}, {sides['B'][0]}): the delta's gain "
+                       f"|scale| * ||B @ A||_2 is {gain:.3g}, over the limit of {MAX_LORA_GAIN:g} (weights this "
+                       "large would make the activations overflow)")
+        checked[proj, layer] = (a, b)
     if not checked:
         raise fail("the weights file holds no LoRA tensors")
     targets = cfg.get("target_modules")
@@ -154,6 +195,20 @@ def adapter_rank(path: str | Path) -> int:
         return AdapterError(f"LoRA adapter {path}: {problem}")
 
     return _check_config(_read_config(path, fail), fail)[0]
+
+
+def lora_gain(a: torch.Tensor, b: torch.Tensor, scale: float) -> float:
+    """|scale| * ||B @ A||_2 (the largest singular value) of A [r, h_in], B [h_out, r], in float64
+    from r x r Gram matrices, never forming the [h_out, h_in] product: with G_A = A A^T = S^2 (S its
+    symmetric square root) and G_B = B^T B, ||B @ A||_2^2 is the largest eigenvalue of
+    A^T G_B A, whose nonzero eigenvalues are those of G_B G_A and so of S G_B S. O((h_in + h_out) r^2);
+    float64 keeps the largest eigenvalue to its relative precision, and finite float32 inputs
+    (< 3.4e38) cannot overflow it (the largest intermediate is below ~1e170)."""
+    a64, b64 = a.to(torch.float64), b.to(torch.float64)
+    eigenvalues, vectors = torch.linalg.eigh(a64 @ a64.T)
+    root = (vectors * eigenvalues.clamp(min=0).sqrt()) @ vectors.T
+    largest = float(torch.linalg.eigvalsh(root @ (b64.T @ b64) @ root)[-1])
+    return abs(scale) * math.sqrt(max(largest, 0.0))
 
 
 def _pair_tensors(weights: dict[str, torch.Tensor], num_layers: int,
@@ -219,9 +274,25 @@ def _check_config(cfg: dict[str, Any], fail: Fail) -> tuple[int, float]:
         if module in (targets if isinstance(targets, str) else " ".join(targets)):
             raise fail(f"LoRA on {module} is not supported (target_modules={targets!r})")
     rank, alpha = cfg.get("r", 8), cfg.get("lora_alpha", 8)
-    if not isinstance(rank, int) or rank <= 0 or not isinstance(alpha, (int, float)):
-        raise fail(f"r={rank!r} must be a positive integer and lora_alpha={alpha!r} a number")
-    return rank, alpha / (math.sqrt(rank) if cfg.get("use_rslora") else rank)
+    if isinstance(rank, bool) or not isinstance(rank, int) or rank <= 0:
+        raise fail(f"r={rank!r} must be a positive integer")
+    # json reads NaN and Infinity, and integers of any size (which float() cannot always convert)
+    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not _is_finite(alpha):
+        raise fail(f"lora_alpha={alpha!r:.40} must be a finite number")
+    rslora = bool(cfg.get("use_rslora"))
+    scale = float(alpha) / (math.sqrt(rank) if rslora else rank)
+    if not abs(scale) <= MAX_LORA_SCALE:
+        divisor = ("sqrt(r)", f"sqrt({rank})") if rslora else ("r", rank)
+        raise fail(f"the scale lora_alpha / {divisor[0]} = {alpha:g} / {divisor[1]} = {scale:.3g} is over the "
+                   f"limit of {MAX_LORA_SCALE:g}")
+    return rank, scale
+
+
+def _is_finite(value: float) -> bool:
+    try:
+        return math.isfinite(value)
+    except OverflowError:  # an int beyond float's range
+        return False
 
 
 def _read_weights(path: Path, fail: Fail) -> dict[str, torch.Tensor]:

@@ -1,22 +1,31 @@
 """On-demand adapters: a registry, a host tier, the GPU slot pool, and the loads between them.
 
-    registry (name -> directory; metadata only, 10,000s are fine)
+    registry (name -> directory; the config's rank checked at registration, weights not read;
+              10,000s are fine)
       -> host tier: adapters packed as pool slots (LoraPool.pack) into the rows of a HostArena
-         (as many as the byte budget holds; page-locked on CUDA), LRU; read and packed on a
-         worker thread, off the engine thread
+         (as many as the byte budget holds; page-locked on CUDA), LRU; read, checked and packed
+         on a worker thread, off the engine thread, so a bad adapter fails there, only its own
+         requests failing
       -> GPU slots of the LoraPool, LRU; one host->device copy on a side CUDA stream, finished
          when its event has completed (no device-wide sync)
 
-The engine calls `acquire` when it wants to admit a request: True (and the slot is held)
-when the adapter is resident; otherwise the load is started or advanced and the request
+The engine calls `acquire` when it wants to admit a request: the slot (held until `release`)
+when the adapter is resident; otherwise None, the load is started or advanced and the request
 waits in the queue while others run. `poll` advances loads once per step and prefetches the
 adapters of the next queued requests. A slot held by an admitted request, pinned, or wanted by
 one of the next `max_loras` adapters in the queue is never evicted (so loads never evict each
 other before their requests get in).
+
+Names are how users and the engine ask; inside, every registration of a name is its own
+Registration, the key of the host tier, the slots, the loads and the failures. So after
+unregister(name) + register(name, new_path), requests admitted before keep the old adapter's
+slot until they leave, new ones load and get the new adapter, and a read or copy of the old one
+still in flight is thrown away when it finishes.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 import weakref
 from collections import Counter, OrderedDict
@@ -27,7 +36,7 @@ from pathlib import Path
 import torch
 
 from punica.config import ModelConfig
-from punica.lora.adapter import read_adapter
+from punica.lora.adapter import adapter_rank, check_adapter_name, read_adapter
 from punica.lora.pool import LoraPool
 
 
@@ -68,6 +77,16 @@ def _unregister(rows: torch.Tensor) -> None:
     _cuda_check(torch.cuda.cudart().cudaHostUnregister(rows.data_ptr()), "cudaHostUnregister")
 
 
+@dataclass(frozen=True, eq=False)
+class Registration:
+    """One registration of an adapter, compared and hashed by identity: after `unregister(name)`
+    and `register(name, ...)` the name has a new one, and nothing read, copied or held for the
+    old one (host row, slot, read or copy in flight) is used for the new one."""
+    name: str
+    path: Path
+    version: int                       # registrations made by the manager before this one
+
+
 @dataclass
 class _HostAdapter:
     row: int                           # of the arena: the slot's contents
@@ -87,171 +106,207 @@ class AdapterManager:
         row_bytes = math.prod(pool.packed_shape) * pool.buffer.element_size()
         self.arena = HostArena(max(1, host_capacity_bytes // row_bytes), pool.packed_shape, self.dtype,
                                pin=self.device.type == "cuda")
-        self.registry: dict[str, Path] = {}
-        self.pinned: set[str] = set()
-        self.host: OrderedDict[str, _HostAdapter] = OrderedDict()    # least recently used first
-        self.resident: OrderedDict[str, int] = OrderedDict()          # name -> slot, LRU first
-        self.refs: Counter[str] = Counter()                           # admitted requests per adapter
+        self.registry: dict[str, Path] = {}                           # name -> directory
+        self.current: dict[str, Registration] = {}                    # name -> its registration
+        self._versions = itertools.count()
+        # everything below is keyed by Registration (or by slot), never by name
+        self.pinned: set[Registration] = set()
+        self.host: OrderedDict[Registration, _HostAdapter] = OrderedDict()  # least recently used first
+        self.resident: OrderedDict[Registration, int] = OrderedDict()       # -> slot, LRU first
+        self.refs: Counter[int] = Counter()                           # slot -> admitted requests holding it
+        self.retired: set[int] = set()                                # slots of unregistered adapters still held
         self.free_slots = list(range(pool.max_loras - 1, -1, -1))
-        self.wanted: dict[str, None] = {}                             # asked for, not resident (in order)
-        self.demand: set[str] = set()                                 # adapters of queued requests
-        self.reads: dict[str, tuple[Future, int]] = {}               # the read and its arena row
-        self.copies: dict[str, _Copy] = {}
-        self.failed: dict[str, str] = {}
+        self.wanted: dict[Registration, None] = {}                    # asked for, not resident (in order)
+        self.demand: set[Registration] = set()                        # the lookahead of the queue
+        self.reads: dict[Registration, tuple[Future, int]] = {}       # the read and its arena row
+        self.copies: dict[Registration, _Copy] = {}
+        self.failed: dict[Registration, str] = {}
         self.num_errors = 0  # failed reads and unloads so far: when `error` may have changed
+        self.num_load_failures = 0  # reads that failed (a broken adapter directory)
         self.executor = ThreadPoolExecutor(io_threads, thread_name_prefix="punica-lora-io")
         self.copy_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self.num_loads = 0
 
     # registry ----------------------------------------------------------------------------
     def register(self, name: str, path: str | Path, pinned: bool = False) -> None:
-        if not name or name in self.registry:
-            raise ValueError(f"adapter name {name!r} is empty or already registered")
+        """Add an adapter under a new name; ValueError for a bad name, a name in use, a path that
+        is not a directory, a config that cannot be served or a rank over the pool's."""
+        check_adapter_name(name)
+        if name in self.registry:
+            raise ValueError(f"adapter name {name!r} is already registered")
         path = Path(path)
         if not path.is_dir():
             raise ValueError(f"adapter {name!r}: {path} is not a directory")
-        self.registry[name] = path
-        self.failed.pop(name, None)
+        rank = adapter_rank(path)
+        if rank > self.pool.max_rank:
+            raise ValueError(f"adapter {name!r} has rank {rank}, over this engine's max_lora_rank "
+                             f"{self.pool.max_rank} (start it with max_lora_rank / --max-lora-rank >= {rank})")
+        registration = Registration(name, path, next(self._versions))
+        self.registry[name], self.current[name] = path, registration
         if pinned:
-            self.pinned.add(name)
+            self.pinned.add(registration)
 
     def unregister(self, name: str) -> None:
         """Forget an adapter. Its slot is freed once no admitted request holds it."""
         if name not in self.registry:
             raise ValueError(f"unknown adapter {name!r}")
         del self.registry[name]
+        registration = self.current.pop(name)
         self.num_errors += 1
-        self.pinned.discard(name)
-        self.wanted.pop(name, None)
-        if name in self.host and name not in self.copies:  # else its row is freed after the copy
-            self.arena.give_back(self.host.pop(name).row)
-        if self.refs[name] == 0 and name in self.resident:
-            self.free_slots.append(self.resident.pop(name))
+        self.pinned.discard(registration)
+        self.wanted.pop(registration, None)
+        self.demand.discard(registration)
+        self.failed.pop(registration, None)
+        if registration in self.host and registration not in self.copies:  # else freed after the copy
+            self.arena.give_back(self.host.pop(registration).row)
+        slot = self.resident.pop(registration, None)
+        if slot is not None:
+            if self.refs[slot] == 0:
+                self.free_slots.append(slot)
+            else:  # freed when the last request holding it leaves
+                self.retired.add(slot)
 
     def error(self, name: str) -> str | None:
         """Why the adapter cannot be loaded, or None."""
         if name not in self.registry:
             return f"adapter {name!r} was unloaded"
-        return self.failed.get(name)
+        return self.failed.get(self.current[name])
 
     # admission ---------------------------------------------------------------------------
     def acquire(self, name: str) -> int | None:
-        """The adapter's slot, held for one more request, or None while it is being loaded."""
-        if name in self.resident:
-            self.resident.move_to_end(name)
-            self.refs[name] += 1
-            return self.resident[name]
-        if name in self.registry and name not in self.failed:
-            self.wanted[name] = None
-            self._advance(name)
+        """The slot of the adapter's current registration, held for one more request until
+        `release(slot)`, or None while it is being loaded (or unknown, or failed: see `error`)."""
+        registration = self.current.get(name)
+        if registration is None:
+            return None
+        slot = self.resident.get(registration)
+        if slot is not None:
+            self.resident.move_to_end(registration)
+            self.refs[slot] += 1
+            return slot
+        if registration not in self.failed:
+            self.wanted[registration] = None
+            self._advance(registration)
         return None
 
-    def release(self, name: str) -> None:
-        self.refs[name] -= 1
-        if self.refs[name] == 0:
-            del self.refs[name]
-            if name not in self.registry and name in self.resident:  # unloaded while in use
-                self.free_slots.append(self.resident.pop(name))
+    def release(self, slot: int) -> None:
+        """Let go of a slot `acquire` returned; an unregistered adapter's slot is freed with its last holder."""
+        if self.refs[slot] <= 0:
+            raise ValueError(f"slot {slot} is not held by any request")
+        self.refs[slot] -= 1
+        if self.refs[slot] == 0:
+            del self.refs[slot]
+            if slot in self.retired:
+                self.retired.remove(slot)
+                self.free_slots.append(slot)
 
     def poll(self, demand: list[str]) -> None:
         """Advance every load: finished reads enter the host tier, finished copies the pool.
 
         `demand`: the adapters of the requests now in the queue, in queue order. The first
-        `max_loras` of them are the lookahead: never evicted, and prefetched before their
+        `max_loras` registered ones are the lookahead: never evicted, and prefetched before their
         requests are considered for admission (read into the host tier, copied into free slots;
         a prefetch never evicts). Adapters wanted only further back stay evictable, so a long
         queue cannot pin every slot.
         """
-        lookahead = list(dict.fromkeys(demand))[:self.pool.max_loras]
+        queued = [self.current[name] for name in dict.fromkeys(demand) if name in self.current]
+        lookahead = queued[:self.pool.max_loras]
         self.demand = set(lookahead)
-        queued = set(demand)
-        self.wanted = {name: None for name in self.wanted if name in queued}
-        for name, (future, row) in list(self.reads.items()):
+        in_queue = set(queued)
+        self.wanted = {registration: None for registration in self.wanted if registration in in_queue}
+        for registration, (future, row) in list(self.reads.items()):
             if future.done():
-                del self.reads[name]
-                self._read_done(name, future, row)
-        for name, copy in list(self.copies.items()):
+                del self.reads[registration]
+                self._read_done(registration, future, row)
+        for registration, copy in list(self.copies.items()):
             if copy.event is None or copy.event.query():
-                del self.copies[name]
-                if name in self.registry:
-                    self.resident[name] = copy.slot
+                del self.copies[registration]
+                if self._is_current(registration):
+                    self.resident[registration] = copy.slot
                 else:
                     self.free_slots.append(copy.slot)
-                    self.arena.give_back(self.host.pop(name).row)
-        for name in list(self.wanted):
-            self._advance(name)
+                    self.arena.give_back(self.host.pop(registration).row)
+        for registration in list(self.wanted):
+            self._advance(registration)
         spare = len(self.free_slots)  # given out in queue order, also to reads not done yet
-        for name in lookahead:
-            if (name not in self.registry or name in self.failed or name in self.resident
-                    or name in self.copies):
+        for registration in lookahead:
+            if registration in self.failed or registration in self.resident or registration in self.copies:
                 continue
-            if name in self.host:
+            if registration in self.host:
                 if spare > 0:
-                    self._start_copy(name, self.free_slots.pop())
-            elif name not in self.reads:
-                self._start_read(name)
+                    self._start_copy(registration, self.free_slots.pop())
+            elif registration not in self.reads:
+                self._start_read(registration)
             spare -= 1
 
     # internals ---------------------------------------------------------------------------
-    def _advance(self, name: str) -> None:
-        if name in self.resident or name in self.copies or name in self.reads:
-            if name in self.resident:
-                self.wanted.pop(name, None)
+    def _is_current(self, registration: Registration) -> bool:
+        return self.current.get(registration.name) is registration
+
+    def _advance(self, registration: Registration) -> None:
+        if registration in self.resident or registration in self.copies or registration in self.reads:
+            if registration in self.resident:
+                self.wanted.pop(registration, None)
             return
-        if name in self.host:
-            self.host.move_to_end(name)
+        if registration in self.host:
+            self.host.move_to_end(registration)
             slot = self._free_slot()
             if slot is not None:
-                self._start_copy(name, slot)
+                self._start_copy(registration, slot)
             return
-        self._start_read(name)
+        self._start_read(registration)
 
-    def _start_read(self, name: str) -> None:
+    def _start_read(self, registration: Registration) -> None:
         """Read into a free arena row, else into the least recently used host adapter's that is
         neither being copied nor in the lookahead; with none, the read starts at a later poll."""
         row = self.arena.take()
         if row is None:
-            victim = next((n for n in self.host if n not in self.copies and n not in self.demand), None)
+            victim = next((r for r in self.host if r not in self.copies and r not in self.demand), None)
             if victim is None:
                 return
             row = self.host.pop(victim).row
-        self.reads[name] = (self.executor.submit(self._read, name, self.registry[name], row), row)
+        self.reads[registration] = (self.executor.submit(self._read, registration, row), row)
 
-    def _read(self, name: str, path: Path, row: int) -> _HostAdapter:
-        adapter = read_adapter(path, self.config, name=name, dtype=self.dtype)
+    def _read(self, registration: Registration, row: int) -> _HostAdapter:
+        """On a worker thread: everything that can fail for a bad adapter fails here, not in the
+        engine's step (read_adapter bounds the weights and the scale, which float32 then holds;
+        pack refuses a rank over the pool's)."""
+        adapter = read_adapter(registration.path, self.config, name=registration.name, dtype=self.dtype)
         self.pool.pack(adapter, out=self.arena.rows[row])
         return _HostAdapter(row, adapter.scale)
 
-    def _read_done(self, name: str, future: Future, row: int) -> None:
+    def _read_done(self, registration: Registration, future: Future, row: int) -> None:
         try:
             adapter = future.result()
         except Exception as e:  # noqa: BLE001 - any failure fails this adapter's requests only
             self.arena.give_back(row)
-            self.failed[name] = str(e)
-            self.num_errors += 1
-            self.wanted.pop(name, None)
+            self.num_load_failures += 1
+            if self._is_current(registration):
+                self.failed[registration] = str(e)
+                self.num_errors += 1
+                self.wanted.pop(registration, None)
             return
-        if name not in self.registry:
+        if not self._is_current(registration):  # unregistered while it was read
             self.arena.give_back(row)
             return
-        self.host[name] = adapter
+        self.host[registration] = adapter
         self.num_loads += 1
 
     def _free_slot(self) -> int | None:
         if self.free_slots:
             return self.free_slots.pop()
-        for name in self.resident:  # least recently used first
-            if self.refs[name] == 0 and name not in self.pinned and name not in self.demand:
-                return self.resident.pop(name)
+        for registration, slot in self.resident.items():  # least recently used first
+            if self.refs[slot] == 0 and registration not in self.pinned and registration not in self.demand:
+                return self.resident.pop(registration)
         return None
 
-    def _start_copy(self, name: str, slot: int) -> None:
+    def _start_copy(self, registration: Registration, slot: int) -> None:
         """Copy the adapter's arena row into the slot; the row is not reused until it is done."""
-        adapter = self.host[name]
+        adapter = self.host[registration]
         packed = self.arena.rows[adapter.row]
         if self.copy_stream is None:
             self.pool.write_packed(slot, packed, adapter.scale)
-            self.copies[name] = _Copy(slot, None)
+            self.copies[registration] = _Copy(slot, None)
             return
         # the slot may still be read by kernels queued earlier on the compute stream
         self.copy_stream.wait_stream(torch.cuda.current_stream(self.device))
@@ -259,4 +314,4 @@ class AdapterManager:
             self.pool.write_packed(slot, packed, adapter.scale, non_blocking=True)
             event = torch.cuda.Event()
             event.record(self.copy_stream)
-        self.copies[name] = _Copy(slot, event)
+        self.copies[registration] = _Copy(slot, event)

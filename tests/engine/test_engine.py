@@ -2,10 +2,13 @@
 
 import gc
 import random
+import shutil
 import weakref
+from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 
 from helpers import load_peft_model, make_peft_adapter, tiny_llama
 from punica.config import EngineConfig
@@ -128,6 +131,30 @@ def test_bad_request_fails_alone(setup, bad, message):
     while engine.has_unfinished():
         outs += [o for o in engine.step() if o.finished]
     assert [o.request_id for o in outs] == [good] and len(outs[0].token_ids) == 5
+
+
+def test_an_adapter_with_overflowing_weights_fails_only_its_own_requests(setup, tmp_path):
+    """A startup adapter whose weights are all 1e30 (finite, in PEFT's format) is refused by its
+    read: its requests fail with the reason, a co-batched request on a good adapter gets its clean
+    output, and the engine keeps serving."""
+    base, paths, peft_model = setup
+    huge = Path(shutil.copytree(paths["a"], tmp_path / "huge"))
+    weights = load_file(huge / "adapter_model.safetensors")
+    save_file({key: torch.full_like(tensor, 1e30) for key, tensor in weights.items()},
+              huge / "adapter_model.safetensors")
+    engine = Engine(load_hf_dir(base, dtype=torch.float32), None, EngineConfig(max_batch_size=4),
+                    adapters=paths | {"huge": str(huge)})
+    prompt = [5, 6, 7, 8]
+    bad = engine.add_request(prompt, greedy(6), "huge")
+    good = engine.add_request(prompt, greedy(6), "a")
+    outs = {}
+    while engine.has_unfinished():
+        outs |= {o.request_id: o for o in engine.step() if o.finished}
+    assert outs[bad].finish_reason == "error" and outs[bad].error.startswith(f"LoRA adapter {huge}: layer 0 ")
+    assert "gain" in outs[bad].error and "over the limit" in outs[bad].error
+    assert outs[good].finish_reason == "length" and outs[good].token_ids == hf_greedy(peft_model, prompt, "a", 6)
+    assert engine.adapters.num_load_failures == 1
+    assert run_all(engine, [(prompt, "c", 4)], greedy)[0].token_ids == hf_greedy(peft_model, prompt, "c", 4)
 
 
 @pytest.mark.parametrize("kwargs, message", [

@@ -8,7 +8,11 @@ import torch
 from helpers import load_peft_model, make_peft_adapter, punica_config, tiny_llama
 from safetensors.torch import load_file, save_file
 
-from punica.lora.adapter import PROJECTIONS, UNSUPPORTED_OPTIONS, AdapterError, load_adapter
+from punica.config import ModelConfig
+from punica.lora.adapter import (MAX_LORA_GAIN, PROJECTIONS, UNSUPPORTED_OPTIONS, AdapterError, check_adapter_name,
+                                 load_adapter, lora_gain, read_adapter)
+from punica.lora.dummy import save_random_adapter
+from punica.models.loader import resolve_model_dir
 
 LAYER_MODULE = re.compile(r"layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)_proj$")
 
@@ -99,6 +103,7 @@ def edit_weights(path: Path, edit) -> None:
 
 Q_A = "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"
 Q_B = "base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight"
+DOWN_B_LAYER_1 = "base_model.model.model.layers.1.mlp.down_proj.lora_B.weight"
 
 
 def test_adapter_name_infix(base, valid_dir, tmp_path):
@@ -185,6 +190,21 @@ REJECTIONS = {  # case -> (how to break the valid adapter, expected message)
                      r"rank_pattern \(per-module ranks\) is not supported"),
     "alpha-pattern": (with_config(alpha_pattern={"q_proj": 4}), r"alpha_pattern .* is not supported"),
     "bad-r": (with_config(r=0), "r=0 must be a positive integer"),
+    "bool-r": (with_config(r=True), "r=True must be a positive integer"),
+    "alpha-nan": (with_config(lora_alpha=float("nan")), "lora_alpha=nan must be a finite number"),
+    "alpha-inf": (with_config(lora_alpha=float("-inf")), "lora_alpha=-inf must be a finite number"),
+    "alpha-bool": (with_config(lora_alpha=True), "lora_alpha=True must be a finite number"),
+    "alpha-string": (with_config(lora_alpha="16"), "lora_alpha='16' must be a finite number"),
+    "alpha-int-beyond-float": (with_config(lora_alpha=10**400), r"lora_alpha=1000.* must be a finite number"),
+    "alpha-1e300": (with_config(lora_alpha=1e300),
+                    r"the scale lora_alpha / r = 1e\+300 / 8 = 1.25e\+299 is over the limit of 1e\+06"),
+    "rslora-scale": (with_config(lora_alpha=-1e8, use_rslora=True),
+                     r"the scale lora_alpha / sqrt\(r\) = -1e\+08 / sqrt\(8\) = -3.54e\+07 is over the limit"),
+    "weights-1e30": (with_weights(lambda w: [t.fill_(1e30) for t in w.values()]),
+                     (r"layer 0 q projection \(.*q_proj\.lora_A\.weight, .*q_proj\.lora_B\.weight\): the delta's "
+                      r"gain \|scale\| \* \|\|B @ A\|\|_2 is 1.\d+e\+6\d, over the limit of 1000")),
+    "one-layer-1e30": (with_weights(lambda w: w[DOWN_B_LAYER_1].fill_(1e30)),
+                       r"layer 1 down projection .* gain .* is \d.\d+e\+3\d, over the limit"),
     "rank-differs": (with_config(r=4), r"q_proj\.lora_A\.weight has rank 8, but adapter_config.json says r=4"),
     "wrong-h-in": (set_tensor(Q_A, torch.ones(8, 65)),
                    r"shape \(8, 65\), but the base model's q projection needs \(8, 64\)"),
@@ -235,8 +255,70 @@ def test_rejects_unsupported_options(base, valid_dir, tmp_path, option):
 
 
 def test_rejects_overflow_on_conversion(base, valid_dir, tmp_path):
+    """A value finite in float32 but not in float16, in a row of A that B's zero column ignores
+    (so the delta, and its gain, stay small)."""
     path = copy_of(valid_dir, tmp_path)
     set_first_q_a_value(1e6)(path)
+    with_weights(lambda w: w[Q_B][:, 0].zero_())(path)
     load_adapter(path, punica_config(base))  # finite in float32
     with pytest.raises(AdapterError, match=r"non-finite values .* in torch.float16"):
         load_adapter(path, punica_config(base), dtype=torch.float16)
+
+
+@pytest.mark.parametrize("r,h_in,h_out,scale", [(8, 64, 96, 2.0), (64, 32, 16, -0.5), (1, 5, 7, 3.0),
+                                                 (16, 300, 200, 1.0)])
+def test_lora_gain_is_the_spectral_norm_of_the_scaled_delta(r, h_in, h_out, scale):
+    """The Gram-matrix computation equals |scale| * the largest singular value of the explicit
+    product, also where h < r and for weights near float32's max (whose product float64 holds)."""
+    gen = torch.Generator().manual_seed(r)
+    a, b = torch.randn(r, h_in, generator=gen), torch.randn(h_out, r, generator=gen)
+    for magnitude in (1.0, 1e30, 1e37):
+        a_m, b_m = a * magnitude, b * magnitude  # float32, finite
+        expected = abs(scale) * torch.linalg.matrix_norm(b_m.double() @ a_m.double(), ord=2)
+        assert lora_gain(a_m, b_m, scale) == pytest.approx(float(expected), rel=1e-9)
+    assert lora_gain(torch.zeros(r, h_in), b, scale) == 0.0
+
+
+def test_the_gain_limit_is_where_it_says(base, valid_dir, tmp_path):
+    """Scaling lora_alpha moves the largest gain just under the limit (loads) or just over it (fails)."""
+    config = punica_config(base)
+    weights = read_adapter(valid_dir, config)
+    largest = max(lora_gain(a, b, weights.scale) for _, _, a, b in weights.tensors())
+    path = copy_of(valid_dir, tmp_path)
+    edit_config(path, lora_alpha=16 * 0.99 * MAX_LORA_GAIN / largest)
+    load_adapter(path, config)
+    edit_config(path, lora_alpha=16 * 1.01 * MAX_LORA_GAIN / largest)
+    with pytest.raises(AdapterError, match="over the limit of 1000"):
+        load_adapter(path, config)
+
+
+def test_demo_and_test_adapters_are_far_below_the_gain_limit(base, tmp_path):
+    """The adapters this project ships and tests with keep a wide margin (measured: demo adapters
+    <= 3.5, random ones <= ~20); a tighter MAX_LORA_GAIN would refuse real adapters."""
+    smol = ModelConfig.from_dir(resolve_model_dir(None))
+    demo = sorted((Path(__file__).parents[2] / "punica" / "server" / "demo_adapters").iterdir())
+    assert len(demo) == 3
+    cases = [(path, smol, torch.bfloat16) for path in demo]
+    cases.append((save_random_adapter(tmp_path / "random", smol, rank=8, seed=0, alpha=64), smol, torch.bfloat16))
+    peft = make_peft_adapter(base, tmp_path / "peft", r=8, alpha=64, seed=3)
+    cases.append((peft, punica_config(base), torch.float32))
+    for path, config, dtype in cases:
+        weights = read_adapter(path, config, dtype=dtype)
+        largest = max(lora_gain(a, b, weights.scale) for _, _, a, b in weights.tensors())
+        assert 0 < largest < MAX_LORA_GAIN / 20, path
+
+
+@pytest.mark.parametrize("name", ["tenant-a", "org/adapter_v1.2", "A", "7b.q4_k", "x" * 128, "a-/b", "Org.1/x"])
+def test_adapter_names_accepted(name):
+    assert check_adapter_name(name) == name
+
+
+@pytest.mark.parametrize("name, rule", [
+    ("../x", "must start with an ASCII letter or digit"), (".hidden", "must start"), ("a b", "hold only"),
+    ("", "must start"), ("x" * 10_000, "has 10000 characters, over the limit of 128"), ("x" * 129, "129 characters"),
+    ("org/.x", "must start"), ("a/b/c", "one '/'"), ("/abs", "must start"), ("org/", "must start"),
+    ("tenant\n", "hold only"), ("caf\u00e9", "ASCII"), ("a\\b", "hold only"),
+])
+def test_adapter_names_rejected(name, rule):
+    with pytest.raises(ValueError, match=re.escape(rule)):
+        check_adapter_name(name)

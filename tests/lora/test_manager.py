@@ -1,15 +1,16 @@
 """On-demand adapters: many more adapters than GPU slots, LRU, pinning, failures, run-time load/unload."""
 
+import json
 import random
 
 import pytest
 import torch
 
-from helpers import tiny_llama
+from helpers import make_peft_adapter, tiny_llama
 from punica.config import EngineConfig
 from punica.factory import engine_on_model
 from punica.engine.sampling_params import SamplingParams
-from punica.lora.adapter import load_adapter
+from punica.lora.adapter import AdapterError, load_adapter, read_adapter
 from punica.lora.batch import LoraBatch
 from punica.lora.dummy import save_random_adapter
 from punica.lora.manager import AdapterManager
@@ -18,11 +19,24 @@ from punica.models.loader import load_hf_dir
 from punica.ops.attention import AttnBatch
 
 
+BASE_SEED = 11
+
+
 @pytest.fixture(scope="module")
 def base(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("manager")
-    tiny_llama(seed=11).save_pretrained(tmp / "base")
+    tiny_llama(seed=BASE_SEED).save_pretrained(tmp / "base")
     return tmp
+
+
+def peft_adapter(path, r=8, alpha=64, seed=0):
+    """A real PEFT adapter for the base model (alpha 64: strong enough to change greedy outputs)."""
+    return make_peft_adapter(tiny_llama(seed=BASE_SEED), path, r=r, alpha=alpha, seed=seed)
+
+
+def edit_config(path, **changes):
+    file = path / "adapter_config.json"
+    file.write_text(json.dumps(json.loads(file.read_text()) | changes))
 
 
 def model_of(base):
@@ -108,15 +122,19 @@ def load(manager, name):
     raise AssertionError(f"{name} never loaded")
 
 
+def names(registrations):
+    """The adapter names of a manager's registration-keyed collection (resident, host, reads)."""
+    return {registration.name for registration in registrations}
+
+
 def test_eviction_is_lru_and_never_takes_a_slot_in_use(base):
     m = manager_with(base, 6, slots=3)
     slots = {n: load(m, n) for n in ("t0", "t1", "t2")}
-    m.release("t0")
-    m.release("t1")
-    m.release("t2")
-    load(m, "t0")            # t0 used again: t1 is now the least recently used
-    m.release("t0")
-    assert load(m, "t3") == slots["t1"] and "t1" not in m.resident
+    m.release(slots["t0"])
+    m.release(slots["t1"])
+    m.release(slots["t2"])
+    m.release(load(m, "t0"))  # t0 used again: t1 is now the least recently used
+    assert load(m, "t3") == slots["t1"] and "t1" not in names(m.resident)
     # t3 stays held; t2 (free, older than t0) is evicted next, then t0, never t3
     assert load(m, "t4") == slots["t2"]
     assert load(m, "t5") == slots["t0"]
@@ -125,39 +143,36 @@ def test_eviction_is_lru_and_never_takes_a_slot_in_use(base):
         assert m.acquire("t1") is None
         m.executor.submit(lambda: None).result()
         m.poll(["t1"])
-    m.release("t4")
+    m.release(slots["t2"])  # t4's
     assert load(m, "t1") == slots["t2"]
 
 
 def test_queued_adapters_are_prefetched_without_evicting(base):
     m = manager_with(base, 5, slots=3)
-    load(m, "t0")
-    m.release("t0")  # resident and unused: evictable, but a prefetch does not evict
+    m.release(load(m, "t0"))  # resident and unused: evictable, but a prefetch does not evict
     for _ in range(1000):
         m.poll(["t1", "t2", "t1", "t3", "t4"])  # queue order; the lookahead is max_loras = 3 adapters
         m.executor.submit(lambda: None).result()
-        if {"t1", "t2"} <= set(m.resident) and "t3" in m.host:
+        if {"t1", "t2"} <= names(m.resident) and "t3" in names(m.host):
             break
-    assert {"t0", "t1", "t2"} == set(m.resident), "copied into the free slots; t0 kept"
-    assert "t3" in m.host and "t3" not in m.resident, "read ahead, waiting for a slot"
-    assert "t4" not in m.host and "t4" not in m.reads, "beyond the lookahead"
+    assert {"t0", "t1", "t2"} == names(m.resident), "copied into the free slots; t0 kept"
+    assert "t3" in names(m.host) and "t3" not in names(m.resident), "read ahead, waiting for a slot"
+    assert "t4" not in names(m.host) and "t4" not in names(m.reads), "beyond the lookahead"
     assert m.acquire("t1") is not None and m.acquire("t3") is None
 
 
 def test_a_long_queue_does_not_pin_every_slot(base):
     m = manager_with(base, 3, slots=2)
     for name in ("t0", "t1"):
-        load(m, name)
-        m.release(name)
-    load(m, "t1")  # t1 most recently used, t0 the least
-    m.release("t1")
+        m.release(load(m, name))
+    m.release(load(m, "t1"))  # t1 most recently used, t0 the least
     queue = ["t2", "t0", "t1"]  # t1 is queued, but behind the lookahead of max_loras = 2 adapters
     for _ in range(1000):
         if m.acquire("t2") is not None:
             break
         m.executor.submit(lambda: None).result()
         m.poll(queue)
-    assert set(m.resident) == {"t0", "t2"}, "t1 evicted for t2; t0, least recently used but next, kept"
+    assert names(m.resident) == {"t0", "t2"}, "t1 evicted for t2; t0, least recently used but next, kept"
 
 
 def test_pinned_adapter_is_never_evicted(base):
@@ -166,12 +181,12 @@ def test_pinned_adapter_is_never_evicted(base):
     m.unregister("t0")
     m.register("t0", model_dir, pinned=True)
     pinned_slot = load(m, "t0")
-    m.release("t0")
+    m.release(pinned_slot)
     for name in ("t1", "t2", "t3"):
         slot = load(m, name)
         assert slot != pinned_slot
-        m.release(name)
-    assert m.resident["t0"] == pinned_slot
+        m.release(slot)
+    assert m.resident[m.current["t0"]] == pinned_slot
 
 
 def test_corrupt_or_missing_adapter_fails_only_its_requests(base):
@@ -215,7 +230,145 @@ def test_unload_while_running_finishes_admitted_and_fails_queued(base):
     outs = drain(engine)
     assert outs[first].finish_reason == "length" and len(outs[first].token_ids) == 6
     assert outs[queued].finish_reason == "error" and "unloaded" in outs[queued].error
-    assert "t0" not in engine.adapters.resident and len(engine.adapters.free_slots) >= 1
+    assert "t0" not in names(engine.adapters.resident) and len(engine.adapters.free_slots) >= 1
     engine.load_adapter("t0", paths["t0"])  # the name can be registered again
     again = engine.add_request([1, 2, 3], params, "t0")
     assert drain(engine)[again].token_ids == outs[first].token_ids
+
+
+def test_register_checks_the_name_the_config_and_the_rank(base, tmp_path):
+    m = manager_with(base, 0, slots=2)  # max_lora_rank 8
+    good = peft_adapter(tmp_path / "good", r=8)
+    for name in ("../x", ".hidden", "a b", "", "x" * 10_000):
+        with pytest.raises(ValueError, match="adapter name .*(must start|hold only|over the limit of 128)"):
+            m.register(name, good)
+    for name in ("tenant-a", "org/adapter_v1.2"):
+        m.register(name, good)
+    big = peft_adapter(tmp_path / "big", r=32)
+    with pytest.raises(ValueError, match=r"'big' has rank 32, over this engine's max_lora_rank 8 "
+                                         r"\(start it with max_lora_rank / --max-lora-rank >= 32\)"):
+        m.register("big", big)
+    nan, huge = peft_adapter(tmp_path / "nan"), peft_adapter(tmp_path / "huge")
+    edit_config(nan, lora_alpha=float("nan"))
+    edit_config(huge, lora_alpha=1e300)
+    with pytest.raises(AdapterError, match=f"{nan}: lora_alpha=nan must be a finite number"):
+        m.register("nan", nan)
+    with pytest.raises(AdapterError, match=f"{huge}: the scale .* is over the limit"):
+        m.register("huge", huge)
+    assert list(m.registry) == ["tenant-a", "org/adapter_v1.2"]
+
+
+def test_a_rank_over_the_pool_is_refused_at_load_not_per_request(base, tmp_path):
+    engine = Engine(model_of(base), None, EngineConfig(max_loras=2, max_lora_rank=16))
+    with pytest.raises(ValueError, match="rank 512, over this engine's max_lora_rank 16"):
+        engine.load_adapter("wide", str(peft_adapter(tmp_path / "wide", r=512)))
+    assert "wide" not in engine.adapters.registry
+
+
+def test_an_adapter_broken_after_registration_fails_in_its_read_alone(base, tmp_path):
+    """lora_alpha 1e300 written after registration: the read (worker thread) refuses it, its
+    requests fail with the message, the co-batched ones finish as if it did not exist, and the
+    manager's slots stay whole."""
+    model = model_of(base)
+    paths = adapter_dirs(base, model, 2)
+    broken = peft_adapter(tmp_path / "broken", r=4)
+    engine = Engine(model, None, EngineConfig(max_batch_size=8, max_loras=2, max_lora_rank=8), paths)
+    engine.load_adapter("broken", str(broken))
+    edit_config(broken, lora_alpha=1e300)
+    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    prompt = [1, 2, 3]
+    good = {engine.add_request(prompt, params, n): n for n in ("t0", "t1")}
+    bad = engine.add_request(prompt, params, "broken")
+    outs = drain(engine)
+    assert outs[bad].finish_reason == "error"
+    assert outs[bad].error.startswith(f"LoRA adapter {broken}: the scale") and "over the limit" in outs[bad].error
+    reference = model_of(base)
+    for rid, name in good.items():
+        assert outs[rid].token_ids == reference_greedy(reference, paths[name], prompt, 4), name
+    assert engine.adapters.num_load_failures == 1
+    again = engine.add_request(prompt, params, "t0")
+    assert drain(engine)[again].token_ids == outs[next(iter(good))].token_ids
+    adapters = engine.adapters
+    assert not adapters.refs and len(adapters.free_slots) + len(adapters.resident) == 2
+
+
+def wait_for_reads(manager):
+    """Until the reads started so far have finished (not yet taken in by a poll)."""
+    for future, _ in list(manager.reads.values()):
+        future.result()
+
+
+def test_a_read_or_copy_in_flight_for_an_unloaded_registration_is_never_used(base):
+    model = model_of(base)
+    old, new = (save_random_adapter(base / f"inflight-{i}", model.config, rank=4, seed=40 + i, alpha=4 + i,
+                                    dtype=torch.float32) for i in range(2))
+    pool = LoraPool(model.config, 2, 8, torch.float32, "cpu")
+    m = AdapterManager(model.config, pool, host_capacity_bytes=1 << 30)
+    expected = read_adapter(new, model.config)
+    expected_packed = pool.pack(expected)
+
+    def holds_new(slot):
+        return torch.equal(pool.buffer[slot], expected_packed) and pool.scales[slot] == expected.scale
+
+    m.register("x", old)
+    assert m.acquire("x") is None  # the read of the old adapter starts
+    m.unregister("x")
+    m.register("x", new)
+    wait_for_reads(m)              # the old read is done, not yet taken in
+    slot = load(m, "x")
+    assert holds_new(slot)
+    m.release(slot)
+
+    m.unregister("x")
+    m.register("x", old)
+    assert m.acquire("x") is None
+    wait_for_reads(m)
+    m.poll(["x"])                  # the read is taken in and its copy starts (done at the next poll)
+    assert names(m.copies) == {"x"} and m.acquire("x") is None
+    m.unregister("x")
+    m.register("x", new)
+    slot = load(m, "x")
+    assert holds_new(slot)
+    m.release(slot)
+    assert not m.refs and not m.copies and len(m.free_slots) + len(m.resident) == 2
+
+
+@pytest.mark.parametrize("max_loras", [1, 2])
+def test_reload_under_the_same_name_keeps_admitted_requests_on_the_old_adapter(base, tmp_path, max_loras):
+    """unload + load of another directory under the same name while a request runs on the old:
+    that request finishes with the old adapter's output, the next gets exactly what a clean
+    engine gives with the new one; with a spare slot they run side by side, with one slot the
+    new one waits for the old one's slot to be freed."""
+    old, new = peft_adapter(tmp_path / "old", seed=1), peft_adapter(tmp_path / "new", seed=2)
+    config = EngineConfig(max_batch_size=4, max_loras=max_loras, max_lora_rank=8, page_size=4)
+    prompt = [3, 14, 15, 92, 65]
+    greedy = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+
+    def alone(path):
+        engine = Engine(model_of(base), None, config, {"x": str(path)})
+        request_id = engine.add_request(prompt, greedy, "x")
+        return drain(engine)[request_id].token_ids
+
+    old_tokens, new_tokens = alone(old), alone(new)
+    assert old_tokens != new_tokens  # the adapters differ where the test looks
+
+    engine = Engine(model_of(base), None, config, {"x": str(old)})
+    first = engine.add_request(prompt, greedy, "x")
+    outs = {}
+    while not engine.scheduler.running:
+        outs |= {o.request_id: o for o in engine.step() if o.finished}
+    engine.unload_adapter("x")
+    engine.load_adapter("x", str(new))
+    second = engine.add_request(prompt, greedy, "x")
+    outs |= {o.request_id: o for o in engine.step() if o.finished}  # the new adapter's read starts
+    wait_for_reads(engine.adapters)
+    for _ in range(3):             # read taken in, copied, admitted (into the spare slot, if any)
+        outs |= {o.request_id: o for o in engine.step() if o.finished}
+    running = {r.request_id for r in engine.scheduler.running}
+    assert running == ({first, second} if max_loras == 2 else {first})
+    outs |= drain(engine)
+    assert outs[first].token_ids == old_tokens
+    assert outs[second].token_ids == new_tokens
+    adapters = engine.adapters
+    assert not adapters.refs and not adapters.retired
+    assert len(adapters.free_slots) + len(adapters.resident) == max_loras
