@@ -16,6 +16,17 @@
   requests x 32 KV heads already fill 132 SMs) the partition kernel normalises and writes the
   output itself: one launch, no partial buffers.
 
+Isolation (punica.ops.attention): positions outside a query's view never reach its output.
+Key tiles wholly before the tile's first query and inside the context are seen by every row
+and run unmasked. The others (the causal diagonal, the last partial page or tile, and so the
+page-table padding past the context) load nothing past the context (page, K and V masked to
+0) and select scores with where. On the diagonal a tile's V rows include keys after some of
+its queries, which P @ V would multiply by a zero P (0 * NaN = NaN): there V enters the
+product with its non-finite values zeroed, and the outputs (row, dim) of the rows that see
+one are set to NaN. Decode partitions past a request's context exit, and the merge reads only
+the partitions that ran. A NaN or inf a query does see makes its output non-finite (as NaN,
+or as the arithmetic gives it, not necessarily the reference's value).
+
 Every per-request length is read on the device, and the grids depend only on tensor shapes and
 `num_prefills`, so the calls are safe under CUDA-graph capture. Scores, softmax statistics
 and outputs accumulate in fp32; P is rounded to V's dtype for the P @ V product (as in
@@ -45,11 +56,15 @@ DECODE_CONFIG = (64, 2, 3)        # BLOCK_N, num_warps, num_stages
 def _attend(acc, m, l, qt, kv_head, pages_row, lo, hi, query_pos, qk_scale,
             stride_kv_page, stride_kv_kv, stride_kv_token, stride_kv_dim,
             HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
-            MASKED: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+            MASKED: tl.constexpr, CAUSAL: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
     """Online softmax of the query rows qt over keys lo..hi-1 of one request and KV head.
 
-    acc [rows, HEAD_DIM], m, l [rows] fp32 (max and sum in the log2 domain). MASKED: keys at
-    or past hi, or after a row's query_pos, are left out; else every key is attended.
+    acc [rows, HEAD_DIM], m, l [rows] fp32 (max and sum in the log2 domain). Neither flag:
+    every key is attended (every row sees all of lo..hi-1). MASKED: keys at or past hi are
+    never read (their page, K and V load as 0) and score -inf. CAUSAL (with MASKED): keys
+    after a row's query_pos score -inf in that row too; their V is still in the tile's
+    P @ V, where a zero P would not cancel a NaN or inf (0 * NaN = NaN), so non-finite values
+    enter it as 0 and then make NaN exactly the outputs (row, dim) of the rows that see them.
     """
     dims = tl.arange(0, HEAD_DIM)
     for start in range(lo, hi, BLOCK_N):
@@ -68,17 +83,25 @@ def _attend(acc, m, l, qt, kv_head, pages_row, lo, hi, query_pos, qk_scale,
         else:
             kt = tl.load(k_ptrs)
             vt = tl.load(v_ptrs)
+        if CAUSAL:
+            finite = tl.abs(vt) < float("inf")  # False for NaN too
+            first_non_finite = tl.min(tl.where(finite, 2147483647, keys[:, None]), axis=0)  # per dim
+            vt = tl.where(finite, vt, 0.0)
         if UPCAST:
             kt = kt.to(tl.float32)
             vt = vt.to(tl.float32)
         s = tl.dot(qt, kt, input_precision=PRECISION) * qk_scale
-        if MASKED:
+        if CAUSAL:
             s = tl.where(key_ok[None, :] & (keys[None, :] <= query_pos[:, None]), s, float("-inf"))
+        elif MASKED:
+            s = tl.where(key_ok[None, :], s, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, axis=1))
         alpha = tl.exp2(m - m_new)
         p = tl.exp2(s - m_new[:, None])
         l = l * alpha + tl.sum(p, axis=1)
         acc = acc * alpha[:, None] + tl.dot(p.to(vt.dtype), vt, input_precision=PRECISION)
+        if CAUSAL:
+            acc = tl.where(query_pos[:, None] >= first_non_finite[None, :], float("nan"), acc)
         m = m_new
     return acc, m, l
 
@@ -133,10 +156,10 @@ def _prefill_kernel(
     keys_end = tl.minimum(first_pos + BLOCK_M, context_len)
     acc, m, l = _attend(acc, m, l, qt, kv_head, pages_row, 0, unmasked_end, query_pos, qk_scale,
                         stride_kv_page, stride_kv_kv, stride_kv_token, stride_kv_dim,
-                        HEAD_DIM, PAGE_SIZE, BLOCK_N, False, UPCAST, PRECISION)
+                        HEAD_DIM, PAGE_SIZE, BLOCK_N, False, False, UPCAST, PRECISION)
     acc, m, l = _attend(acc, m, l, qt, kv_head, pages_row, unmasked_end, keys_end, query_pos, qk_scale,
                         stride_kv_page, stride_kv_kv, stride_kv_token, stride_kv_dim,
-                        HEAD_DIM, PAGE_SIZE, BLOCK_N, True, UPCAST, PRECISION)
+                        HEAD_DIM, PAGE_SIZE, BLOCK_N, True, True, UPCAST, PRECISION)
     o = acc / l[:, None]
     tl.store(out + tokens[:, None] * stride_o_token + head * stride_o_head + dims[None, :] * stride_o_dim,
              o.to(out.dtype.element_ty), mask=row_ok[:, None])
@@ -177,13 +200,13 @@ def _decode_partition_kernel(
     l = tl.zeros([BLOCK_G], tl.float32)
     kv_head = kv + kv_head_index * stride_kv_head
     pages_row = page_table + request.to(tl.int64) * stride_table
-    query_pos = tl.full([BLOCK_G], 0, tl.int32) + context_len - 1
-    acc, m, l = _attend(acc, m, l, qt, kv_head, pages_row, lo, full_end, query_pos, qk_scale,
+    # one query position, the context's last: keys up to hi are seen by every row
+    acc, m, l = _attend(acc, m, l, qt, kv_head, pages_row, lo, full_end, None, qk_scale,
                         stride_kv_page, stride_kv_kv, stride_kv_token, stride_kv_dim,
-                        HEAD_DIM, PAGE_SIZE, BLOCK_N, False, UPCAST, PRECISION)
-    acc, m, l = _attend(acc, m, l, qt, kv_head, pages_row, full_end, hi, query_pos, qk_scale,
+                        HEAD_DIM, PAGE_SIZE, BLOCK_N, False, False, UPCAST, PRECISION)
+    acc, m, l = _attend(acc, m, l, qt, kv_head, pages_row, full_end, hi, None, qk_scale,
                         stride_kv_page, stride_kv_kv, stride_kv_token, stride_kv_dim,
-                        HEAD_DIM, PAGE_SIZE, BLOCK_N, True, UPCAST, PRECISION)
+                        HEAD_DIM, PAGE_SIZE, BLOCK_N, True, False, UPCAST, PRECISION)
     if SINGLE_SPLIT:
         o = acc / l[:, None]
         tl.store(out + token * stride_o_token + heads[:, None] * stride_o_head + dims[None, :] * stride_o_dim,
