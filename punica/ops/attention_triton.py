@@ -40,7 +40,7 @@ import torch
 import triton
 import triton.language as tl
 
-from punica.ops.attention import AttnBatch
+from punica.ops.attention_batch import AttnBatch
 from punica.ops.kv_append_triton import check_head_dim
 from punica.ops.triton_env import interpreting, num_sms
 
