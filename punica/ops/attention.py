@@ -14,8 +14,8 @@ whose activations went non-finite writes NaN or inf into its pages. So positions
 request's context are never read into its output: a query's output depends only on the K and
 V of its own request's positions up to its own (at most context_len - 1); every other
 position contributes exactly nothing, whatever it holds, NaN and inf included (scores are
-selected with where, never masked by arithmetic, and masked V never enters P @ V unzeroed,
-since 0 * NaN = NaN). A NaN or inf at a position a query does see makes its output non-finite.
+selected with where, never masked by arithmetic, and since 0 * NaN = NaN, a zero probability
+is not trusted to cancel a masked V). A NaN or inf a query does see makes its output non-finite.
 
 The PyTorch references (`*_ref`) are the spec; each public function runs the Triton kernel of
 punica.ops.attention_triton when its tensors are on CUDA, and the reference otherwise. The
