@@ -16,6 +16,9 @@ V of its own request's positions up to its own (at most context_len - 1); every 
 position contributes exactly nothing, whatever it holds, NaN and inf included (scores are
 selected with where, never masked by arithmetic, and since 0 * NaN = NaN, a zero probability
 is not trusted to cancel a masked V). A NaN or inf a query does see makes its output non-finite.
+The Triton prefill kernel keeps the part that isolates requests (nothing outside a request's
+context is read) but not causal order within a request's own prompt: there a NaN or inf, which
+only the request's own non-finite activations write, may also reach its earlier queries.
 
 The PyTorch references (`*_ref`) are the spec; each public function runs the Triton kernel of
 punica.ops.attention_triton when its tensors are on CUDA, and the reference otherwise. The

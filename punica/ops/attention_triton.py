@@ -16,23 +16,14 @@
   requests x 32 KV heads already fill 132 SMs) the partition kernel normalises and writes the
   output itself: one launch, no partial buffers.
 
-Isolation (punica.ops.attention): positions outside a query's view never reach its output.
-Key tiles wholly before the tile's first query and inside the context are seen by every row
-and run unmasked. The others (the causal diagonal, the last partial page or tile, and so the
-page-table padding past the context) load nothing past the context (page, K and V masked to
-0) and select scores with where. Decode has one query position, the context's last, so it
-sees every key it loads; its partitions past a request's context exit, and the merge reads
-only the partitions that ran. A prefill diagonal tile's V rows include keys after some of
-its queries, which P @ V multiplies by their zero P: harmless unless that V is NaN or inf
-(0 * NaN = NaN), which only a request's own non-finite activations put there. So prefill runs
-in two passes: the first (the plain kernel, plus one check) writes every tile and flags those
-whose output came out non-finite; the second exits at once for unflagged tiles and redoes
-flagged ones with the diagonal's non-finite V entering P @ V as 0 and the outputs (row, dim)
-of the rows that see one set to NaN. Measured on an H200 under graph replay (bf16, 32/8
-heads, head_dim 128), the second pass and the check add 2-7 us per call (3.5% on a 2,048-token
-prompt); checking every diagonal tile in one pass, or redoing in the same kernel, cost 8-15%.
-A NaN or inf a query does see makes its output non-finite (as NaN, or as the arithmetic gives
-it, not necessarily the reference's value).
+Isolation (punica.ops.attention): nothing outside a request's context reaches its output.
+Key tiles wholly before the tile's first query and inside the context run unmasked; the others
+(the causal diagonal, the last partial page or tile, and so the page-table padding past the
+context) load nothing past the context (page, K and V masked to 0) and select scores with where.
+Decode partitions past a request's context exit, and the merge reads only the partitions that
+ran. Within a prefill's diagonal tile, the V of a key after some of its queries still enters
+P @ V with a zero P, so a NaN or inf in a request's own prompt can reach that request's earlier
+queries: only a request whose own activations went non-finite puts one there, and it fails alone.
 
 Every per-request length is read on the device, and the grids depend only on tensor shapes and
 `num_prefills`, so the calls are safe under CUDA-graph capture. Scores, softmax statistics
@@ -63,15 +54,11 @@ DECODE_CONFIG = (64, 2, 3)        # BLOCK_N, num_warps, num_stages
 def _attend(acc, m, l, qt, kv_head, pages_row, lo, hi, query_pos, qk_scale,
             stride_kv_page, stride_kv_kv, stride_kv_token, stride_kv_dim,
             HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
-            MASKED: tl.constexpr, CLEAN_V: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+            MASKED: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
     """Online softmax of the query rows qt over keys lo..hi-1 of one request and KV head.
 
     acc [rows, HEAD_DIM], m, l [rows] fp32 (max and sum in the log2 domain). MASKED: keys at
-    or past hi are never read (their page, K and V load as 0), and they and the keys after a
-    row's query_pos score -inf (where, not arithmetic); else every key is attended. The V of
-    a key after some rows still enters the tile's P @ V, where their zero P does not cancel a
-    NaN or inf (0 * NaN = NaN); CLEAN_V (with MASKED): non-finite V values enter it as 0, and
-    the outputs (row, dim) of the rows that see one are set to NaN.
+    or past hi, or after a row's query_pos, are left out; else every key is attended.
     """
     dims = tl.arange(0, HEAD_DIM)
     for start in range(lo, hi, BLOCK_N):
@@ -90,10 +77,6 @@ def _attend(acc, m, l, qt, kv_head, pages_row, lo, hi, query_pos, qk_scale,
         else:
             kt = tl.load(k_ptrs)
             vt = tl.load(v_ptrs)
-        if CLEAN_V:
-            finite = tl.abs(vt) < float("inf")  # False for NaN too
-            first_non_finite = tl.min(tl.where(finite, 2147483647, keys[:, None]), axis=0)  # per dim
-            vt = tl.where(finite, vt, 0.0)
         if UPCAST:
             kt = kt.to(tl.float32)
             vt = vt.to(tl.float32)
@@ -105,8 +88,6 @@ def _attend(acc, m, l, qt, kv_head, pages_row, lo, hi, query_pos, qk_scale,
         p = tl.exp2(s - m_new[:, None])
         l = l * alpha + tl.sum(p, axis=1)
         acc = acc * alpha[:, None] + tl.dot(p.to(vt.dtype), vt, input_precision=PRECISION)
-        if CLEAN_V:
-            acc = tl.where(query_pos[:, None] >= first_non_finite[None, :], float("nan"), acc)
         m = m_new
     return acc, m, l
 
@@ -128,24 +109,17 @@ def _prefill_tile(query_start, num_prefills, tile, BLOCK_M: tl.constexpr, MAX_PR
 
 @triton.jit
 def _prefill_kernel(
-    q, kv, out, redo, page_table, context_lens, query_start, num_prefills, group, qk_scale,
+    q, kv, out, page_table, context_lens, query_start, num_prefills, group, qk_scale,
     stride_q_token, stride_q_head, stride_q_dim, stride_o_token, stride_o_head, stride_o_dim,
-    stride_kv_page, stride_kv_kv, stride_kv_token, stride_kv_head, stride_kv_dim, stride_table, stride_redo,
+    stride_kv_page, stride_kv_kv, stride_kv_token, stride_kv_head, stride_kv_dim, stride_table,
     HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr, MAX_PREFILLS: tl.constexpr, REDO: tl.constexpr, UPCAST: tl.constexpr,
+    BLOCK_N: tl.constexpr, MAX_PREFILLS: tl.constexpr, UPCAST: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
-    """One query tile of one prefill request and query head. The first pass writes every
-    tile's output and whether it came out non-finite (redo[tile, head]); the REDO pass runs
-    only those tiles again, with CLEAN_V on the diagonal (see the module docstring)."""
-    tile, head = tl.program_id(0), tl.program_id(1)
-    request, block = _prefill_tile(query_start, num_prefills, tile, BLOCK_M, MAX_PREFILLS)
+    head = tl.program_id(1)
+    request, block = _prefill_tile(query_start, num_prefills, tl.program_id(0), BLOCK_M, MAX_PREFILLS)
     if request >= num_prefills:
         return
-    redo_flag = redo + tile * stride_redo + head
-    if REDO:
-        if tl.load(redo_flag) == 0:
-            return
     first_token = tl.load(query_start + request)
     query_len = tl.load(query_start + request + 1) - first_token
     context_len = tl.load(context_lens + request)
@@ -168,12 +142,10 @@ def _prefill_kernel(
     keys_end = tl.minimum(first_pos + BLOCK_M, context_len)
     acc, m, l = _attend(acc, m, l, qt, kv_head, pages_row, 0, unmasked_end, query_pos, qk_scale,
                         stride_kv_page, stride_kv_kv, stride_kv_token, stride_kv_dim,
-                        HEAD_DIM, PAGE_SIZE, BLOCK_N, False, False, UPCAST, PRECISION)
+                        HEAD_DIM, PAGE_SIZE, BLOCK_N, False, UPCAST, PRECISION)
     acc, m, l = _attend(acc, m, l, qt, kv_head, pages_row, unmasked_end, keys_end, query_pos, qk_scale,
                         stride_kv_page, stride_kv_kv, stride_kv_token, stride_kv_dim,
-                        HEAD_DIM, PAGE_SIZE, BLOCK_N, True, REDO, UPCAST, PRECISION)
-    if not REDO:
-        tl.store(redo_flag, tl.max(tl.where(tl.abs(acc) < float("inf"), 0, 1)))
+                        HEAD_DIM, PAGE_SIZE, BLOCK_N, True, UPCAST, PRECISION)
     o = acc / l[:, None]
     tl.store(out + tokens[:, None] * stride_o_token + head * stride_o_head + dims[None, :] * stride_o_dim,
              o.to(out.dtype.element_ty), mask=row_ok[:, None])
@@ -217,10 +189,10 @@ def _decode_partition_kernel(
     query_pos = tl.full([BLOCK_G], 0, tl.int32) + context_len - 1
     acc, m, l = _attend(acc, m, l, qt, kv_head, pages_row, lo, full_end, query_pos, qk_scale,
                         stride_kv_page, stride_kv_kv, stride_kv_token, stride_kv_dim,
-                        HEAD_DIM, PAGE_SIZE, BLOCK_N, False, False, UPCAST, PRECISION)
+                        HEAD_DIM, PAGE_SIZE, BLOCK_N, False, UPCAST, PRECISION)
     acc, m, l = _attend(acc, m, l, qt, kv_head, pages_row, full_end, hi, query_pos, qk_scale,
                         stride_kv_page, stride_kv_kv, stride_kv_token, stride_kv_dim,
-                        HEAD_DIM, PAGE_SIZE, BLOCK_N, True, False, UPCAST, PRECISION)
+                        HEAD_DIM, PAGE_SIZE, BLOCK_N, True, UPCAST, PRECISION)
     if SINGLE_SPLIT:
         o = acc / l[:, None]
         tl.store(out + token * stride_o_token + heads[:, None] * stride_o_head + dims[None, :] * stride_o_dim,
@@ -316,15 +288,13 @@ def paged_attention_triton(q: torch.Tensor, kv_layer: torch.Tensor, batch: AttnB
     if num_prefills:
         block_m, block_n, warps, stages = _prefill_blocks(head_dim, kv_layer.dtype)
         num_tiles = (num_tokens - num_decodes) // block_m + num_prefills
-        redo = torch.empty(num_tiles, num_heads, dtype=torch.int32, device=q.device)
-        for second_pass in (False, True):  # the second redoes only the tiles the first flagged
-            _prefill_kernel[(num_tiles, num_heads)](
-                q, kv_layer, out, redo, batch.page_table, batch.context_lens, batch.query_start, num_prefills,
-                group, qk_scale, *q.stride(), *out.stride(), *kv_layer.stride(),
-                batch.page_table.stride(0), redo.stride(0), BLOCK_M=block_m, BLOCK_N=block_n,
-                MAX_PREFILLS=max(16, triton.next_power_of_2(num_prefills)), REDO=second_pass, num_warps=warps,
-                num_stages=stages, **common,
-            )
+        _prefill_kernel[(num_tiles, num_heads)](
+            q, kv_layer, out, batch.page_table, batch.context_lens, batch.query_start, num_prefills,
+            group, qk_scale, *q.stride(), *out.stride(), *kv_layer.stride(),
+            batch.page_table.stride(0), BLOCK_M=block_m, BLOCK_N=block_n,
+            MAX_PREFILLS=max(16, triton.next_power_of_2(num_prefills)), num_warps=warps,
+            num_stages=stages, **common,
+        )
     if num_decodes:
         block_n, warps, stages = _decode_blocks(head_dim, kv_layer.dtype)
         max_context = batch.page_table.shape[1] * page_size
