@@ -8,73 +8,30 @@ Batch order: prefill requests first, then decode requests. A request's queries a
 `query_len` of its `context_len` tokens (a prefill of a fresh prompt has query_len ==
 context_len; a decode has query_len == 1; a recomputed prefill after preemption is a prefill).
 
+Isolation: pages pass from request to request (and tenant to tenant) with whatever the last
+one wrote, page tables are padded with pages of other requests or a scratch page, and a request
+whose activations went non-finite writes NaN or inf into its pages. So positions outside a
+request's context are never read into its output: a query's output depends only on the K and
+V of its own request's positions up to its own (at most context_len - 1); every other
+position contributes exactly nothing, whatever it holds, NaN and inf included (scores are
+selected with where, never masked by arithmetic, and since 0 * NaN = NaN, a zero probability
+is not trusted to cancel a masked V). A NaN or inf a query does see makes its output non-finite.
+The Triton prefill kernel keeps the part that isolates requests (nothing outside a request's
+context is read) but not causal order within a request's own prompt: there a NaN or inf, which
+only the request's own non-finite activations write, may also reach its earlier queries.
+
 The PyTorch references (`*_ref`) are the spec; each public function runs the Triton kernel of
-punica.ops.attention_triton when its tensors are on CUDA, and the reference otherwise.
+punica.ops.attention_triton when its tensors are on CUDA, and the reference otherwise. The
+batch metadata, AttnBatch, lives in punica.ops.attention_batch and is imported from here too.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
 from punica.config import ceil_div
+from punica.ops.attention_batch import AttnBatch
 from punica.ops.layers import rope_ref
-
-
-@dataclass(frozen=True)
-class AttnBatch:
-    positions: torch.Tensor       # [T] int64: position of each token in its sequence
-    slot_mapping: torch.Tensor    # [T] int64: page * page_size + offset where its K/V is written
-    page_table: torch.Tensor      # [B, max_pages] int32: pages of each request, in order
-    query_start: torch.Tensor     # [B + 1] int32: token offset of each request's queries
-    context_lens: torch.Tensor    # [B] int32: tokens in cache for each request after this step
-    logits_indices: torch.Tensor  # [num_logits] int64: token rows whose logits are computed
-    num_prefills: int
-    num_prefill_tokens: int
-    # Every per-request length lives on the device only, so that a CUDA graph captured for one
-    # batch shape serves any lengths (punica.engine.cuda_graphs).
-
-    def __post_init__(self):
-        assert 0 <= self.num_prefills <= self.page_table.shape[0]
-        assert 0 <= self.num_prefill_tokens <= self.positions.shape[0]
-
-    @property
-    def num_tokens(self) -> int:
-        return self.positions.shape[0]
-
-    @classmethod
-    def build(cls, query_lens: list[int], context_lens: list[int], page_tables: list[list[int]],
-              page_size: int, num_prefills: int, device: torch.device | str = "cpu",
-              all_logits: bool = False) -> "AttnBatch":
-        """From per-request query lengths, context lengths and page lists (host lists)."""
-        if any(q != 1 for q in query_lens[num_prefills:]):
-            raise ValueError("a decode request runs exactly one query token")
-        positions, slots, starts = [], [], [0]
-        for q, c, pages in zip(query_lens, context_lens, page_tables):
-            if len(pages) < ceil_div(c, page_size):
-                raise ValueError(f"request needs {ceil_div(c, page_size)} pages for {c} tokens, has {len(pages)}")
-            for pos in range(c - q, c):
-                positions.append(pos)
-                slots.append(pages[pos // page_size] * page_size + pos % page_size)
-            starts.append(starts[-1] + q)
-        max_pages = max((len(p) for p in page_tables), default=0)
-        table = [p + [0] * (max_pages - len(p)) for p in page_tables]
-        logits_rows = list(range(starts[-1])) if all_logits else [s - 1 for s in starts[1:]]
-
-        def tensor(xs, dtype):
-            return torch.tensor(xs, dtype=dtype, device=device)
-
-        return cls(
-            positions=tensor(positions, torch.int64),
-            slot_mapping=tensor(slots, torch.int64),
-            page_table=tensor(table, torch.int32).reshape(len(page_tables), max_pages),
-            query_start=tensor(starts, torch.int32),
-            context_lens=tensor(context_lens, torch.int32),
-            logits_indices=tensor(logits_rows, torch.int64),
-            num_prefills=num_prefills,
-            num_prefill_tokens=starts[num_prefills],
-        )
 
 
 def write_kv_ref(kv_layer: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
@@ -92,6 +49,27 @@ def rope_and_write_kv_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos
     write_kv_ref(kv_layer, k_rot, v, slot_mapping)
 
 
+def _attend_ref(scores: torch.Tensor, seen: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """softmax(scores) @ v over the keys each query sees, the others contributing exactly nothing.
+
+        scores: [H, Q, K] fp32, seen: [Q, K] bool, v: [K, H, D] fp32  ->  [Q, H, D] fp32
+        out[j, h] = softmax(scores[h, j, seen[j]]) @ v[seen[j], h]
+
+    Scores are selected with where, not masked by arithmetic; and since 0 * NaN = NaN, the zero
+    probability of an unseen key cannot cancel its V: the product takes V with its non-finite
+    values zeroed, then each row that sees some adds their terms, so a NaN or inf reaches
+    exactly the outputs of the queries that see it (and the other outputs stay bit for bit).
+    """
+    probs = torch.where(seen, scores, float("-inf")).softmax(-1)
+    finite = v.isfinite()
+    out = torch.einsum("hqk,khd->qhd", probs, torch.where(finite, v, 0.0))
+    sees_non_finite = (seen & ~finite.flatten(1).all(1)).any(1)
+    for j in sees_non_finite.nonzero().flatten().tolist():
+        non_finite_seen = torch.where(seen[j, :, None, None] & ~finite, v, 0.0)
+        out[j] += torch.einsum("hk,khd->hd", probs[:, j], non_finite_seen)
+    return out
+
+
 def paged_attention_ref(q: torch.Tensor, kv_layer: torch.Tensor, batch: AttnBatch, scale: float) -> torch.Tensor:
     """Causal GQA attention of each request's queries over its cached keys and values.
 
@@ -99,6 +77,9 @@ def paged_attention_ref(q: torch.Tensor, kv_layer: torch.Tensor, batch: AttnBatc
         for request i with queries rows[i] and context c_i over pages page_table[i]:
             K, V = cached tokens 0..c_i-1;  query j sits at position c_i - q_i + j
             out[rows[i]][j] = softmax(scale * q_j K^T, keys at positions <= its own) V
+
+    A position a query does not see (past its own, past the context, on the page table's
+    padding) contributes exactly nothing, whatever the cache holds there (NaN and inf too).
     """
     num_heads, head_dim = q.shape[1], q.shape[2]
     page_size, num_kv_heads = kv_layer.shape[2], kv_layer.shape[3]
@@ -115,20 +96,20 @@ def paged_attention_ref(q: torch.Tensor, kv_layer: torch.Tensor, batch: AttnBatc
         qi = q[start:start + q_len].float()
         scores = torch.einsum("qhd,khd->hqk", qi, k) * scale
         query_pos = torch.arange(ctx - q_len, ctx, device=q.device)[:, None]
-        mask = torch.arange(ctx, device=q.device)[None, :] > query_pos
-        scores.masked_fill_(mask, float("-inf"))
-        out[start:start + q_len] = torch.einsum("hqk,khd->qhd", scores.softmax(-1), v).to(q.dtype)
+        seen = torch.arange(ctx, device=q.device)[None, :] <= query_pos
+        out[start:start + q_len] = _attend_ref(scores, seen, v).to(q.dtype)
         start += q_len
     num_decodes = batch.page_table.shape[0] - batch.num_prefills
     if num_decodes:  # one query each: all decodes at once, keys padded to the page table's width
         pages = batch.page_table[batch.num_prefills:].long()
         max_ctx = pages.shape[1] * page_size
+        seen = torch.arange(max_ctx, device=q.device)[None, :] < batch.context_lens[batch.num_prefills:, None]
         k = kv_layer[pages, 0].reshape(num_decodes, max_ctx, num_kv_heads, head_dim).float()
         v = kv_layer[pages, 1].reshape(num_decodes, max_ctx, num_kv_heads, head_dim).float()
+        v = torch.where(seen[:, :, None, None], v, 0.0)  # all of a request's heads see the same keys
         qd = q[start:].float().reshape(num_decodes, num_kv_heads, group, head_dim)
         scores = torch.einsum("bkgd,blkd->bkgl", qd, k) * scale
-        beyond = torch.arange(max_ctx, device=q.device)[None, :] >= batch.context_lens[batch.num_prefills:, None]
-        scores.masked_fill_(beyond[:, None, None, :], float("-inf"))
+        scores = torch.where(seen[:, None, None, :], scores, float("-inf"))
         o = torch.einsum("bkgl,blkd->bkgd", scores.softmax(-1), v)
         out[start:] = o.reshape(num_decodes, num_heads, head_dim).to(q.dtype)
     return out
@@ -180,7 +161,8 @@ def paged_attention(q: torch.Tensor, kv_layer: torch.Tensor, batch: AttnBatch, s
             K, V = kv_layer[pages, 0|1] flattened to [c_i, Hkv, D]   (cached tokens 0 .. c_i-1)
             for query j, head h (its key head h // (Hq / Hkv)), position p = c_i - q_i + j:
                 out[rows[j], h] = softmax(scale * q[rows[j], h] @ K[:p+1, kv].T) @ V[:p+1, kv]
-        accumulated in fp32
+        accumulated in fp32; no other position of the cache reaches out[rows[j]], whatever it
+        holds (NaN and inf too: see Isolation in the module docstring)
     """
     if q.is_cuda:
         from punica.ops.attention_triton import paged_attention_triton

@@ -16,6 +16,15 @@
   requests x 32 KV heads already fill 132 SMs) the partition kernel normalises and writes the
   output itself: one launch, no partial buffers.
 
+Isolation (punica.ops.attention): nothing outside a request's context reaches its output.
+Key tiles wholly before the tile's first query and inside the context run unmasked; the others
+(the causal diagonal, the last partial page or tile, and so the page-table padding past the
+context) load nothing past the context (page, K and V masked to 0) and select scores with where.
+Decode partitions past a request's context exit, and the merge reads only the partitions that
+ran. Within a prefill's diagonal tile, the V of a key after some of its queries still enters
+P @ V with a zero P, so a NaN or inf in a request's own prompt can reach that request's earlier
+queries: only a request whose own activations went non-finite puts one there, and it fails alone.
+
 Every per-request length is read on the device, and the grids depend only on tensor shapes and
 `num_prefills`, so the calls are safe under CUDA-graph capture. Scores, softmax statistics
 and outputs accumulate in fp32; P is rounded to V's dtype for the P @ V product (as in
@@ -29,7 +38,7 @@ import torch
 import triton
 import triton.language as tl
 
-from punica.ops.attention import AttnBatch
+from punica.ops.attention_batch import AttnBatch
 from punica.ops.kv_append_triton import check_head_dim
 from punica.ops.triton_env import interpreting, num_sms
 

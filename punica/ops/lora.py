@@ -25,6 +25,8 @@ from typing import Protocol
 
 import torch
 
+from punica.ops.lora_shapes import check_slice_bounds, prefer_bgmv  # noqa: F401 (prefer_bgmv: re-exported)
+
 
 class LoraIndices(Protocol):
     """The per-step index metadata `add_lora` needs (see punica.lora.batch.LoraBatch)."""
@@ -44,14 +46,6 @@ def sgmv_shrink_ref(x, lora_a, seg_indptr, seg_slots):
             lo, hi = bounds[i], bounds[i + 1]
             v[lo:hi] = x[lo:hi].float() @ lora_a[slot].float().T
     return v
-
-
-def check_slice_bounds(slice_bounds, h_out):
-    """(slice_bounds or (0, h_out)), checked: non-decreasing from 0 to h_out."""
-    bounds = tuple(slice_bounds) if slice_bounds is not None else (0, h_out)
-    assert len(bounds) >= 2 and bounds[0] == 0 and bounds[-1] == h_out, (bounds, h_out)
-    assert all(lo <= hi for lo, hi in zip(bounds, bounds[1:])), bounds
-    return bounds
 
 
 def _expand_sliced_ref(expand, y, v, lora_b, slice_bounds):
@@ -93,19 +87,6 @@ def bgmv_expand_ref(y, v, lora_b, token_slots, scales, slice_bounds=None):
             rows = (token_slots == slot).nonzero().squeeze(1)
             delta = (v[rows] @ lora_b[slot].float().T) * scales[slot].float()
             y[rows] = (y[rows].float() + delta).to(y.dtype)
-
-
-def prefer_bgmv(num_tokens: int, num_segments: int) -> bool:
-    """Whether a batch runs faster with BGMV than with SGMV (measured: docs/benchmarks.md).
-
-    Up to 64 tokens, or with segments under 16 tokens on average, SGMV runs the same
-    one-program-per-token schedule as BGMV plus a search of the segment bounds, so BGMV
-    wins; with longer segments SGMV's tensor-core tiles win. H200, bf16, h=4096, r=16,
-    shrink+expand under graph replay: decode batches 1..64, BGMV 3.0-8.4 us vs SGMV
-    3.5-9.6 us; 16 requests of 16 tokens, SGMV 8.4-11.3 us vs BGMV 10.9-11.9 us; of 256
-    tokens, SGMV 39-41 us vs BGMV 129-137 us.
-    """
-    return num_tokens <= 64 or num_tokens < 16 * num_segments
 
 
 def sgmv_shrink(x: torch.Tensor, lora_a: torch.Tensor, seg_indptr: torch.Tensor,
