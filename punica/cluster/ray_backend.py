@@ -28,7 +28,7 @@ from ray.exceptions import RayActorError
 from punica.cluster.policy import ClusterPolicy, PolicyConfig, PunicaPolicy
 from punica.cluster.worker import EngineWorker, StepResult, WorkerInfo
 from punica.config import EngineArgs
-from punica.engine.engine import checked_prompt
+from punica.engine.admission import checked_prompt
 from punica.engine.outputs import RequestOutput
 from punica.engine.sampling_params import SamplingParams
 from punica.lora.adapter import load_adapter

@@ -30,6 +30,7 @@ from operator import attrgetter
 import torch
 
 from punica.config import EngineConfig
+from punica.engine.admission import acquire_adapter, adapter_error, checked_prompt, release_adapter
 from punica.engine.detokenizer import IncrementalDetokenizer
 from punica.engine.executor import Executor
 from punica.engine.kv_cache import PageAllocator
@@ -84,43 +85,6 @@ class LaunchedStep:
         return tokens, [bool(v) for v in ok], logprobs
 
 
-def checked_prompt(prompt: str | list[int], tokenizer, max_model_len: int | None,
-                   vocab_size: int | None = None) -> tuple[str | None, list[int]]:
-    """(text or None, token ids) of a prompt; ValueError if it is empty, too long or out of vocabulary."""
-    if isinstance(prompt, str):
-        if tokenizer is None:
-            raise ValueError("this engine has no tokenizer: pass prompt token ids")
-        text, token_ids = prompt, tokenizer.encode(prompt)
-    else:
-        text, token_ids = None, list(prompt)
-    if not token_ids:
-        raise ValueError("the prompt is empty")
-    if vocab_size is not None and any(not isinstance(t, int) or not 0 <= t < vocab_size for t in token_ids):
-        raise ValueError(f"prompt token ids must be integers in [0, {vocab_size})")
-    if max_model_len is not None and len(token_ids) >= max_model_len:
-        raise ValueError(f"the prompt has {len(token_ids)} tokens; this model's context is "
-                         f"{max_model_len} tokens, including at least one generated token")
-    return text, token_ids
-
-
-def acquire_adapter(adapters: AdapterManager, request: Request) -> bool:
-    """Hold the request's adapter slot (True), or False while the adapter is being loaded."""
-    if request.adapter is None:
-        return True
-    slot = adapters.acquire(request.adapter)
-    if slot is None:
-        return False
-    request.slot = slot
-    return True
-
-
-def release_adapter(adapters: AdapterManager, request: Request) -> None:
-    """Let go of the slot the request holds (it is that of the registration it was admitted on)."""
-    if request.slot >= 0:
-        adapters.release(request.slot)
-        request.slot = -1
-
-
 def to_host(tensor: torch.Tensor) -> torch.Tensor:
     """A copy of a CUDA tensor into pinned host memory, queued on the current stream."""
     host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
@@ -152,7 +116,7 @@ class Engine:
         self._ids = itertools.count()
         self._launched: LaunchedStep | None = None
         self.last_step: StepShape | None = None  # of the last `step` call, None if it launched nothing
-        self._errors_seen, self._queued_unloadable = 0, False  # see _fail_unloadable
+        self._errors_seen, self._preemptions_seen, self._queued_unloadable = 0, 0, False  # see _fail_unloadable
 
     # adapters ------------------------------------------------------------------------------
     def load_adapter(self, name: str, path: str, pinned: bool = False) -> None:
@@ -185,8 +149,8 @@ class Engine:
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         request = Request(request_id, token_ids, params, adapter=adapter, prompt=text,
-                          output_token_ids=list(output_token_ids))
-        if adapter is not None and self.adapters.error(adapter):
+                          output_token_ids=list(output_token_ids), registration=self.adapters.current.get(adapter))
+        if adapter_error(self.adapters, request):
             self._queued_unloadable = True  # it fails at the next step, as if queued earlier
         self.requests[request_id] = request
         if self.tokenizer is not None:
@@ -341,13 +305,17 @@ class Engine:
 
     def _fail_unloadable(self) -> list[RequestOutput]:
         """Finish queued requests whose adapter failed to load or was unloaded: a scan of the
-        queue after a new failure or unload, or after such a request was queued."""
-        if self.adapters.num_errors == self._errors_seen and not self._queued_unloadable:
+        queue after a new failure or unload, a preemption (its victim may have been running on an
+        adapter unloaded since), or after such a request was queued."""
+        preemptions = self.scheduler.num_preemptions
+        if (self.adapters.num_errors == self._errors_seen and preemptions == self._preemptions_seen
+                and not self._queued_unloadable):
             return []
-        self._errors_seen, self._queued_unloadable = self.adapters.num_errors, False
+        self._errors_seen, self._preemptions_seen = self.adapters.num_errors, preemptions
+        self._queued_unloadable = False
         outputs = []
         for request in list(self.scheduler.waiting):
-            error = request.adapter is not None and self.adapters.error(request.adapter)
+            error = adapter_error(self.adapters, request)
             if error:
                 self.scheduler.finish(request, "error")
                 outputs.append(self._output(request, error=error))

@@ -24,6 +24,7 @@ class Request:
     prompt_token_ids: list[int]
     params: SamplingParams
     adapter: str | None = None
+    registration: object = None          # the adapter's registration it was queued for (AdapterManager.current)
     prompt: str | None = None
     arrival_time: float = field(default_factory=time.monotonic)
     slot: int = -1                       # GPU adapter-pool slot while admitted (-1: base model)

@@ -142,8 +142,8 @@ def test_an_adapter_with_overflowing_weights_fails_only_its_own_requests(setup, 
     weights = load_file(huge / "adapter_model.safetensors")
     save_file({key: torch.full_like(tensor, 1e30) for key, tensor in weights.items()},
               huge / "adapter_model.safetensors")
-    engine = Engine(load_hf_dir(base, dtype=torch.float32), None, EngineConfig(max_batch_size=4),
-                    adapters=paths | {"huge": str(huge)})
+    engine = engine_on_model(load_hf_dir(base, dtype=torch.float32), EngineConfig(max_batch_size=4),
+                    paths | {"huge": str(huge)})
     prompt = [5, 6, 7, 8]
     bad = engine.add_request(prompt, greedy(6), "huge")
     good = engine.add_request(prompt, greedy(6), "a")
@@ -166,6 +166,37 @@ def test_an_adapter_with_overflowing_weights_fails_only_its_own_requests(setup, 
 def test_invalid_sampling_params(kwargs, message):
     with pytest.raises(ValueError, match=message):
         SamplingParams(**kwargs)
+
+
+@pytest.mark.parametrize("reload", [False, True])
+def test_a_request_preempted_after_its_adapter_is_unloaded_fails_and_never_runs_on_a_reload(setup, reload):
+    """Requests running on "a" when it is unloaded (and, with `reload`, loaded again from another
+    adapter's directory) finish if they stay in the batch; one preempted afterwards fails at once
+    with finish_reason "error" instead of waiting for ever or resuming on the new registration.
+    A request queued after the reload runs on the new adapter."""
+    base, paths, peft_model = setup
+    engine = make_engine(setup, max_batch_size=3, page_size=4, kv_cache_tokens=48)
+    ids = [engine.add_request([3 + i] * 8, greedy(20), "a") for i in range(3)]
+    outs = {}
+    while len(engine.running_request_ids()) < 3:
+        outs |= {o.request_id: o for o in engine.step() if o.finished}
+    engine.unload_adapter("a")
+    if reload:
+        engine.load_adapter("a", paths["c"])
+    preemptions = engine.stats().num_preemptions
+    later = engine.add_request([5, 6, 7], greedy(4), "a") if reload else None
+    for _ in range(200):
+        if not engine.has_unfinished():
+            break
+        outs |= {o.request_id: o for o in engine.step() if o.finished}
+    assert not engine.has_unfinished(), "a request waits for ever"
+    assert engine.stats().num_preemptions > preemptions
+    reasons = [outs[i].finish_reason for i in ids]
+    assert "error" in reasons and set(reasons) <= {"length", "error"}
+    assert all("unloaded" in outs[i].error for i in ids if outs[i].finish_reason == "error")
+    if reload:
+        assert outs[later].token_ids == hf_greedy(peft_model, [5, 6, 7], "c", 4)
+    assert engine.allocator.num_used == 0 and not engine.adapters.refs
 
 
 def test_abort_frees_pages(setup):

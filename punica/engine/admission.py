@@ -1,0 +1,57 @@
+"""What admits a request: its prompt checked once when it is added, and its adapter held while it
+runs (the scheduler's acquire and release)."""
+
+from __future__ import annotations
+
+from punica.engine.request import Request
+from punica.lora.manager import AdapterManager
+
+
+def checked_prompt(prompt: str | list[int], tokenizer, max_model_len: int | None,
+                   vocab_size: int | None = None) -> tuple[str | None, list[int]]:
+    """(text or None, token ids) of a prompt; ValueError if it is empty, too long or out of vocabulary."""
+    if isinstance(prompt, str):
+        if tokenizer is None:
+            raise ValueError("this engine has no tokenizer: pass prompt token ids")
+        text, token_ids = prompt, tokenizer.encode(prompt)
+    else:
+        text, token_ids = None, list(prompt)
+    if not token_ids:
+        raise ValueError("the prompt is empty")
+    if vocab_size is not None and any(not isinstance(t, int) or not 0 <= t < vocab_size for t in token_ids):
+        raise ValueError(f"prompt token ids must be integers in [0, {vocab_size})")
+    if max_model_len is not None and len(token_ids) >= max_model_len:
+        raise ValueError(f"the prompt has {len(token_ids)} tokens; this model's context is "
+                         f"{max_model_len} tokens, including at least one generated token")
+    return text, token_ids
+
+
+def adapter_error(adapters: AdapterManager, request: Request) -> str | None:
+    """Why the request's adapter cannot serve it: unloaded (perhaps loaded again since: a request
+    queued for, or preempted on, one registration never runs on another) or failed to load."""
+    if request.adapter is None:
+        return None
+    if adapters.current.get(request.adapter) is not request.registration:
+        return f"adapter {request.adapter!r} was unloaded after this request was queued"
+    return adapters.error(request.adapter)
+
+
+def acquire_adapter(adapters: AdapterManager, request: Request) -> bool:
+    """Hold the request's adapter slot (True), or False while the adapter is being loaded (or
+    cannot serve it any more: the engine then fails it)."""
+    if request.adapter is None:
+        return True
+    if adapters.current.get(request.adapter) is not request.registration:
+        return False
+    slot = adapters.acquire(request.adapter)
+    if slot is None:
+        return False
+    request.slot = slot
+    return True
+
+
+def release_adapter(adapters: AdapterManager, request: Request) -> None:
+    """Let go of the slot the request holds (it is that of the registration it was admitted on)."""
+    if request.slot >= 0:
+        adapters.release(request.slot)
+        request.slot = -1

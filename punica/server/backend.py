@@ -1,0 +1,47 @@
+"""Backend: what the OpenAI server needs of whatever runs its requests. AsyncEngine (one engine in
+this process) and ClusterBackend (engines on Ray workers) both implement it; the server uses
+nothing else of them."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Protocol, runtime_checkable
+
+from punica.engine.outputs import RequestOutput
+from punica.engine.sampling_params import SamplingParams
+
+
+@runtime_checkable
+class Backend(Protocol):
+    @property
+    def max_model_len(self) -> int:
+        """The longest prompt + output any request may have."""
+
+    def generate(self, prompt: str | list[int], params: SamplingParams, adapter: str | None,
+                 request_id: str) -> AsyncIterator[RequestOutput]:
+        """Outputs of one request as they come; the last has finished=True. Raises ValueError for a
+        request the engine rejects. Leaving the iteration early aborts the request."""
+
+    async def abort(self, request_id: str) -> None:
+        """Stop a request and free what it holds; nothing if it is unknown or finished."""
+
+    def has_adapter(self, name: str) -> bool: ...
+
+    async def adapter_paths(self) -> dict[str, str]:
+        """Every served adapter: name -> directory."""
+
+    async def load_adapter(self, name: str, path: str) -> None:
+        """Serve a new adapter; ValueError (a 400) for a broken adapter or a name in use."""
+
+    async def unload_adapter(self, name: str) -> None:
+        """Stop serving an adapter; ValueError (a 404) for one not served."""
+
+    def num_waiting(self) -> int:
+        """Requests queued, not yet running (the server's --max-queue counts these)."""
+
+    def update_gauges(self, metrics) -> None:
+        """Set punica.server.metrics.Metrics' gauges from the backend's state."""
+
+    async def start(self) -> None: ...
+
+    async def shutdown(self) -> None: ...
