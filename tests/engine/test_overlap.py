@@ -64,7 +64,12 @@ def test_overlapped_steps_give_what_one_step_at_a_time_gives(setup, fed_rows):
     outs = generate(engine, requests)
     assert fed_rows, "steps ran ahead"
     for out, want in zip(outs, expected):
-        assert (out.token_ids, out.finish_reason, out.logprobs) == (want.token_ids, want.finish_reason, want.logprobs)
+        assert (out.token_ids, out.finish_reason) == (want.token_ids, want.finish_reason)
+        # the same tokens; their logprobs may differ in the last bits, as requests join the batch
+        # a step later when steps overlap (fp32 GEMMs of other batch sizes round differently)
+        assert (out.logprobs is None) == (want.logprobs is None)
+        if want.logprobs is not None:
+            assert out.logprobs == pytest.approx(want.logprobs, rel=1e-5, abs=1e-6)
     assert sum(o.finish_reason == "stop" for o in outs) >= 10
     assert outs[-1].finish_reason == "length" and len(outs[-1].token_ids) == 256 - 250
     assert engine.allocator.num_used == 0 and not engine.has_step_in_flight

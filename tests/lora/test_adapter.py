@@ -9,8 +9,17 @@ from helpers import load_peft_model, make_peft_adapter, punica_config, tiny_llam
 from safetensors.torch import load_file, save_file
 
 from punica.config import ModelConfig
-from punica.lora.adapter import (MAX_LORA_GAIN, PROJECTIONS, UNSUPPORTED_OPTIONS, AdapterError, check_adapter_name,
-                                 load_adapter, lora_gain, read_adapter)
+from punica.demo import demo_adapters
+from punica.lora.adapter import (
+    MAX_LORA_GAIN,
+    PROJECTIONS,
+    UNSUPPORTED_OPTIONS,
+    AdapterError,
+    check_adapter_name,
+    load_adapter,
+    lora_gain,
+    read_adapter,
+)
 from punica.lora.dummy import save_random_adapter
 from punica.models.loader import resolve_model_dir
 
@@ -296,7 +305,7 @@ def test_demo_and_test_adapters_are_far_below_the_gain_limit(base, tmp_path):
     """The adapters this project ships and tests with keep a wide margin (measured: demo adapters
     <= 3.5, random ones <= ~20); a tighter MAX_LORA_GAIN would refuse real adapters."""
     smol = ModelConfig.from_dir(resolve_model_dir(None))
-    demo = sorted((Path(__file__).parents[2] / "punica" / "server" / "demo_adapters").iterdir())
+    demo = list(demo_adapters().values())
     assert len(demo) == 3
     cases = [(path, smol, torch.bfloat16) for path in demo]
     cases.append((save_random_adapter(tmp_path / "random", smol, rank=8, seed=0, alpha=64), smol, torch.bfloat16))

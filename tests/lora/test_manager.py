@@ -259,7 +259,7 @@ def test_register_checks_the_name_the_config_and_the_rank(base, tmp_path):
 
 
 def test_a_rank_over_the_pool_is_refused_at_load_not_per_request(base, tmp_path):
-    engine = Engine(model_of(base), None, EngineConfig(max_loras=2, max_lora_rank=16))
+    engine = engine_on_model(model_of(base), EngineConfig(max_loras=2, max_lora_rank=16))
     with pytest.raises(ValueError, match="rank 512, over this engine's max_lora_rank 16"):
         engine.load_adapter("wide", str(peft_adapter(tmp_path / "wide", r=512)))
     assert "wide" not in engine.adapters.registry
@@ -272,7 +272,7 @@ def test_an_adapter_broken_after_registration_fails_in_its_read_alone(base, tmp_
     model = model_of(base)
     paths = adapter_dirs(base, model, 2)
     broken = peft_adapter(tmp_path / "broken", r=4)
-    engine = Engine(model, None, EngineConfig(max_batch_size=8, max_loras=2, max_lora_rank=8), paths)
+    engine = engine_on_model(model, EngineConfig(max_batch_size=8, max_loras=2, max_lora_rank=8), paths)
     engine.load_adapter("broken", str(broken))
     edit_config(broken, lora_alpha=1e300)
     params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
@@ -345,14 +345,14 @@ def test_reload_under_the_same_name_keeps_admitted_requests_on_the_old_adapter(b
     greedy = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
 
     def alone(path):
-        engine = Engine(model_of(base), None, config, {"x": str(path)})
+        engine = engine_on_model(model_of(base), config, {"x": str(path)})
         request_id = engine.add_request(prompt, greedy, "x")
         return drain(engine)[request_id].token_ids
 
     old_tokens, new_tokens = alone(old), alone(new)
     assert old_tokens != new_tokens  # the adapters differ where the test looks
 
-    engine = Engine(model_of(base), None, config, {"x": str(old)})
+    engine = engine_on_model(model_of(base), config, {"x": str(old)})
     first = engine.add_request(prompt, greedy, "x")
     outs = {}
     while not engine.scheduler.running:

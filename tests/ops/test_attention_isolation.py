@@ -20,6 +20,7 @@ from punica.config import ceil_div
 from punica.engine.cuda_graphs import StaticBatch, buckets
 from punica.engine.request import Request
 from punica.engine.sampling_params import SamplingParams
+from punica.engine.step_input import StepInput
 from punica.ops import attention as ops
 from punica.ops import attention_triton as kernels
 from punica.ops.attention import AttnBatch
@@ -75,10 +76,10 @@ def graph_batch(prefills, decodes, page_size, max_pages, rng):
 
     prefill_requests = [request(i, c, c - q) for i, (q, c) in enumerate(prefills)]
     decode_requests = [request(len(prefills) + i, c, c - 1) for i, c in enumerate(decodes)]
-    bucket = next(b for b in buckets(8, max_pages * page_size)
-                  if b.num_prefills and b.fits(prefill_requests, decode_requests))
+    step = StepInput.from_requests(prefill_requests, decode_requests, page_size)
+    bucket = next(b for b in buckets(8, max_pages * page_size) if b.num_prefills and b.fits(step))
     static = StaticBatch(bucket, max_pages, page_size, scratch_page=num_pages - 1, device=torch.device(DEVICE))
-    static.fill(prefill_requests, decode_requests, None)
+    static.fill(step)
     sampled = torch.zeros(1, dtype=torch.int64, device=DEVICE)
     batch = static.forward(lambda ids, attn, lora, kv_cache: attn, None, sampled, with_lora=False)
     num_prefill_rows = sum(q for q, _ in prefills)
