@@ -301,17 +301,25 @@ class AdapterManager:
         return None
 
     def _start_copy(self, registration: Registration, slot: int) -> None:
-        """Copy the adapter's arena row into the slot; the row is not reused until it is done."""
+        """Copy the adapter's arena row into the slot; the row is not reused until it is done. A
+        copy that cannot start (a tensor-parallel rank that died, say) fails this adapter alone."""
         adapter = self.host[registration]
         packed = self.arena.rows[adapter.row]
-        if self.copy_stream is None:
-            self.pool.write_packed(slot, packed, adapter.scale)
-            self.copies[registration] = _Copy(slot, None)
+        try:
+            if self.copy_stream is None:
+                self.pool.write_packed(slot, packed, adapter.scale)
+                self.copies[registration] = _Copy(slot, None)
+                return
+            # the slot may still be read by kernels queued earlier on the compute stream
+            self.copy_stream.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(self.copy_stream):
+                self.pool.write_packed(slot, packed, adapter.scale, non_blocking=True)
+                event = torch.cuda.Event()
+                event.record(self.copy_stream)
+        except Exception as e:  # noqa: BLE001 - this adapter's requests fail; the others go on
+            self.free_slots.append(slot)
+            self.failed[registration] = f"adapter {registration.name!r} could not be copied to its GPU slot: {e}"
+            self.num_errors += 1
+            self.wanted.pop(registration, None)
             return
-        # the slot may still be read by kernels queued earlier on the compute stream
-        self.copy_stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(self.copy_stream):
-            self.pool.write_packed(slot, packed, adapter.scale, non_blocking=True)
-            event = torch.cuda.Event()
-            event.record(self.copy_stream)
         self.copies[registration] = _Copy(slot, event)

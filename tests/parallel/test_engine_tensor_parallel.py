@@ -147,6 +147,7 @@ def test_killed_worker_fails_every_later_request_loudly(setup):
         running = engine.add_request([5, 6, 7], params, "attn")
         while not engine.step():  # until it runs (its adapter is loaded) and has a token
             pass
+        unloaded = engine.add_request([4, 2], params, "mlp")  # its adapter's shard cannot reach rank 1 any more
         worker = engine.executor.workers.processes[0]
         os.kill(worker.pid, signal.SIGKILL)
         worker.join(10)
@@ -156,7 +157,7 @@ def test_killed_worker_fails_every_later_request_loudly(setup):
         while engine.has_unfinished():
             failed.update((o.request_id, o) for o in engine.step() if o.finished)
         assert time.monotonic() - start < 10
-        for request_id in (running, later):
+        for request_id in (running, later, unloaded):
             assert failed[request_id].finish_reason == "error"
             assert re.search(r"rank 1 \(pid \d+\) exited with code -9", failed[request_id].error)
     finally:
