@@ -98,15 +98,19 @@ class ClusterEngine:
             if not finished:
                 await self.abort(request_id)
 
-    async def abort(self, request_id: str) -> None:
+    async def abort(self, request_id: str) -> RequestOutput | None:
+        """End a request with finish_reason "abort": its final output (also put on its stream), or
+        None if it is unknown or already finished."""
         tracked = self.requests.pop(request_id, None)
         if tracked is None:
-            return
+            return None
         self.policy.finish(request_id)
         if tracked.gpu_id in self.workers:
             self.workers[tracked.gpu_id].abort.remote(request_id)
-        tracked.outputs.put_nowait(self._output(tracked, finished=True, finish_reason="abort"))
+        out = self._output(tracked, finished=True, finish_reason="abort")
+        tracked.outputs.put_nowait(out)
         self._place()
+        return out
 
     async def load_adapter(self, name: str, path: str) -> None:
         """Serve a new adapter on every worker; requests may name it once this returns.

@@ -16,14 +16,19 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from punica.lora.adapter import AdapterError
 from punica.server.adapter_paths import resolved_inside
-from punica.server.async_engine import AsyncEngine
-from punica.server.interrupts import InFlight
 from punica.server.args import DEFAULT_MAX_REQUEST_BYTES
+from punica.server.backend import Backend
+from punica.server.interrupts import InFlight
 from punica.server.limits import RequestBodyLimit
 from punica.server.metrics import Metrics
 from punica.server.openai_api import CLIENT_CLOSED_REQUEST, OpenAIHandlers, error_body
-from punica.server.protocol import (ChatCompletionRequest, CompletionRequest, LoadLoraRequest, ProtocolError,
-                                    UnloadLoraRequest)
+from punica.server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    LoadLoraRequest,
+    ProtocolError,
+    UnloadLoraRequest,
+)
 
 log = logging.getLogger("punica.server")
 PLAYGROUND = Path(__file__).parent / "playground.html"
@@ -32,7 +37,7 @@ RETRY_AFTER_S = 1
 
 @dataclass
 class ServerState:
-    backend: AsyncEngine  # or punica.server.cluster_backend.ClusterBackend: the same methods
+    backend: Backend  # AsyncEngine, or punica.server.cluster_backend.ClusterBackend
     tokenizer: object
     base_model_name: str
     adapter_dirs: list[Path] = field(default_factory=list)

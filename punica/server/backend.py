@@ -1,6 +1,7 @@
 """Backend: what the OpenAI server needs of whatever runs its requests. AsyncEngine (one engine in
 this process) and ClusterBackend (engines on Ray workers) both implement it; the server uses
-nothing else of them."""
+nothing else of them. Each also hands every request's end to an `on_finished` callback (the
+metrics) exactly once, however the request ended."""
 
 from __future__ import annotations
 
@@ -16,6 +17,10 @@ class Backend(Protocol):
     @property
     def max_model_len(self) -> int:
         """The longest prompt + output any request may have."""
+
+    @property
+    def vocab_size(self) -> int:
+        """Token ids of prompts must be below this."""
 
     def generate(self, prompt: str | list[int], params: SamplingParams, adapter: str | None,
                  request_id: str) -> AsyncIterator[RequestOutput]:

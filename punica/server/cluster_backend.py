@@ -3,26 +3,47 @@
 from __future__ import annotations
 
 import os
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 from punica.cluster.ray_backend import ClusterEngine
-from punica.engine.engine import RequestOutput
+from punica.engine.outputs import RequestOutput
 from punica.engine.sampling_params import SamplingParams
 
 
 class ClusterBackend:
-    """Same methods as AsyncEngine. The served adapters are the cluster's: load and unload change
-    them on every worker (see ClusterEngine.load_adapter for what a failing worker does)."""
+    """The Backend (punica.server.backend) over a ClusterEngine. The served adapters are the
+    cluster's: load and unload change them on every worker (see ClusterEngine.load_adapter for what
+    a failing worker does). Every request's end goes to `on_finished` exactly once, as with
+    AsyncEngine: its finished output as the stream passes it on, an abort when `abort` ends it, or
+    an abort when its stream was left before it finished."""
 
-    def __init__(self, cluster: ClusterEngine):
+    def __init__(self, cluster: ClusterEngine, on_finished: Callable[[RequestOutput], None] | None = None):
         self.cluster = cluster
+        self.on_finished = on_finished
 
-    def generate(self, prompt: str | list[int], params: SamplingParams, adapter: str | None,
-                 request_id: str) -> AsyncIterator[RequestOutput]:
-        return self.cluster.generate(prompt, params, adapter, request_id)
+    async def generate(self, prompt: str | list[int], params: SamplingParams, adapter: str | None,
+                       request_id: str) -> AsyncIterator[RequestOutput]:
+        outputs, finished = self.cluster.generate(prompt, params, adapter, request_id), False
+        try:
+            async for out in outputs:
+                if out.finished:
+                    finished = True
+                    if out.finish_reason != "abort":  # an abort is counted where it is made
+                        self._finished(out)
+                yield out
+        finally:
+            if not finished and request_id in self.cluster.requests:
+                self._finished(RequestOutput(request_id, None, [], adapter, finished=True, finish_reason="abort"))
+            await outputs.aclose()  # aborts the request on its worker
+
+    def _finished(self, out: RequestOutput) -> None:
+        if self.on_finished is not None:
+            self.on_finished(out)
 
     async def abort(self, request_id: str) -> None:
-        await self.cluster.abort(request_id)
+        out = await self.cluster.abort(request_id)
+        if out is not None:
+            self._finished(out)
 
     @property
     def max_model_len(self) -> int:

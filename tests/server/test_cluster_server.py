@@ -1,9 +1,12 @@
 """`punica serve --workers 2`: the same OpenAI API over two Ray workers."""
 
+import time
+
 import httpx
 import openai
 import pytest
 import ray
+from prometheus_client.parser import text_string_to_metric_families
 
 from conftest import RunningServer
 from punica import LLM, SamplingParams
@@ -81,3 +84,27 @@ def test_adapters_load_and_unload_at_run_time_on_every_worker(cluster_server, ad
     r = http.post("/v1/completions", json={"model": "tenant-2", "prompt": "Hi", "max_tokens": 2})
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
     http.close()
+
+
+def test_metrics_count_the_cluster_requests_by_finish_reason(cluster_server):
+    with httpx.Client(base_url=cluster_server.url, timeout=120) as http:
+        def total(reason: str) -> float:
+            for family in text_string_to_metric_families(http.get("/metrics").text):
+                for s in family.samples:
+                    if s.name == "punica_requests_total" and s.labels == {"adapter": "tenant-1",
+                                                                           "finish_reason": reason}:
+                        return s.value
+            return 0.0
+
+        before = total("length"), total("abort")
+        for _ in range(2):
+            assert http.post("/v1/completions", json={"model": "tenant-1", "prompt": "Hi",
+                                                      "max_tokens": 2}).status_code == 200
+        body = {"model": "tenant-1", "prompt": "Count:", "max_tokens": 500, "ignore_eos": True, "stream": True}
+        with http.stream("POST", "/v1/completions", json=body) as r:
+            next(line for line in r.iter_lines() if line.startswith("data: "))
+        deadline = time.monotonic() + 60
+        while total("abort") == before[1]:
+            assert time.monotonic() < deadline, "the abort was never counted"
+            time.sleep(0.05)
+        assert (total("length"), total("abort")) == (before[0] + 2, before[1] + 1)
