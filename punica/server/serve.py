@@ -7,17 +7,21 @@ from pathlib import Path
 
 from punica.config import EngineArgs
 from punica.factory import build_engine, load_tokenizer, model_source, resolve_device, startup_adapters
+from punica.lora.adapter import adapter_rank, check_adapter_name
 from punica.server.adapter_paths import resolved_inside
 from punica.server.app import ServerState, build_app
-from punica.server.async_engine import AsyncEngine
 from punica.server.args import ServerArgs
+from punica.server.async_engine import AsyncEngine
 
 log = logging.getLogger("punica.server")
 
 
-def adapters_in(directory: Path) -> dict[str, str]:
-    """Every PEFT adapter directly under `directory`, named by its folder. A folder that is a
-    symlink to outside `directory` is skipped, as /v1/load_lora_adapter refuses it (403)."""
+def adapters_in(directory: Path, max_rank: int) -> dict[str, str]:
+    """Every PEFT adapter directly under `directory` that this server can serve, named by its
+    folder. Skipped, each with a logged warning, so that one tenant's folder cannot keep the
+    server from starting or size its adapter slots: a symlink to outside `directory` (as
+    /v1/load_lora_adapter refuses it, 403), a folder name that is no adapter name, a config that
+    cannot be served, and a rank over `max_rank` (the slots' rank, which scanned adapters never raise)."""
     if not directory.is_dir():
         raise FileNotFoundError(f"--adapter-dir {directory} is not a directory")
     adapters = {}
@@ -26,6 +30,15 @@ def adapters_in(directory: Path) -> dict[str, str]:
             continue
         if resolved_inside(p, [directory]) is None:
             log.warning("skipping adapter %s: it links to %s, outside --adapter-dir %s", p.name, p.resolve(), directory)
+            continue
+        try:
+            check_adapter_name(p.name)
+            rank = adapter_rank(p)
+        except ValueError as e:
+            log.warning("skipping adapter %s: %s", p.name, e)
+            continue
+        if rank > max_rank:
+            log.warning("skipping adapter %s: its rank %d is over --max-lora-rank %d", p.name, rank, max_rank)
             continue
         adapters[p.name] = str(p)
     return adapters
@@ -37,9 +50,10 @@ def build_state(args: EngineArgs, adapters: dict[str, str] | None = None, server
     `args.workers` Ray workers behind the Punica cluster scheduler."""
     dirs = [Path(d) for d in server.adapter_dir]
     api_key, max_queue = server.api_key, server.max_queue
+    max_rank = max([args.max_lora_rank, *map(adapter_rank, (adapters or {}).values())])
     scanned = {}
     for d in dirs:
-        scanned.update(adapters_in(d))
+        scanned.update(adapters_in(d, max_rank))
     all_adapters = startup_adapters(args, None if adapters is None and not dirs else {**scanned, **(adapters or {})})
     _, model_dir = model_source(args)
     name = server.served_model_name or (model_dir.name if model_dir is not None else str(args.model))
@@ -54,7 +68,9 @@ def build_state(args: EngineArgs, adapters: dict[str, str] | None = None, server
         start_ray()
         cluster = build_cluster_engine(args, all_adapters)
         log.info("model %s on %d workers (Punica placement and migration)", name, args.workers)
-        return ServerState(ClusterBackend(cluster), load_tokenizer(model_dir), name, dirs, api_key, max_queue)
+        state = ServerState(ClusterBackend(cluster), load_tokenizer(model_dir), name, dirs, api_key, max_queue)
+        state.backend.on_finished = state.metrics.finished
+        return state
     engine = build_engine(args, all_adapters)
     state = ServerState(AsyncEngine(engine), engine.tokenizer, name, dirs, api_key, max_queue)
     state.backend.on_step, state.backend.on_finished = state.metrics.on_step, state.metrics.finished
