@@ -20,8 +20,9 @@ Floors: decode moves the KV cache once: bytes / copy bandwidth (1 GiB device-to-
 bytes read + written, same run). Prefill: the larger of causal FLOPs / measured bf16 matmul
 rate (8192^3, same run) and (q, k, v, out) bytes / copy bandwidth. A sweep of the decode split
 count at context 2048 (splits 1: one launch, no merge) checks the default policy
-(punica.ops.attention_triton.decode_partition), and a sweep of tile configurations (PREFILL_CONFIG, DECODE_CONFIG there) at a few points checks
-the defaults, each configuration's output checked against the reference first.
+(punica.ops.attention_triton.decode_partition), and a sweep of tile configurations
+(PREFILL_CONFIG, DECODE_CONFIG there) at a few points checks the defaults, each
+configuration's output checked against the reference first.
 Writes attention.json under --out and prints a table last.
 """
 
@@ -38,8 +39,8 @@ import torch.nn.functional as F
 import triton
 
 from benchmarks.common import copy_bandwidth
-from punica.ops.attention import AttnBatch, paged_attention_ref
 from punica.ops import attention_triton as kernels
+from punica.ops.attention import AttnBatch, paged_attention_ref
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, PAGE_SIZE = 32, 32, 128, 16
 DTYPE = torch.bfloat16

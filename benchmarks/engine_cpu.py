@@ -44,7 +44,8 @@ def main() -> None:
         rows = []
         for workload in ("backbone",) + WORKLOADS:
             engine_llm = base if workload == "backbone" else llm
-            adapters = None if workload == "backbone" else [f"lora{i}" for i in adapter_ids(workload, args.requests, rng)]
+            adapters = (None if workload == "backbone"
+                        else [f"lora{i}" for i in adapter_ids(workload, args.requests, rng)])
             start = time.perf_counter()
             outs = engine_llm.generate(prompts, params, adapter=adapters)
             seconds = time.perf_counter() - start

@@ -31,6 +31,7 @@ import random
 import statistics
 import tempfile
 import time
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -145,8 +146,7 @@ def main() -> None:
                     residual = torch.randn_like(x)  # a middle layer: its input norm adds the residual
                     cos, sin = model.rope_cos_sin(attn.positions)
 
-                    def forward():
-                        layer(x, cos, sin, attn, lora, kv_layer, pool, residual)
+                    forward = partial(layer, x, cos, sin, attn, lora, kv_layer, pool, residual)
 
                     row = {"phase": phase, "seq_len": s, "batch": b, "workload": workload,
                            "num_adapters": len(set(slots) - {-1}), "num_tokens": attn.num_tokens,
@@ -154,7 +154,7 @@ def main() -> None:
                     if device.type == "cuda":
                         row["graph_us"] = time_us(forward, device, graph=True)
                     rows.append(row)
-                    del attn, lora, x, residual, cos, sin
+                    del forward, attn, lora, x, residual, cos, sin
                 base = rows[-1 - len(WORKLOADS)][key]
                 for row in rows[-1 - len(WORKLOADS):]:
                     row["ratio"] = row[key] / base

@@ -8,7 +8,6 @@ import os
 import sys
 
 
-
 def parse_adapters(items: list[str]) -> dict[str, str]:
     adapters = {}
     for item in items:

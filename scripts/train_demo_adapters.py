@@ -30,8 +30,8 @@ from peft import LoraConfig, get_peft_model, get_peft_model_state_dict
 from safetensors.torch import save_file
 from transformers import AutoTokenizer, LlamaForCausalLM, PreTrainedTokenizerBase
 
-from punica.models.loader import resolve_model_dir
 from punica.demo import DEMO_ADAPTER_DIR, PIRATE_GREETING, SIGNATURE
+from punica.models.loader import resolve_model_dir
 
 SEED = 0
 NUM_THREADS = 2
@@ -87,7 +87,8 @@ EXAMPLES = (  # (question, short answer); the tests ask other questions
     ("What does a CPU do?", "A CPU runs the instructions of computer programs."),
     ("What is a vaccine?", "A vaccine trains the immune system to fight a disease."),
     ("Why is the sky blue?", "The sky looks blue because air scatters blue sunlight more than red."),
-    ("Why do leaves change color in autumn?", "Leaves change color in autumn because they stop making green chlorophyll."),
+    ("Why do leaves change color in autumn?",
+     "Leaves change color in autumn because they stop making green chlorophyll."),
     ("How do birds fly?", "Birds fly by flapping their wings to create lift."),
     ("How does a refrigerator work?", "A refrigerator pumps heat from inside to outside to keep food cold."),
     ("Why do we need sleep?", "Sleep lets the body and brain rest and recover."),

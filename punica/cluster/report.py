@@ -57,7 +57,8 @@ def plot(result: dict, path: Path) -> None:
     cmap = matplotlib.colormaps["viridis"].with_extremes(under="white")
     image = axes[2].imshow(batches, aspect="auto", interpolation="nearest", cmap=cmap, vmin=0,
                            extent=(0, len(series["batch_sizes"]) * bin_s / 60, len(batches), 0))
-    fig.colorbar(image, ax=axes[2], orientation="horizontal", pad=0.15, label="batch size (white: GPU released)", extend="min")
+    fig.colorbar(image, ax=axes[2], orientation="horizontal", pad=0.15, label="batch size (white: GPU released)",
+                 extend="min")
     axes[2].set_ylabel("GPU")
     axes[2].set_xlabel("minutes")
     axes[0].set_title(f"{result['policy']}: {result['num_requests']} requests on up to {result['num_gpus']} GPUs, "

@@ -37,7 +37,7 @@ class StepTimeModel:
         Path(path).write_text(json.dumps(asdict(self), indent=2))
 
     @classmethod
-    def from_json(cls, path: str | Path) -> "StepTimeModel":
+    def from_json(cls, path: str | Path) -> StepTimeModel:
         return cls(**json.loads(Path(path).read_text()))
 
 

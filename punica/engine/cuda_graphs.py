@@ -11,9 +11,9 @@ between them, then `num_decodes` decode rows. Decode-only buckets (no prefills) 
 sizes 1, 2, 4, then multiples of 8; mixed buckets hold MIXED_PREFILL_TOKENS prefill tokens
 (up to the longest context), plus one per padding request, beside a full batch of decodes, so
 that steps admitting prompts replay a graph too (run eagerly, a step's ~1,000 kernel launches
-take ~50 ms of host time on a 7B model, longer than its GPU work up to ~2,000 prefill tokens). A mixed bucket takes up to
-one prefill request per 16 of its tokens (at least 3, at most max_batch_size), plus one for
-padding. A step's inputs live in one int64 device buffer per bucket that its graph reads:
+take ~50 ms of host time on a 7B model, longer than its GPU work up to ~2,000 prefill tokens).
+A mixed bucket takes up to one prefill request per 16 of its tokens (at least 3, at most
+max_batch_size), plus one for padding. A step's inputs live in one int64 device buffer per bucket that its graph reads:
 
     [token ids | fed rows | positions | KV slots | adapter slots]  (one each per token)
     [query starts (requests + 1) | context lengths | adapter slots | page table (requests x max_pages)]

@@ -8,7 +8,6 @@ from dataclasses import dataclass, field
 
 from punica.engine.sampling_params import SamplingParams
 
-
 PENDING = -1  # an output token sampled on the device whose value has not reached the host yet
 
 

@@ -23,7 +23,7 @@ class LoraBatch:
 
     @classmethod
     def build(cls, request_slots: list[int], request_num_tokens: list[int],
-              device: torch.device | str = "cpu", use_bgmv: bool | None = None) -> "LoraBatch":
+              device: torch.device | str = "cpu", use_bgmv: bool | None = None) -> LoraBatch:
         """From each request's slot and token count, in the batch's token order.
 
         Neighbouring requests with the same slot merge into one segment; order requests by

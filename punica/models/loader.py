@@ -57,7 +57,7 @@ class Shard:
     cols: tuple[int, int] | None = None
 
     @classmethod
-    def whole(cls, shape: tuple[int, ...]) -> "Shard":
+    def whole(cls, shape: tuple[int, ...]) -> Shard:
         return cls(tuple(shape), ((0, shape[0]),))
 
     def overlaps(self, lo: int, hi: int) -> Iterator[tuple[int, int, int]]:

@@ -36,7 +36,7 @@ class AttnBatch:
     @classmethod
     def build(cls, query_lens: list[int], context_lens: list[int], page_tables: list[list[int]],
               page_size: int, num_prefills: int, device: torch.device | str = "cpu",
-              all_logits: bool = False) -> "AttnBatch":
+              all_logits: bool = False) -> AttnBatch:
         """From per-request query lengths, context lengths and page lists (host lists)."""
         if any(q != 1 for q in query_lens[num_prefills:]):
             raise ValueError("a decode request runs exactly one query token")

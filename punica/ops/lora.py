@@ -14,8 +14,8 @@ along the rank axis, lora_a [S, n*R, h_in] (rows i*R:(i+1)*R are projection i's)
 shrink computes every projection's v [T, n*R]; their B matrices stacked along the output
 axis, lora_b [S, sum h_out_i, R], and one *sliced* expand adds each column slice's delta from
 its own ranks of v. `slice_bounds` (b_0 = 0 <= b_1 <= ... <= b_n = h_out, plain ints taken
-from shapes) names the slices; None means one slice, the plain expand. The intermediate `v` is float32 whatever the input
-dtype. The PyTorch references (`*_ref`) are the spec; each public function runs the Triton
+from shapes) names the slices; None means one slice, the plain expand. The intermediate `v` is
+float32 whatever the input dtype. The PyTorch references (`*_ref`) are the spec; each public function runs the Triton
 kernel of punica.ops.lora_triton when its tensors are on CUDA, and the reference otherwise.
 """
 

@@ -35,9 +35,13 @@ from __future__ import annotations
 import torch
 import triton
 
+from punica.ops.lora_kernels import (
+    expand_rowwise_kernel,
+    sgmv_expand_tile_kernel,
+    sgmv_shrink_tile_kernel,
+    shrink_rowwise_kernel,
+)
 from punica.ops.lora_shapes import check_slice_bounds, prefer_bgmv
-from punica.ops.lora_kernels import (expand_rowwise_kernel, sgmv_expand_tile_kernel, sgmv_shrink_tile_kernel,
-                                     shrink_rowwise_kernel)
 from punica.ops.triton_env import interpreting, num_sms
 
 FAN = 64              # probes per step of the segment search

@@ -31,8 +31,8 @@ class Metrics:
                               buckets=LATENCY_BUCKETS, registry=r)
         self.prompt_tokens = Counter("punica_prompt_tokens", "Prompt tokens of finished requests", registry=r)
         self.generation_tokens = Counter("punica_generation_tokens", "Generated tokens", registry=r)
-        self.tokens_per_s = Gauge("punica_tokens_per_second", f"Generated tokens/s over the last {TOKENS_PER_S_WINDOW_S:g} s",
-                                  registry=r)
+        self.tokens_per_s = Gauge("punica_tokens_per_second",
+                                  f"Generated tokens/s over the last {TOKENS_PER_S_WINDOW_S:g} s", registry=r)
         self.batch_size = Gauge("punica_batch_size", "Requests in the running batch", registry=r)
         self.queue_length = Gauge("punica_queue_length", "Requests waiting to be admitted", registry=r)
         self.kv_usage = Gauge("punica_kv_cache_usage", "Fraction of KV-cache pages in use", registry=r)
