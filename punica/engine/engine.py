@@ -57,7 +57,8 @@ class EngineStats:
     num_kv_pages: int
     num_kv_pages_used: int
     num_adapter_slots: int
-    num_adapter_slots_used: int
+    num_adapter_slots_used: int        # holding an adapter
+    num_adapter_slots_held: int        # held by requests in the batch
     num_preemptions: int
 
 
@@ -199,6 +200,7 @@ class Engine:
             num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
             num_kv_pages=self.allocator.num_pages, num_kv_pages_used=self.allocator.num_used,
             num_adapter_slots=self.adapters.pool.max_loras, num_adapter_slots_used=len(self.adapters.resident),
+            num_adapter_slots_held=len(self.adapters.refs),
             num_preemptions=self.scheduler.num_preemptions)
 
     # the step loop ---------------------------------------------------------------------------

@@ -37,6 +37,8 @@ class Metrics:
         self.queue_length = Gauge("punica_queue_length", "Requests waiting to be admitted", registry=r)
         self.kv_usage = Gauge("punica_kv_cache_usage", "Fraction of KV-cache pages in use", registry=r)
         self.lora_slots = Gauge("punica_lora_slots_in_use", "GPU adapter slots holding an adapter", registry=r)
+        self.lora_slots_held = Gauge("punica_lora_slots_held", "GPU adapter slots held by running requests",
+                                     registry=r)
         self.step_time = Histogram("punica_step_seconds", "Engine step time", buckets=LATENCY_BUCKETS, registry=r)
         self._recent: deque[tuple[float, int]] = deque()
 
@@ -69,3 +71,4 @@ class Metrics:
         self.queue_length.set(stats.num_waiting)
         self.kv_usage.set(stats.num_kv_pages_used / stats.num_kv_pages)
         self.lora_slots.set(stats.num_adapter_slots_used)
+        self.lora_slots_held.set(stats.num_adapter_slots_held)

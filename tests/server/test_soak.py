@@ -1,9 +1,14 @@
 """A bounded soak: hundreds of concurrent requests, some cancelled; none lost, no page leaked."""
 
 import asyncio
+import json
 import random
+import subprocess
+import sys
+from pathlib import Path
 
 import httpx
+import pytest
 
 
 def test_soak_concurrent_with_cancellations(server):
@@ -49,3 +54,17 @@ def test_soak_concurrent_with_cancellations(server):
     engine = server.engine
     assert not engine.has_unfinished() and engine.allocator.num_used == 0
     assert not engine.requests and not engine.adapters.refs
+
+
+@pytest.mark.slow
+def test_short_soak_of_mixed_good_and_hostile_traffic(tmp_path):
+    """benchmarks.soak for 30 s (the same script runs for 30 minutes in docs/benchmarks.md): no
+    normal request lost, no hostile one answered 5xx, /health always within a second, nothing held
+    once idle. The script exits 1 and lists what failed otherwise."""
+    result = subprocess.run([sys.executable, "-m", "benchmarks.soak", "--duration", "30", "--tenants", "3",
+                             "--sample-s", "5", "--out", str(tmp_path)], capture_output=True, text=True, timeout=600,
+                            cwd=Path(__file__).parents[2])
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    summary = json.loads((tmp_path / "soak.json").read_text())["meta"]["summary"]
+    assert summary["normal"] > 0 and summary["hostile"] > 0 and summary["failures"] == []
+    assert not any(summary["idle_gauges"].values())
