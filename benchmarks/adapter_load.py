@@ -80,7 +80,7 @@ def load_latency(config: ModelConfig, rank: int, path: Path, device: torch.devic
 def throughput(model, config: ModelConfig, names: dict[str, str], stream: list[str], slots: int, preload: bool,
                device: torch.device) -> dict:
     warm_name = "warm-up"  # not in the stream: compiles the kernels without loading stream adapters
-    engine = engine_on_model(model, EngineConfig(max_batch_size=32, max_loras=slots + 1, max_lora_rank=16,
+    engine = engine_on_model(model, EngineConfig(max_loras=slots + 1, max_lora_rank=16,
                                                  kv_cache_tokens=32 * 160, lora_host_bytes=16 << 30),
                              {**names, warm_name: next(iter(names.values()))})
     params = SamplingParams(max_tokens=64, temperature=0, ignore_eos=True)

@@ -36,11 +36,11 @@ def main() -> None:
     prompts = [[vocab_rng.randrange(100, 40000) for _ in range(p)] for p, _ in lengths]
     params = [SamplingParams(max_tokens=o, temperature=0, ignore_eos=True) for _, o in lengths]
     with tempfile.TemporaryDirectory() as tmp:
-        base = LLM(max_batch_size=32)
+        base = LLM()
         config = base.engine.executor.model_config
         paths = {f"lora{i}": str(save_random_adapter(Path(tmp) / f"lora{i}", config, args.rank, seed=i))
                  for i in range(args.requests)}
-        llm = LLM(adapters=paths, max_batch_size=32, max_loras=args.requests)
+        llm = LLM(adapters=paths, max_loras=args.requests)
         rows = []
         for workload in ("backbone",) + WORKLOADS:
             engine_llm = base if workload == "backbone" else llm

@@ -49,7 +49,7 @@ from pathlib import Path
 import torch
 
 from benchmarks.common import format_table, warm_up, write_results
-from punica.config import EngineArgs, ModelConfig, add_arguments, from_arguments, preset_config
+from punica.config import EngineArgs, EngineConfig, ModelConfig, add_arguments, from_arguments, preset_config
 from punica.engine.engine import Engine
 from punica.engine.sampling_params import SamplingParams
 from punica.factory import build_engine, engine_on_model
@@ -213,9 +213,9 @@ def main() -> None:
     lengths = textgen_lengths(args.requests, rng, max_total=args.max_total)
     prompts = [[rng.randrange(3, config.vocab_size) for _ in range(p)] for p, _ in lengths]
     model = dummy_model(config, dtype, device) if tp == 1 else None
-    engine_args = from_arguments(EngineArgs, args, model=args.preset, load_format="dummy", max_batch_size=32,
-                                 max_loras=args.requests, max_lora_rank=args.rank,
-                                 kv_cache_tokens=32 * args.max_total + 1024)
+    engine_args = from_arguments(EngineArgs, args, model=args.preset, load_format="dummy", max_loras=args.requests,
+                                 max_lora_rank=args.rank,
+                                 kv_cache_tokens=EngineConfig.max_batch_size * args.max_total + 1024)
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         files = [save_random_adapter(Path(tmp) / f"f{i}", config, args.rank, seed=i) for i in range(args.files)]

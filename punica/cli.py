@@ -71,6 +71,7 @@ def add_engine_args(p: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> N
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from punica.cluster.policy import PolicyConfig
     from punica.config import add_arguments
     from punica.server.args import ServerArgs
 
@@ -96,9 +97,10 @@ def build_parser() -> argparse.ArgumentParser:
     sim.add_argument("--kv-tokens", type=int, default=65_536, help="KV cache of one GPU, in tokens")
     sim.add_argument("--max-total", type=int, default=2048, help="longest prompt + output, in tokens")
     sim.add_argument("--policy", nargs="+", default=["punica", "round-robin", "least-loaded"])
-    sim.add_argument("--max-batch-size", type=int, default=32)
-    sim.add_argument("--light-load-batch", type=int, default=16, help="ask for a GPU when every batch is this large")
-    sim.add_argument("--idle-release-s", type=float, default=60.0)
+    sim.add_argument("--max-batch-size", type=int, default=PolicyConfig.max_batch_size)
+    sim.add_argument("--light-load-batch", type=int, default=PolicyConfig.light_load_batch,
+                     help="ask for a GPU when every batch is this large")
+    sim.add_argument("--idle-release-s", type=float, default=PolicyConfig.idle_release_s)
     sim.add_argument("--gpu-startup-s", type=float, default=30.0)
     sim.add_argument("--step-time", default=None, metavar="JSON", help="step-time coefficients (default: CPU-measured)")
     sim.add_argument("--seed", type=int, default=0)

@@ -22,13 +22,15 @@ import itertools
 from collections.abc import Callable, Hashable, Iterator
 from dataclasses import dataclass, field
 
+from punica.config import EngineConfig
+
 RequestId = Hashable  # the serving backend uses strings, the simulator ints
 
 
 @dataclass(frozen=True)
 class PolicyConfig:
-    max_batch_size: int = 32
-    light_load_batch: int = 16      # a GPU whose batch is below this is lightly loaded
+    max_batch_size: int = EngineConfig.max_batch_size
+    light_load_batch: int = EngineConfig.max_batch_size // 2  # a GPU whose batch is below this is lightly loaded
     idle_release_s: float = 60.0    # release a GPU idle for this long
     min_gpus: int = 1               # never release below this many GPUs
 

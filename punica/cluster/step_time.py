@@ -102,7 +102,7 @@ def main() -> None:
     from punica.factory import build_engine
 
     parser = argparse.ArgumentParser(description="measure engine step times and fit the step-time model")
-    add_arguments(parser, EngineArgs, skip=("workers", "overlap_steps"), max_batch_size=32, kv_cache_tokens=1 << 14)
+    add_arguments(parser, EngineArgs, skip=("workers", "overlap_steps"), kv_cache_tokens=1 << 14)
     parser.add_argument("--out", default="step_time.json")
     args = parser.parse_args()
     engine_args = from_arguments(EngineArgs, args, overlap_steps=False)

@@ -31,7 +31,7 @@ class ModelRunner:
     padded rows of graph batches write to.
     """
 
-    def __init__(self, model: LlamaForCausalLM, num_pages: int, page_size: int, max_batch_size: int = 32,
+    def __init__(self, model: LlamaForCausalLM, num_pages: int, page_size: int, max_batch_size: int,
                  max_model_len: int | None = None, eager: bool = False):
         self.model = model
         self.device = model.embed.weight.device
