@@ -68,8 +68,8 @@ def scheduled_step(engine, num_decodes, new_prompts):
     batch = engine.scheduler.schedule()
     assert len(batch.prefills) == len(new_prompts) and len(batch.decodes) == num_decodes
     decodes = sorted(batch.decodes, key=lambda r: r.slot)
-    launched = engine._launched
-    fed = [launched.requests.index(r) for r in decodes] if launched else None
+    in_flight = engine.requests_in_flight()
+    fed = [in_flight.index(r) for r in decodes] if in_flight else None
     assert all(r.output_token_ids[-1] == PENDING for r in decodes), "their last tokens are on the device only"
     return sorted(batch.prefills, key=lambda r: r.slot), decodes, fed
 
