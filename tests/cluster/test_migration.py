@@ -7,7 +7,6 @@ import random
 import pytest
 import torch
 
-from helpers import tiny_llama
 from punica.config import EngineConfig
 from punica.engine.engine import Engine
 from punica.engine.sampling_params import SamplingParams
@@ -16,7 +15,7 @@ from punica.models.loader import load_hf_dir
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
+def model_dir(tmp_path_factory, tiny_llama):
     path = tmp_path_factory.mktemp("migratable") / "base"
     tiny_llama(seed=3).save_pretrained(path)
     return path

@@ -9,7 +9,6 @@ import pytest
 import ray
 import torch
 
-from helpers import make_peft_adapter, tiny_llama
 from punica.cluster.policy import PolicyConfig
 from punica.cluster.ray_backend import ClusterEngine, Tracked, build_cluster_engine
 from punica.config import EngineArgs, EngineConfig
@@ -20,7 +19,7 @@ from punica.models.loader import load_hf_dir
 
 
 @pytest.fixture(scope="module")
-def model(tmp_path_factory):
+def model(tmp_path_factory, make_peft_adapter, tiny_llama):
     tmp = tmp_path_factory.mktemp("ray")
     hf = tiny_llama(seed=7)
     hf.save_pretrained(tmp / "base")

@@ -9,7 +9,6 @@ import random
 import pytest
 import torch
 
-from helpers import capture_graph
 from punica.lora.batch import LoraBatch
 from punica.ops import lora as ops
 from punica.ops import lora_triton as kernels
@@ -321,7 +320,7 @@ def test_group_real_shapes_through_add_lora(group):
 @pytest.mark.cuda
 @pytest.mark.parametrize("slice_bounds", [None, (0, 4096, 5120, 6144)], ids=["one", "qkv_gqa"])
 @pytest.mark.parametrize("num_requests,max_len", [(64, 1), (12, 300)])
-def test_cuda_graph_replay_equals_eager(num_requests, max_len, slice_bounds):
+def test_cuda_graph_replay_equals_eager(num_requests, max_len, slice_bounds, capture_graph):
     """Capture once; replays on new inputs (new slots and segment bounds too) equal eager runs.
 
     Inside the graph, kernels write x and y just before the LoRA ops read them, which checks

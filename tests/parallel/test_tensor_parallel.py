@@ -86,8 +86,7 @@ def scenario(group, base_dir, adapter_paths, prompts):
     return {"prefill": prefill, "decode": decode_logits, "tokens": seqs, "kv_heads": kv.shape[-2]}
 
 
-def test_tensor_parallel_2_ranks_match_1(tmp_path):
-    from helpers import make_peft_adapter, tiny_llama  # here, not at the top: the spawned ranks import this module
+def test_tensor_parallel_2_ranks_match_1(tmp_path, make_peft_adapter, tiny_llama):
 
     hf_model = tiny_llama(seed=3)  # 4 heads, 2 kv heads, intermediate 96
     hf_model.save_pretrained(tmp_path / "base")
