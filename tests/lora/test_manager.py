@@ -117,13 +117,19 @@ def manager_with(base, n, slots):
     return manager
 
 
+def wait_for_reads(manager):
+    """Until the reads started so far have finished (not yet taken in by a poll)."""
+    for future, _ in list(manager.reads.values()):
+        future.result()
+
+
 def load(manager, name):
-    """Acquire, polling until the adapter is resident (reads run on a worker thread)."""
+    """Acquire, polling until the adapter is resident (reads run on worker threads)."""
     for _ in range(1000):
         slot = manager.acquire(name)
         if slot is not None:
             return slot
-        manager.executor.submit(lambda: None).result()
+        wait_for_reads(manager)
         manager.poll([name])
     raise AssertionError(f"{name} never loaded")
 
@@ -296,12 +302,6 @@ def test_an_adapter_broken_after_registration_fails_in_its_read_alone(base, tmp_
     assert drain(engine)[again].token_ids == outs[next(iter(good))].token_ids
     adapters = engine.adapters
     assert not adapters.refs and len(adapters.free_slots) + len(adapters.resident) == 2
-
-
-def wait_for_reads(manager):
-    """Until the reads started so far have finished (not yet taken in by a poll)."""
-    for future, _ in list(manager.reads.values()):
-        future.result()
 
 
 def test_a_read_or_copy_in_flight_for_an_unloaded_registration_is_never_used(base):
