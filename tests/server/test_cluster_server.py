@@ -5,18 +5,17 @@ import openai
 import pytest
 import ray
 
-from conftest import RunningServer
 from punica import LLM, SamplingParams
 from punica.config import EngineArgs
 from punica.server.serve import build_state
 
 
 @pytest.fixture(scope="module")
-def cluster_server(adapter_dirs):
+def cluster_server(adapter_dirs, start_server):
     served, loadable = adapter_dirs
     state = build_state(EngineArgs(max_batch_size=4, workers=2), adapters=served)
     state.adapter_dirs = [loadable]
-    running = RunningServer(state)
+    running = start_server(state)
     yield running
     running.stop()
 
