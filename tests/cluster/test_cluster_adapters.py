@@ -14,6 +14,8 @@ from punica.engine.sampling_params import SamplingParams
 from punica.factory import engine_on_model
 from punica.models.loader import load_hf_dir
 
+pytestmark = pytest.mark.slow
+
 PROMPT = [5, 17, 42, 9, 77, 3]
 
 

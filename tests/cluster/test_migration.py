@@ -46,6 +46,7 @@ def run_alone(model_dir, requests):
     return outs
 
 
+@pytest.mark.slow
 def test_preempted_requests_resume_on_another_engine_with_identical_tokens(model_dir):
     requests = prompts(10)
     expected = run_alone(model_dir, requests)

@@ -64,6 +64,7 @@ async def collect(cluster, request_id, prompt, adapter, max_tokens, progress):
     return tokens
 
 
+@pytest.mark.slow
 def test_kv_exhaustion_migrates_requests_and_outputs_match(ray_cluster, model):
     requests = workload(12, seed=0)
     expected = single_engine(model, requests, max_tokens=24)
@@ -83,6 +84,7 @@ def test_kv_exhaustion_migrates_requests_and_outputs_match(ray_cluster, model):
     assert outs == expected
 
 
+@pytest.mark.slow
 def test_two_workers_of_two_tensor_parallel_ranks_each_match_one_engine(ray_cluster, model):
     """--workers 2 --tensor-parallel-size 2: two Ray workers, each driving a gloo group of two
     processes, serve mixed adapters (and migrate on KV exhaustion) with one engine's tokens."""
@@ -104,6 +106,7 @@ def test_two_workers_of_two_tensor_parallel_ranks_each_match_one_engine(ray_clus
     assert outs == expected
 
 
+@pytest.mark.slow
 def test_killed_worker_requests_are_placed_again_and_complete(ray_cluster, model):
     requests = workload(8, seed=1)
     expected = single_engine(model, requests, max_tokens=40)
@@ -130,6 +133,7 @@ def test_killed_worker_requests_are_placed_again_and_complete(ray_cluster, model
     assert outs == expected
 
 
+@pytest.mark.slow
 def test_workers_are_added_while_requests_wait_and_released_when_idle(ray_cluster, model):
     policy_config = PolicyConfig(max_batch_size=2, light_load_batch=1, idle_release_s=0.5, min_gpus=1)
 

@@ -15,6 +15,7 @@ from punica.engine.sampling_params import SamplingParams
 from punica.models.loader import load_hf_dir
 
 
+@pytest.mark.slow
 def test_mixed_adapters_join_and_leave_match_transformers_peft(setup, greedy, hf_greedy, make_engine, run_all,
                                                                workload):
     engine = make_engine(setup, max_batch_size=6, page_size=4)

@@ -7,6 +7,8 @@ import pytest
 
 from punica import LLM, SamplingParams
 
+pytestmark = pytest.mark.slow
+
 
 @pytest.fixture(scope="module")
 def llm():

@@ -57,6 +57,7 @@ def mixed_requests(make_engine, run_all, workload, greedy):
     return mixed_requests
 
 
+@pytest.mark.slow
 def test_overlapped_steps_give_what_one_step_at_a_time_gives(setup, fed_rows, make_engine, mixed_requests):
     requests = mixed_requests(setup)
     fed_rows.clear()

@@ -301,6 +301,7 @@ def test_the_gain_limit_is_where_it_says(base, valid_dir, tmp_path, punica_confi
         load_adapter(path, config)
 
 
+@pytest.mark.slow
 def test_demo_and_test_adapters_are_far_below_the_gain_limit(base, tmp_path, make_peft_adapter, punica_config):
     """The adapters this project ships and tests with keep a wide margin (measured: demo adapters
     <= 3.5, random ones <= ~20); a tighter MAX_LORA_GAIN would refuse real adapters."""

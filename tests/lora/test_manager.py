@@ -79,6 +79,7 @@ def drain(engine):
     return outs
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("host_rows", [None, 3])
 def test_200_adapters_through_8_slots_each_request_gets_its_own(base, host_rows):
     """With the default host tier (every adapter fits) and with one of 3 adapters, whose rows
@@ -339,6 +340,7 @@ def test_a_read_or_copy_in_flight_for_an_unloaded_registration_is_never_used(bas
     assert not m.refs and not m.copies and len(m.free_slots) + len(m.resident) == 2
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("max_loras", [1, 2])
 def test_reload_under_the_same_name_keeps_admitted_requests_on_the_old_adapter(base, tmp_path, max_loras, peft_adapter):
     """unload + load of another directory under the same name while a request runs on the old:

@@ -20,6 +20,8 @@ from punica.factory import engine_on_model
 from punica.models.loader import DummyWeights, dummy_model, load_hf_dir
 from punica.parallel.executor import start_tensor_parallel
 
+pytestmark = pytest.mark.slow
+
 # name -> (rank, alpha, targets): row-parallel o/down and column-parallel projections, mixed ranks
 ADAPTERS = {
     "attn": (8, 16, ("q_proj", "k_proj", "v_proj", "o_proj")),

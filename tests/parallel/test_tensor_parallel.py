@@ -15,6 +15,8 @@ from punica.ops.attention import AttnBatch
 from punica.parallel.launcher import run_parallel
 from punica.parallel.tensor_parallel import shard_adapter, tensor_parallel_
 
+pytestmark = pytest.mark.slow
+
 PAGE_SIZE = 4
 STEPS = 8
 # name -> (rank, alpha, targets, use_rslora); every projection is covered, o and down included

@@ -9,6 +9,8 @@ from punica import LLM, SamplingParams
 from punica.config import EngineArgs
 from punica.server.serve import build_state
 
+pytestmark = pytest.mark.slow
+
 
 @pytest.fixture(scope="module")
 def private_dir(tmp_path_factory):

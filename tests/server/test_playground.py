@@ -6,6 +6,8 @@ from contextlib import contextmanager
 
 import pytest
 
+pytestmark = pytest.mark.slow
+
 CHROMIUM = shutil.which("chromium")
 needs_chromium = pytest.mark.skipif(CHROMIUM is None, reason="Debian's chromium is not installed (.ci/run installs it)")
 
