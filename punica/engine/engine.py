@@ -195,6 +195,12 @@ class Engine:
         """A step has been launched whose outputs the next `step` returns."""
         return self._launched is not None
 
+    def requests_in_flight(self) -> list[Request]:
+        """The requests of the step in flight, in the order of its rows (the rows whose sampled
+        tokens a next step's decodes read on the device); empty when no step is in flight. The
+        list is a copy: changing it changes nothing in the engine."""
+        return list(self._launched.requests) if self._launched is not None else []
+
     def stats(self) -> EngineStats:
         return EngineStats(
             num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),

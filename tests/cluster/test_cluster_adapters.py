@@ -7,7 +7,6 @@ import pytest
 import ray
 import torch
 
-from helpers import make_peft_adapter, tiny_llama
 from punica.cluster.ray_backend import ClusterEngine
 from punica.cluster.worker import EngineWorker
 from punica.config import EngineArgs, EngineConfig
@@ -15,11 +14,13 @@ from punica.engine.sampling_params import SamplingParams
 from punica.factory import engine_on_model
 from punica.models.loader import load_hf_dir
 
+pytestmark = pytest.mark.slow
+
 PROMPT = [5, 17, 42, 9, 77, 3]
 
 
 @pytest.fixture(scope="module")
-def model(tmp_path_factory):
+def model(tmp_path_factory, make_peft_adapter, tiny_llama):
     tmp = tmp_path_factory.mktemp("adapters")
     hf = tiny_llama(seed=3)
     hf.save_pretrained(tmp / "base")

@@ -7,7 +7,6 @@ import random
 import pytest
 import torch
 
-from helpers import tiny_llama
 from punica.config import EngineConfig
 from punica.engine.engine import Engine
 from punica.engine.sampling_params import SamplingParams
@@ -16,7 +15,7 @@ from punica.models.loader import load_hf_dir
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
+def model_dir(tmp_path_factory, tiny_llama):
     path = tmp_path_factory.mktemp("migratable") / "base"
     tiny_llama(seed=3).save_pretrained(path)
     return path
@@ -47,6 +46,7 @@ def run_alone(model_dir, requests):
     return outs
 
 
+@pytest.mark.slow
 def test_preempted_requests_resume_on_another_engine_with_identical_tokens(model_dir):
     requests = prompts(10)
     expected = run_alone(model_dir, requests)

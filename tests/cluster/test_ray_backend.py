@@ -9,7 +9,6 @@ import pytest
 import ray
 import torch
 
-from helpers import make_peft_adapter, tiny_llama
 from punica.cluster.policy import PolicyConfig
 from punica.cluster.ray_backend import ClusterEngine, Tracked, build_cluster_engine
 from punica.config import EngineArgs, EngineConfig
@@ -20,7 +19,7 @@ from punica.models.loader import load_hf_dir
 
 
 @pytest.fixture(scope="module")
-def model(tmp_path_factory):
+def model(tmp_path_factory, make_peft_adapter, tiny_llama):
     tmp = tmp_path_factory.mktemp("ray")
     hf = tiny_llama(seed=7)
     hf.save_pretrained(tmp / "base")
@@ -65,6 +64,7 @@ async def collect(cluster, request_id, prompt, adapter, max_tokens, progress):
     return tokens
 
 
+@pytest.mark.slow
 def test_kv_exhaustion_migrates_requests_and_outputs_match(ray_cluster, model):
     requests = workload(12, seed=0)
     expected = single_engine(model, requests, max_tokens=24)
@@ -84,6 +84,7 @@ def test_kv_exhaustion_migrates_requests_and_outputs_match(ray_cluster, model):
     assert outs == expected
 
 
+@pytest.mark.slow
 def test_two_workers_of_two_tensor_parallel_ranks_each_match_one_engine(ray_cluster, model):
     """--workers 2 --tensor-parallel-size 2: two Ray workers, each driving a gloo group of two
     processes, serve mixed adapters (and migrate on KV exhaustion) with one engine's tokens."""
@@ -105,6 +106,7 @@ def test_two_workers_of_two_tensor_parallel_ranks_each_match_one_engine(ray_clus
     assert outs == expected
 
 
+@pytest.mark.slow
 def test_killed_worker_requests_are_placed_again_and_complete(ray_cluster, model):
     requests = workload(8, seed=1)
     expected = single_engine(model, requests, max_tokens=40)
@@ -131,6 +133,7 @@ def test_killed_worker_requests_are_placed_again_and_complete(ray_cluster, model
     assert outs == expected
 
 
+@pytest.mark.slow
 def test_workers_are_added_while_requests_wait_and_released_when_idle(ray_cluster, model):
     policy_config = PolicyConfig(max_batch_size=2, light_load_batch=1, idle_release_s=0.5, min_gpus=1)
 

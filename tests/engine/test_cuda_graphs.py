@@ -13,7 +13,6 @@ from punica.engine.sampling_params import SamplingParams
 from punica.engine.step_input import StepInput
 from punica.factory import engine_on_model
 from punica.models.loader import load_hf_dir
-from test_engine import greedy, make_engine, run_all, setup, workload  # noqa: F401  (setup: fixture)
 
 
 def test_decode_batch_sizes():
@@ -53,25 +52,30 @@ def test_bucket_fits_and_order():
     assert max(b.prefill_tokens for b in buckets(32, 600)) == 544  # a padding request fits a context
 
 
-def scheduled_step(engine, num_decodes, new_prompts):
-    """Requests of mixed adapters until `num_decodes` run; then add `new_prompts`: the next batch,
-    and the rows of its decodes' last tokens among the tokens the engine's last step sampled."""
-    for prompt, adapter, _ in workload(max(num_decodes, 4), seed=3)[:num_decodes]:
-        engine.add_request(prompt, greedy(30), adapter)
-    for _ in range(20):  # adapters load off the engine thread; their requests join when ready
-        engine.step()
-        if len(engine.scheduler.running) == num_decodes:
-            break
-    for i, length in enumerate(new_prompts):
-        adapter = [None, "a", "c"][i % 3] if num_decodes >= 4 else None  # resident: admitted at once
-        engine.add_request(list(range(3, 3 + length)), greedy(30), adapter)
-    batch = engine.scheduler.schedule()
-    assert len(batch.prefills) == len(new_prompts) and len(batch.decodes) == num_decodes
-    decodes = sorted(batch.decodes, key=lambda r: r.slot)
-    launched = engine._launched
-    fed = [launched.requests.index(r) for r in decodes] if launched else None
-    assert all(r.output_token_ids[-1] == PENDING for r in decodes), "their last tokens are on the device only"
-    return sorted(batch.prefills, key=lambda r: r.slot), decodes, fed
+@pytest.fixture
+def scheduled_step(workload, greedy):
+    """The function `scheduled_step(engine, num_decodes, new_prompts)`: requests of mixed adapters
+    until `num_decodes` run; then add `new_prompts`: the next batch, and the rows of its decodes'
+    last tokens among the tokens the engine's last step sampled."""
+    def scheduled_step(engine, num_decodes, new_prompts):
+        for prompt, adapter, _ in workload(max(num_decodes, 4), seed=3)[:num_decodes]:
+            engine.add_request(prompt, greedy(30), adapter)
+        for _ in range(20):  # adapters load off the engine thread; their requests join when ready
+            engine.step()
+            if len(engine.scheduler.running) == num_decodes:
+                break
+        for i, length in enumerate(new_prompts):
+            adapter = [None, "a", "c"][i % 3] if num_decodes >= 4 else None  # resident: admitted at once
+            engine.add_request(list(range(3, 3 + length)), greedy(30), adapter)
+        batch = engine.scheduler.schedule()
+        assert len(batch.prefills) == len(new_prompts) and len(batch.decodes) == num_decodes
+        decodes = sorted(batch.decodes, key=lambda r: r.slot)
+        in_flight = engine.requests_in_flight()
+        fed = [in_flight.index(r) for r in decodes] if in_flight else None
+        assert all(r.output_token_ids[-1] == PENDING for r in decodes), "their last tokens are on the device only"
+        return sorted(batch.prefills, key=lambda r: r.slot), decodes, fed
+
+    return scheduled_step
 
 
 @pytest.mark.parametrize("bucket,num_decodes,new_prompts", [
@@ -80,7 +84,7 @@ def scheduled_step(engine, num_decodes, new_prompts):
     (Bucket(4, 128, 4), 4, [60, 40]),  # 132 tokens in 8 requests: SGMV, a segment per request
     (Bucket(4, 35, 4), 4, [20, 12]),   # the smallest mixed bucket of `buckets`
 ])
-def test_static_batch_matches_eager_step(setup, bucket, num_decodes, new_prompts):
+def test_static_batch_matches_eager_step(setup, bucket, num_decodes, new_prompts, make_engine, scheduled_step):
     engine = make_engine(setup, max_batch_size=16, kv_cache_tokens=1024)
     prefills, decodes, fed = scheduled_step(engine, num_decodes, new_prompts)
     step = StepInput.from_requests(prefills, decodes, engine.config.page_size, fed)
@@ -110,7 +114,7 @@ def test_static_batch_matches_eager_step(setup, bucket, num_decodes, new_prompts
 
 
 @pytest.mark.cuda
-def test_graph_engine_generates_what_eager_engine_does(setup, monkeypatch):
+def test_graph_engine_generates_what_eager_engine_does(setup, monkeypatch, greedy, run_all, workload):
     replays = []
     run = CudaGraphs.run
 

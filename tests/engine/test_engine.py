@@ -1,7 +1,6 @@
 """The engine against transformers+PEFT per request, with preemption, sampling and bad input."""
 
 import gc
-import random
 import shutil
 import weakref
 from pathlib import Path
@@ -10,63 +9,15 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from helpers import load_peft_model, make_peft_adapter, tiny_llama
 from punica.config import EngineConfig
 from punica.factory import engine_on_model
 from punica.engine.sampling_params import SamplingParams
 from punica.models.loader import load_hf_dir
 
-ADAPTERS = {"a": (8, 16, ("q_proj", "v_proj", "down_proj")), "b": (4, 4, ("k_proj", "o_proj", "up_proj")),
-            "c": (16, 32, ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"))}
 
-
-@pytest.fixture(scope="module")
-def setup(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("engine")
-    hf = tiny_llama(seed=5)
-    hf.save_pretrained(tmp / "base")
-    paths = {n: str(make_peft_adapter(hf, tmp / n, r=r, alpha=a, targets=t, seed=i))
-             for i, (n, (r, a, t)) in enumerate(ADAPTERS.items())}
-    return tmp / "base", paths, load_peft_model(hf, paths)
-
-
-def make_engine(setup, **config):
-    base, paths, _ = setup
-    model = load_hf_dir(base, dtype=torch.float32)
-    return engine_on_model(model, EngineConfig(**config), paths)
-
-
-def workload(n, seed):
-    rng = random.Random(seed)
-    names = [None, "a", "b", "c"]
-    return [([rng.randrange(3, 128) for _ in range(rng.randint(1, 40))], names[i % 4], rng.randint(1, 24))
-            for i in range(n)]
-
-
-def run_all(engine, requests, params_for):
-    ids = [engine.add_request(prompt, params_for(max_tokens), adapter) for prompt, adapter, max_tokens in requests]
-    outs = {}
-    while engine.has_unfinished():
-        for out in engine.step():
-            if out.finished:
-                outs[out.request_id] = out
-    return [outs[i] for i in ids]
-
-
-def greedy(max_tokens):
-    return SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
-
-
-def hf_greedy(peft_model, prompt, adapter, steps):
-    tokens = list(prompt)
-    with torch.no_grad():
-        for _ in range(steps):
-            logits = peft_model(torch.tensor([tokens]), adapter_names=[adapter or "__base__"]).logits[0, -1]
-            tokens.append(int(logits.argmax()))
-    return tokens[len(prompt):]
-
-
-def test_mixed_adapters_join_and_leave_match_transformers_peft(setup):
+@pytest.mark.slow
+def test_mixed_adapters_join_and_leave_match_transformers_peft(setup, greedy, hf_greedy, make_engine, run_all,
+                                                               workload):
     engine = make_engine(setup, max_batch_size=6, page_size=4)
     requests = workload(44, seed=0)
     outs = run_all(engine, requests, greedy)
@@ -77,7 +28,7 @@ def test_mixed_adapters_join_and_leave_match_transformers_peft(setup):
     assert engine.allocator.num_used == 0
 
 
-def test_preemption_loses_and_repeats_nothing(setup):
+def test_preemption_loses_and_repeats_nothing(setup, greedy, make_engine, run_all, workload):
     requests = workload(24, seed=1)
     ample = run_all(make_engine(setup, max_batch_size=8, page_size=4), requests, greedy)
     tight = make_engine(setup, max_batch_size=8, page_size=4, kv_cache_tokens=96)
@@ -87,7 +38,8 @@ def test_preemption_loses_and_repeats_nothing(setup):
     assert tight.allocator.num_free == tight.allocator.num_pages
 
 
-def test_seeded_sampling_is_reproducible_across_batches_and_preemption(setup):
+def test_seeded_sampling_is_reproducible_across_batches_and_preemption(setup, hf_greedy, make_engine, run_all,
+                                                                       workload):
     requests = workload(16, seed=2)
 
     def sampled(max_tokens):
@@ -103,7 +55,7 @@ def test_seeded_sampling_is_reproducible_across_batches_and_preemption(setup):
     assert any(o.token_ids != hf_greedy(setup[2], p, a, m) for o, (p, a, m) in zip(first, requests))
 
 
-def test_logprobs_and_stop_token_ids(setup):
+def test_logprobs_and_stop_token_ids(setup, make_engine, run_all):
     engine = make_engine(setup)
     prompt = [5, 6, 7, 8]
     out = run_all(engine, [(prompt, "a", 12)], lambda m: SamplingParams(max_tokens=m, temperature=0, logprobs=True, ignore_eos=True))[0]
@@ -120,7 +72,7 @@ def test_logprobs_and_stop_token_ids(setup):
     (dict(adapter="nope"), "unknown adapter 'nope'"),
     (dict(prompt=[1, 999]), "token ids"),
 ])
-def test_bad_request_fails_alone(setup, bad, message):
+def test_bad_request_fails_alone(setup, bad, message, greedy, make_engine):
     engine = make_engine(setup, max_batch_size=4)
     good = engine.add_request([1, 2, 3], greedy(5), "a")
     engine.step()
@@ -133,7 +85,7 @@ def test_bad_request_fails_alone(setup, bad, message):
     assert [o.request_id for o in outs] == [good] and len(outs[0].token_ids) == 5
 
 
-def test_an_adapter_with_overflowing_weights_fails_only_its_own_requests(setup, tmp_path):
+def test_an_adapter_with_overflowing_weights_fails_only_its_own_requests(setup, tmp_path, greedy, hf_greedy, run_all):
     """A startup adapter whose weights are all 1e30 (finite, in PEFT's format) is refused by its
     read: its requests fail with the reason, a co-batched request on a good adapter gets its clean
     output, and the engine keeps serving."""
@@ -169,7 +121,8 @@ def test_invalid_sampling_params(kwargs, message):
 
 
 @pytest.mark.parametrize("reload", [False, True])
-def test_a_request_preempted_after_its_adapter_is_unloaded_fails_and_never_runs_on_a_reload(setup, reload):
+def test_a_request_preempted_after_its_adapter_is_unloaded_fails_and_never_runs_on_a_reload(setup, reload, greedy,
+                                                                                            hf_greedy, make_engine):
     """Requests running on "a" when it is unloaded (and, with `reload`, loaded again from another
     adapter's directory) finish if they stay in the batch; one preempted afterwards fails at once
     with finish_reason "error" instead of waiting for ever or resuming on the new registration.
@@ -199,7 +152,7 @@ def test_a_request_preempted_after_its_adapter_is_unloaded_fails_and_never_runs_
     assert engine.allocator.num_used == 0 and not engine.adapters.refs
 
 
-def test_abort_frees_pages(setup):
+def test_abort_frees_pages(setup, greedy, make_engine):
     engine = make_engine(setup, max_batch_size=4, page_size=4)
     rid = engine.add_request(list(range(1, 30)), greedy(20), "b")
     other = engine.add_request([1, 2], greedy(4), None)
@@ -212,7 +165,8 @@ def test_abort_frees_pages(setup):
     assert engine.allocator.num_used == 0 and engine.abort(other) is None
 
 
-def test_a_dropped_engine_frees_its_kv_cache_without_the_garbage_collector(setup):
+def test_a_dropped_engine_frees_its_kv_cache_without_the_garbage_collector(setup, greedy, make_engine, run_all,
+                                                                           workload):
     engine = make_engine(setup, kv_cache_tokens=256)
     run_all(engine, workload(4, seed=2), greedy)
     kv_cache = weakref.ref(engine.executor.worker.runner.kv_cache)

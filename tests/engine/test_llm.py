@@ -5,8 +5,9 @@ import sys
 
 import pytest
 
-from helpers import make_peft_adapter
 from punica import LLM, SamplingParams
+
+pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
@@ -33,7 +34,7 @@ def test_generate_rejects_bad_prompt_and_keeps_working(llm):
     assert llm.generate("fine", SamplingParams(max_tokens=2, temperature=0))[0].token_ids
 
 
-def test_generate_with_adapters(tmp_path):
+def test_generate_with_adapters(tmp_path, make_peft_adapter):
     from transformers import LlamaForCausalLM
     from punica.models.loader import resolve_model_dir
 

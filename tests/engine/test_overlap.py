@@ -8,7 +8,6 @@ import pytest
 from punica.engine.request import PENDING
 from punica.engine.runner import ModelRunner
 from punica.engine.sampling_params import SamplingParams
-from test_engine import greedy, make_engine, run_all, setup, workload  # noqa: F401  (setup: fixture)
 
 
 def generate(engine, requests):
@@ -37,23 +36,29 @@ def fed_rows(monkeypatch):
     return rows
 
 
-def mixed_requests(setup):
-    """Greedy requests that stop at a token they produce, with logprobs; seeded sampling; one
-    request that runs into the model's context (256) and one of each that ends by max_tokens."""
-    plain = run_all(make_engine(setup), workload(12, seed=7), greedy)
-    requests = []
-    for (prompt, adapter, max_tokens), out in zip(workload(12, seed=7), plain):
-        stop = out.token_ids[len(out.token_ids) // 2]
-        requests.append((prompt, adapter, SamplingParams(max_tokens=max_tokens + 4, temperature=0, logprobs=True,
-                                                         stop_token_ids=[stop], ignore_eos=True)))
-    for i, (prompt, adapter, max_tokens) in enumerate(workload(8, seed=8)):
-        requests.append((prompt, adapter, SamplingParams(max_tokens=max_tokens, temperature=0.8, top_p=0.9,
-                                                         seed=i, ignore_eos=True)))
-    requests.append(([3 + i % 120 for i in range(250)], "c", greedy(20)))
-    return requests
+@pytest.fixture
+def mixed_requests(make_engine, run_all, workload, greedy):
+    """The function `mixed_requests(setup)`: greedy requests that stop at a token they produce, with
+    logprobs; seeded sampling; one request that runs into the model's context (256) and one of each
+    that ends by max_tokens."""
+    def mixed_requests(setup):
+        plain = run_all(make_engine(setup), workload(12, seed=7), greedy)
+        requests = []
+        for (prompt, adapter, max_tokens), out in zip(workload(12, seed=7), plain):
+            stop = out.token_ids[len(out.token_ids) // 2]
+            requests.append((prompt, adapter, SamplingParams(max_tokens=max_tokens + 4, temperature=0, logprobs=True,
+                                                             stop_token_ids=[stop], ignore_eos=True)))
+        for i, (prompt, adapter, max_tokens) in enumerate(workload(8, seed=8)):
+            requests.append((prompt, adapter, SamplingParams(max_tokens=max_tokens, temperature=0.8, top_p=0.9,
+                                                             seed=i, ignore_eos=True)))
+        requests.append(([3 + i % 120 for i in range(250)], "c", greedy(20)))
+        return requests
+
+    return mixed_requests
 
 
-def test_overlapped_steps_give_what_one_step_at_a_time_gives(setup, fed_rows):
+@pytest.mark.slow
+def test_overlapped_steps_give_what_one_step_at_a_time_gives(setup, fed_rows, make_engine, mixed_requests):
     requests = mixed_requests(setup)
     fed_rows.clear()
     one_at_a_time = make_engine(setup, max_batch_size=6, page_size=4, overlap_steps=False)
@@ -75,7 +80,7 @@ def test_overlapped_steps_give_what_one_step_at_a_time_gives(setup, fed_rows):
     assert engine.allocator.num_used == 0 and not engine.has_step_in_flight
 
 
-def test_a_request_aborted_in_flight_returns_only_tokens_the_host_has(setup):
+def test_a_request_aborted_in_flight_returns_only_tokens_the_host_has(setup, greedy, make_engine, run_all):
     engine = make_engine(setup, max_batch_size=4, page_size=4)
     kept = engine.add_request([5, 6, 7], greedy(6), None)
     dropped = engine.add_request([8, 9], greedy(6), None)

@@ -5,7 +5,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import load_peft_model, make_peft_adapter, punica_config, tiny_llama
 from safetensors.torch import load_file, save_file
 
 from punica.config import ModelConfig
@@ -27,12 +26,12 @@ LAYER_MODULE = re.compile(r"layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)_proj$")
 
 
 @pytest.fixture(scope="module")
-def base():
+def base(tiny_llama):
     return tiny_llama(seed=0)
 
 
 @pytest.fixture(scope="module")
-def valid_dir(base, tmp_path_factory):
+def valid_dir(base, tmp_path_factory, make_peft_adapter):
     """r=8, alpha=16 on q, k and down of both layers; tests copy it before breaking it."""
     return make_peft_adapter(base, tmp_path_factory.mktemp("valid") / "ad", r=8, alpha=16,
                              targets=("q_proj", "k_proj", "down_proj"), seed=1)
@@ -66,7 +65,8 @@ def assert_matches_peft(adapter, peft_model, adapter_name, num_layers):
     (2, 2, ("k_proj", "up_proj"), {"layers_to_transform": [1]}),
     (3, 5, ("v_proj", "down_proj"), {"safe_serialization": False}),
 ], ids=["all-7", "rslora", "alpha!=r", "layers_to_transform", "bin"])
-def test_loads_what_peft_loads(base, tmp_path, r, alpha, targets, kw):
+def test_loads_what_peft_loads(base, tmp_path, r, alpha, targets, kw, load_peft_model, make_peft_adapter,
+                               punica_config):
     path = make_peft_adapter(base, tmp_path / "my-adapter", r=r, alpha=alpha, targets=targets,
                              seed=r, **kw)
     weights_file = "adapter_model.bin" if "safe_serialization" in kw else "adapter_model.safetensors"
@@ -86,7 +86,7 @@ def test_loads_what_peft_loads(base, tmp_path, r, alpha, targets, kw):
     assert_matches_peft(adapter, load_peft_model(base, {"x": path}), "x", config.num_layers)
 
 
-def test_dtype_conversion_and_name(base, valid_dir):
+def test_dtype_conversion_and_name(base, valid_dir, load_peft_model, punica_config):
     adapter = load_adapter(valid_dir, punica_config(base), name="tenant-7", dtype=torch.bfloat16)
     assert adapter.name == "tenant-7"
     assert all(t.dtype == torch.bfloat16 for t in [*adapter.lora_a.values(), *adapter.lora_b.values()])
@@ -115,7 +115,7 @@ Q_B = "base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight"
 DOWN_B_LAYER_1 = "base_model.model.model.layers.1.mlp.down_proj.lora_B.weight"
 
 
-def test_adapter_name_infix(base, valid_dir, tmp_path):
+def test_adapter_name_infix(base, valid_dir, tmp_path, load_peft_model, punica_config):
     path = copy_of(valid_dir, tmp_path)
     edit_weights(path, lambda w: w.update(
         {k.replace(".weight", ".default.weight"): w.pop(k) for k in list(w)}))
@@ -124,7 +124,7 @@ def test_adapter_name_infix(base, valid_dir, tmp_path):
                         load_peft_model(base, {"default": valid_dir}), "default", 2)
 
 
-def test_fan_in_fan_out_does_not_transpose_lora(base, valid_dir, tmp_path):
+def test_fan_in_fan_out_does_not_transpose_lora(base, valid_dir, tmp_path, load_peft_model, punica_config):
     """PEFT keeps lora_A [r, h_in] / lora_B [h_out, r] whatever fan_in_fan_out says (the flag
     describes the base layer, and PEFT resets it for nn.Linear): load exactly what PEFT loads."""
     path = copy_of(valid_dir, tmp_path)
@@ -244,7 +244,7 @@ REJECTIONS = {  # case -> (how to break the valid adapter, expected message)
 
 
 @pytest.mark.parametrize("case", list(REJECTIONS))
-def test_rejects(base, valid_dir, tmp_path, case):
+def test_rejects(base, valid_dir, tmp_path, case, punica_config):
     path = copy_of(valid_dir, tmp_path)
     load_adapter(path, punica_config(base))  # valid before the edit
     breaks, message = REJECTIONS[case]
@@ -255,7 +255,7 @@ def test_rejects(base, valid_dir, tmp_path, case):
 
 
 @pytest.mark.parametrize("option", list(UNSUPPORTED_OPTIONS))
-def test_rejects_unsupported_options(base, valid_dir, tmp_path, option):
+def test_rejects_unsupported_options(base, valid_dir, tmp_path, option, punica_config):
     path = copy_of(valid_dir, tmp_path)
     edit_config(path, **{option: [1]})
     message = rf"{re.escape(UNSUPPORTED_OPTIONS[option])} is not supported .*{option}=\[1\]"
@@ -263,7 +263,7 @@ def test_rejects_unsupported_options(base, valid_dir, tmp_path, option):
         load_adapter(path, punica_config(base))
 
 
-def test_rejects_overflow_on_conversion(base, valid_dir, tmp_path):
+def test_rejects_overflow_on_conversion(base, valid_dir, tmp_path, punica_config):
     """A value finite in float32 but not in float16, in a row of A that B's zero column ignores
     (so the delta, and its gain, stay small)."""
     path = copy_of(valid_dir, tmp_path)
@@ -288,7 +288,7 @@ def test_lora_gain_is_the_spectral_norm_of_the_scaled_delta(r, h_in, h_out, scal
     assert lora_gain(torch.zeros(r, h_in), b, scale) == 0.0
 
 
-def test_the_gain_limit_is_where_it_says(base, valid_dir, tmp_path):
+def test_the_gain_limit_is_where_it_says(base, valid_dir, tmp_path, punica_config):
     """Scaling lora_alpha moves the largest gain just under the limit (loads) or just over it (fails)."""
     config = punica_config(base)
     weights = read_adapter(valid_dir, config)
@@ -301,7 +301,8 @@ def test_the_gain_limit_is_where_it_says(base, valid_dir, tmp_path):
         load_adapter(path, config)
 
 
-def test_demo_and_test_adapters_are_far_below_the_gain_limit(base, tmp_path):
+@pytest.mark.slow
+def test_demo_and_test_adapters_are_far_below_the_gain_limit(base, tmp_path, make_peft_adapter, punica_config):
     """The adapters this project ships and tests with keep a wide margin (measured: demo adapters
     <= 3.5, random ones <= ~20); a tighter MAX_LORA_GAIN would refuse real adapters."""
     smol = ModelConfig.from_dir(resolve_model_dir(None))

@@ -6,7 +6,6 @@ import random
 import pytest
 import torch
 
-from helpers import make_peft_adapter, tiny_llama
 from punica.config import EngineConfig
 from punica.factory import engine_on_model
 from punica.engine.sampling_params import SamplingParams
@@ -23,15 +22,22 @@ BASE_SEED = 11
 
 
 @pytest.fixture(scope="module")
-def base(tmp_path_factory):
+def base(tmp_path_factory, tiny_llama):
     tmp = tmp_path_factory.mktemp("manager")
     tiny_llama(seed=BASE_SEED).save_pretrained(tmp / "base")
     return tmp
 
 
-def peft_adapter(path, r=8, alpha=64, seed=0):
-    """A real PEFT adapter for the base model (alpha 64: strong enough to change greedy outputs)."""
-    return make_peft_adapter(tiny_llama(seed=BASE_SEED), path, r=r, alpha=alpha, seed=seed)
+@pytest.fixture(scope="module")
+def peft_adapter(tiny_llama, make_peft_adapter):
+    """The function `peft_adapter(path, r=8, alpha=64, seed=0)`: a real PEFT adapter for the base
+    model (alpha 64: strong enough to change greedy outputs)."""
+    base_model = tiny_llama(seed=BASE_SEED)
+
+    def peft_adapter(path, r=8, alpha=64, seed=0):
+        return make_peft_adapter(base_model, path, r=r, alpha=alpha, seed=seed)
+
+    return peft_adapter
 
 
 def edit_config(path, **changes):
@@ -73,6 +79,7 @@ def drain(engine):
     return outs
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("host_rows", [None, 3])
 def test_200_adapters_through_8_slots_each_request_gets_its_own(base, host_rows):
     """With the default host tier (every adapter fits) and with one of 3 adapters, whose rows
@@ -111,13 +118,19 @@ def manager_with(base, n, slots):
     return manager
 
 
+def wait_for_reads(manager):
+    """Until the reads started so far have finished (not yet taken in by a poll)."""
+    for future, _ in list(manager.reads.values()):
+        future.result()
+
+
 def load(manager, name):
-    """Acquire, polling until the adapter is resident (reads run on a worker thread)."""
+    """Acquire, polling until the adapter is resident (reads run on worker threads)."""
     for _ in range(1000):
         slot = manager.acquire(name)
         if slot is not None:
             return slot
-        manager.executor.submit(lambda: None).result()
+        wait_for_reads(manager)
         manager.poll([name])
     raise AssertionError(f"{name} never loaded")
 
@@ -236,7 +249,7 @@ def test_unload_while_running_finishes_admitted_and_fails_queued(base):
     assert drain(engine)[again].token_ids == outs[first].token_ids
 
 
-def test_register_checks_the_name_the_config_and_the_rank(base, tmp_path):
+def test_register_checks_the_name_the_config_and_the_rank(base, tmp_path, peft_adapter):
     m = manager_with(base, 0, slots=2)  # max_lora_rank 8
     good = peft_adapter(tmp_path / "good", r=8)
     for name in ("../x", ".hidden", "a b", "", "x" * 10_000):
@@ -258,14 +271,14 @@ def test_register_checks_the_name_the_config_and_the_rank(base, tmp_path):
     assert list(m.registry) == ["tenant-a", "org/adapter_v1.2"]
 
 
-def test_a_rank_over_the_pool_is_refused_at_load_not_per_request(base, tmp_path):
+def test_a_rank_over_the_pool_is_refused_at_load_not_per_request(base, tmp_path, peft_adapter):
     engine = engine_on_model(model_of(base), EngineConfig(max_loras=2, max_lora_rank=16))
     with pytest.raises(ValueError, match="rank 512, over this engine's max_lora_rank 16"):
         engine.load_adapter("wide", str(peft_adapter(tmp_path / "wide", r=512)))
     assert "wide" not in engine.adapters.registry
 
 
-def test_an_adapter_broken_after_registration_fails_in_its_read_alone(base, tmp_path):
+def test_an_adapter_broken_after_registration_fails_in_its_read_alone(base, tmp_path, peft_adapter):
     """lora_alpha 1e300 written after registration: the read (worker thread) refuses it, its
     requests fail with the message, the co-batched ones finish as if it did not exist, and the
     manager's slots stay whole."""
@@ -290,12 +303,6 @@ def test_an_adapter_broken_after_registration_fails_in_its_read_alone(base, tmp_
     assert drain(engine)[again].token_ids == outs[next(iter(good))].token_ids
     adapters = engine.adapters
     assert not adapters.refs and len(adapters.free_slots) + len(adapters.resident) == 2
-
-
-def wait_for_reads(manager):
-    """Until the reads started so far have finished (not yet taken in by a poll)."""
-    for future, _ in list(manager.reads.values()):
-        future.result()
 
 
 def test_a_read_or_copy_in_flight_for_an_unloaded_registration_is_never_used(base):
@@ -333,8 +340,9 @@ def test_a_read_or_copy_in_flight_for_an_unloaded_registration_is_never_used(bas
     assert not m.refs and not m.copies and len(m.free_slots) + len(m.resident) == 2
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("max_loras", [1, 2])
-def test_reload_under_the_same_name_keeps_admitted_requests_on_the_old_adapter(base, tmp_path, max_loras):
+def test_reload_under_the_same_name_keeps_admitted_requests_on_the_old_adapter(base, tmp_path, max_loras, peft_adapter):
     """unload + load of another directory under the same name while a request runs on the old:
     that request finishes with the old adapter's output, the next gets exactly what a clean
     engine gives with the new one; with a spare slot they run side by side, with one slot the

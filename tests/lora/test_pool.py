@@ -2,7 +2,6 @@
 
 import torch
 
-from helpers import punica_config, tiny_llama
 from punica.lora.adapter import LoraAdapter
 from punica.lora.pool import GROUPS, LoraPool
 
@@ -16,7 +15,7 @@ def random_adapter(config, rank, targets, seed):
     return LoraAdapter(name=f"a{seed}", rank=rank, scale=0.5, lora_a=lora_a, lora_b=lora_b)
 
 
-def test_group_weights_stack_the_projections_of_each_group():
+def test_group_weights_stack_the_projections_of_each_group(punica_config, tiny_llama):
     config = punica_config(tiny_llama())  # GQA: q 64, k = v 32, intermediate 96
     pool = LoraPool(config, max_loras=3, max_rank=8, dtype=torch.float32, device="cpu")
     adapter = random_adapter(config, 5, ("q", "v", "o", "up", "down"), seed=1)  # no k, no gate
@@ -44,7 +43,7 @@ def test_group_weights_stack_the_projections_of_each_group():
     assert pool.scales.tolist() == [0.0, 0.5, 0.0]
 
 
-def test_packed_slot_is_the_slot_contents():
+def test_packed_slot_is_the_slot_contents(punica_config, tiny_llama):
     config = punica_config(tiny_llama())
     pool = LoraPool(config, max_loras=2, max_rank=4, dtype=torch.float32, device="cpu")
     adapter = random_adapter(config, 4, ("k", "gate", "down"), seed=2)
@@ -57,7 +56,7 @@ def test_packed_slot_is_the_slot_contents():
                                   for h_in, h_out in config.projection_shapes().values())
 
 
-def test_pack_writes_every_element_of_the_slot(monkeypatch):
+def test_pack_writes_every_element_of_the_slot(monkeypatch, punica_config, tiny_llama):
     config = punica_config(tiny_llama())
     pool = LoraPool(config, max_loras=1, max_rank=8, dtype=torch.float32, device="cpu")
     empty = torch.empty
@@ -70,7 +69,7 @@ def test_pack_writes_every_element_of_the_slot(monkeypatch):
     assert not pool.b["k"].any() and not pool.a["gate"].any()
 
 
-def test_model_adds_lora_once_per_group(monkeypatch):
+def test_model_adds_lora_once_per_group(monkeypatch, punica_config, tiny_llama):
     """q/k/v, o, gate/up and down: four shrink + expand pairs (8 kernels) per layer, each expand
     on the whole fused output with the pool's slice bounds; none when no token has an adapter."""
     import punica.models.llama as llama
@@ -102,10 +101,10 @@ def test_model_adds_lora_once_per_group(monkeypatch):
     assert calls == [] and len(shrinks) == 4 * c.num_layers
 
 
-def test_pack_reads_the_layers_of_a_peft_adapter_straight_into_the_slot(tmp_path, monkeypatch):
+def test_pack_reads_the_layers_of_a_peft_adapter_straight_into_the_slot(tmp_path, monkeypatch, make_peft_adapter,
+                                                                        punica_config, tiny_llama):
     """pack(read_adapter(...)) (the manager's path, no stacked copy) equals pack(load_adapter(...)),
     for an adapter of a few layers and projections below the pool's rank, every element written."""
-    from helpers import make_peft_adapter
     from punica.lora.adapter import load_adapter, read_adapter
 
     hf = tiny_llama(seed=5)

@@ -6,7 +6,6 @@ import pytest
 import torch
 from transformers import LlamaForCausalLM as HFLlama
 
-from helpers import load_peft_model, make_peft_adapter, tiny_llama
 from punica.lora.adapter import load_adapter
 from punica.lora.batch import LoraBatch
 from punica.lora.pool import LoraPool
@@ -23,10 +22,15 @@ ADAPTERS = {
 }
 
 
-def make_adapters(hf_model, tmp_path):
-    return {name: make_peft_adapter(hf_model, tmp_path / name, r=r, alpha=alpha, targets=targets,
-                                    use_rslora=rs, seed=i + 1)
-            for i, (name, (r, alpha, targets, rs)) in enumerate(ADAPTERS.items())}
+@pytest.fixture
+def make_adapters(make_peft_adapter):
+    """The function `make_adapters(hf_model, tmp_path)`: the PEFT adapters of ADAPTERS, name -> path."""
+    def make_adapters(hf_model, tmp_path):
+        return {name: make_peft_adapter(hf_model, tmp_path / name, r=r, alpha=alpha, targets=targets,
+                                        use_rslora=rs, seed=i + 1)
+                for i, (name, (r, alpha, targets, rs)) in enumerate(ADAPTERS.items())}
+
+    return make_adapters
 
 
 def punica_with_pool(model, paths):
@@ -73,9 +77,8 @@ def hf_greedy(peft_model, prompt, adapter, steps):
     return tokens[len(prompt):]
 
 
-def check_parity(hf_model, model, paths, prompts, logits_tol):
+def check_parity(peft_model, model, paths, prompts, logits_tol):
     slots = punica_with_pool(model, paths)
-    peft_model = load_peft_model(hf_model, paths)
     names = list(paths) + ["__base__"]
     row_slots = [slots.get(n, -1) for n in names]
 
@@ -107,22 +110,22 @@ def check_parity(hf_model, model, paths, prompts, logits_tol):
         assert generated[i] == hf_greedy(peft_model, prompt, names[i % len(names)], STEPS), f"request {i}"
 
 
-def test_tiny_gqa_llama_matches_transformers_peft(tmp_path):
+def test_tiny_gqa_llama_matches_transformers_peft(tmp_path, tiny_llama, load_peft_model, make_adapters):
     hf_model = tiny_llama(seed=3)
     hf_model.save_pretrained(tmp_path / "base")
     paths = make_adapters(hf_model, tmp_path)
     model = load_hf_dir(tmp_path / "base", dtype=torch.float32)
     rng = random.Random(0)
     prompts = [[rng.randrange(3, 128) for _ in range(rng.randint(8, 19))] for _ in range(6)]
-    check_parity(hf_model, model, paths, prompts, logits_tol=1e-4)
+    check_parity(load_peft_model(hf_model, paths), model, paths, prompts, logits_tol=1e-4)
 
 
 @pytest.mark.slow
-def test_smollm2_matches_transformers_peft(tmp_path):
+def test_smollm2_matches_transformers_peft(tmp_path, load_peft_model, make_adapters):
     model_dir = resolve_model_dir(None)
     hf_model = HFLlama.from_pretrained(model_dir, dtype=torch.float32).eval()
     paths = make_adapters(hf_model, tmp_path)
     model = load_hf_dir(model_dir, dtype=torch.float32)
     rng = random.Random(1)
     prompts = [[rng.randrange(100, 40000) for _ in range(rng.randint(8, 14))] for _ in range(4)]
-    check_parity(hf_model, model, paths, prompts, logits_tol=2e-3)
+    check_parity(load_peft_model(hf_model, paths), model, paths, prompts, logits_tol=2e-3)

@@ -10,7 +10,6 @@ import random
 import pytest
 import torch
 
-from helpers import capture_graph
 from punica.config import ceil_div
 from punica.ops import attention as ops
 from punica.ops import attention_triton as kernels
@@ -269,7 +268,7 @@ def test_real_shapes_decode_splits(num_splits):
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("num_prefills", [0, 2])
-def test_cuda_graph_replay_equals_eager(num_prefills):
+def test_cuda_graph_replay_equals_eager(num_prefills, capture_graph):
     """Capture once, then replay on new queries, cache contents, pages and context lengths
     written into the captured tensors: equals the reference on the new batch."""
     rng = random.Random(num_prefills)
@@ -312,7 +311,7 @@ def test_real_shapes_rope_and_write_kv(num_heads, num_kv_heads, head_dim, num_to
 
 
 @pytest.mark.cuda
-def test_cuda_graph_rope_write_kv_then_single_split_decode():
+def test_cuda_graph_rope_write_kv_then_single_split_decode(capture_graph):
     """A decode layer's attention at Llama-7B heads, 32 requests (one split by default on an
     H200: the partition kernel writes the output): rotary + KV append then attention, captured
     once and replayed on new tokens, positions, pages and context lengths."""

@@ -9,7 +9,6 @@ import pytest
 import torch
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
-from helpers import capture_graph
 from punica.ops import layers as ops
 from punica.ops import layers_triton as kernels
 
@@ -193,7 +192,7 @@ def test_real_shapes_silu_and_mul(inter, num_tokens, dtype):
 
 
 @pytest.mark.cuda
-def test_cuda_graph_replay_equals_reference():
+def test_cuda_graph_replay_equals_reference(capture_graph):
     """One decode layer's elementwise chain captured once, replayed on new inputs."""
     dtype, num_tokens, hidden, inter = torch.bfloat16, 32, 4096, 11008
     gen = torch.Generator().manual_seed(0)

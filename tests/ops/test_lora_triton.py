@@ -9,7 +9,6 @@ import random
 import pytest
 import torch
 
-from helpers import capture_graph
 from punica.lora.batch import LoraBatch
 from punica.ops import lora as ops
 from punica.ops import lora_triton as kernels
@@ -74,6 +73,7 @@ def check_all_kernels(x, y0, a, b, scales, batch, y_tol, block_ms=(None,), slice
         assert torch.equal(y[no_lora], y0[no_lora]), name
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("workload", WORKLOADS)
 def test_kernels_match_reference_mixed_ranks(workload, dtype):
@@ -89,6 +89,7 @@ def test_kernels_match_reference_mixed_ranks(workload, dtype):
     check_all_kernels(x, y0, a, b, scales, batch, Y_TOL[dtype], block_ms=(1, 16))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("rank", [8, 16, 64])
 def test_kernels_match_reference_ranks(rank):
     rng = random.Random(rank)
@@ -101,6 +102,7 @@ def test_kernels_match_reference_ranks(rank):
     check_all_kernels(x, y0, a, b, scales, batch, Y_TOL[torch.bfloat16], block_ms=(1, 32))
 
 
+@pytest.mark.slow
 def test_tiles_without_split_k_and_long_segments():
     """Enough tiles that shrink needs no split (plain stores), segments longer than a tile."""
     gen = torch.Generator().manual_seed(3)
@@ -174,6 +176,7 @@ GROUP_SHAPES = [(37, (0, 23, 30, 41), 5), (29, (0, 45, 90), 8), (19, (0, 33), 13
                 (24, (0, 130, 211, 300), 64), (40, (0, 0, 17, 17), 4)]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("workload", WORKLOADS)
 @pytest.mark.parametrize("h_in,slice_bounds,rank", GROUP_SHAPES, ids=str)
 def test_group_kernels_match_reference(workload, h_in, slice_bounds, rank):
@@ -185,6 +188,7 @@ def test_group_kernels_match_reference(workload, h_in, slice_bounds, rank):
     check_group_kernels(slots, lens, max(slots) + 2, rank, h_in, slice_bounds, dtype, rng, gen, block_ms=(1, 16))
 
 
+@pytest.mark.slow
 def test_group_sliced_expand_equals_one_expand_per_projection():
     """The sliced expand into the fused output equals one plain expand per column slice."""
     gen = torch.Generator().manual_seed(9)
@@ -321,7 +325,7 @@ def test_group_real_shapes_through_add_lora(group):
 @pytest.mark.cuda
 @pytest.mark.parametrize("slice_bounds", [None, (0, 4096, 5120, 6144)], ids=["one", "qkv_gqa"])
 @pytest.mark.parametrize("num_requests,max_len", [(64, 1), (12, 300)])
-def test_cuda_graph_replay_equals_eager(num_requests, max_len, slice_bounds):
+def test_cuda_graph_replay_equals_eager(num_requests, max_len, slice_bounds, capture_graph):
     """Capture once; replays on new inputs (new slots and segment bounds too) equal eager runs.
 
     Inside the graph, kernels write x and y just before the LoRA ops read them, which checks

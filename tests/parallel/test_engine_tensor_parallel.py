@@ -13,13 +13,14 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from helpers import make_peft_adapter, punica_config, tiny_llama
 from punica.config import EngineConfig
 from punica.engine.engine import Engine
 from punica.engine.sampling_params import SamplingParams
 from punica.factory import engine_on_model
 from punica.models.loader import DummyWeights, dummy_model, load_hf_dir
 from punica.parallel.executor import start_tensor_parallel
+
+pytestmark = pytest.mark.slow
 
 # name -> (rank, alpha, targets): row-parallel o/down and column-parallel projections, mixed ranks
 ADAPTERS = {
@@ -33,7 +34,7 @@ CONFIG = EngineConfig(max_batch_size=6, max_loras=2, page_size=4, kv_cache_token
 
 
 @pytest.fixture(scope="module")
-def setup(tmp_path_factory):
+def setup(tmp_path_factory, make_peft_adapter, tiny_llama):
     tmp = tmp_path_factory.mktemp("tp_engine")
     hf = tiny_llama(seed=11)  # 4 heads, 2 kv heads: one kv head per rank
     hf.save_pretrained(tmp / "base")
@@ -108,7 +109,7 @@ def test_two_ranks_match_one_process(setup):
     assert mp.active_children() == []
 
 
-def test_random_weights_two_ranks_match_one_process(setup):
+def test_random_weights_two_ranks_match_one_process(setup, punica_config, tiny_llama):
     """Each rank generates only its shard of the dummy model, and the shards add up to the model
     one process generates with the same seed (the same tokens over mixed adapters)."""
     _, paths = setup
@@ -165,7 +166,7 @@ def test_killed_worker_fails_every_later_request_loudly(setup):
     assert mp.active_children() == []
 
 
-def test_cli_generate_with_two_ranks(setup, tmp_path):
+def test_cli_generate_with_two_ranks(setup, tmp_path, make_peft_adapter, tiny_llama):
     """`punica generate --tensor-parallel-size 2` prints what LLM prints in one process."""
     from punica import LLM
     from punica.models.loader import resolve_model_dir

@@ -3,7 +3,6 @@
 import pytest
 import torch
 
-from helpers import punica_config, tiny_llama
 from punica.models import loader
 from punica.models.loader import dummy_model, load_hf_dir
 from punica.parallel.tensor_parallel import split_model_
@@ -37,7 +36,7 @@ def assert_shard_of(shard, full, rank):
 
 @pytest.mark.parametrize("rank", range(WORLD_SIZE))
 @pytest.mark.parametrize("chunk_numel", [1 << 24, 200])  # one chunk per matrix; chunks across shard bounds
-def test_dummy_shard_is_the_slice_of_the_full_random_model(monkeypatch, rank, chunk_numel):
+def test_dummy_shard_is_the_slice_of_the_full_random_model(monkeypatch, rank, chunk_numel, punica_config, tiny_llama):
     monkeypatch.setattr(loader, "DUMMY_CHUNK_NUMEL", chunk_numel)
     config = punica_config(tiny_llama())  # 4 heads, 2 kv heads, intermediate 96
     full = dummy_model(config, torch.float32, seed=3)
@@ -52,13 +51,13 @@ def test_dummy_shard_is_the_slice_of_the_full_random_model(monkeypatch, rank, ch
 
 
 @pytest.mark.parametrize("rank", range(WORLD_SIZE))
-def test_checkpoint_shard_reads_the_slice_of_the_full_model(tmp_path, rank):
+def test_checkpoint_shard_reads_the_slice_of_the_full_model(tmp_path, rank, tiny_llama):
     tiny_llama(seed=5).save_pretrained(tmp_path)
     assert_shard_of(load_hf_dir(tmp_path, torch.float32, shard=split_on_meta(rank)),
                     load_hf_dir(tmp_path, torch.float32), rank)
 
 
-def test_checkpoint_of_another_shape_is_refused(tmp_path):
+def test_checkpoint_of_another_shape_is_refused(tmp_path, tiny_llama):
     tiny_llama(seed=5).save_pretrained(tmp_path)
     config = (tmp_path / "config.json").read_text().replace('"intermediate_size": 96', '"intermediate_size": 128')
     (tmp_path / "config.json").write_text(config)

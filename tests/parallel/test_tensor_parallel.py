@@ -15,6 +15,8 @@ from punica.ops.attention import AttnBatch
 from punica.parallel.launcher import run_parallel
 from punica.parallel.tensor_parallel import shard_adapter, tensor_parallel_
 
+pytestmark = pytest.mark.slow
+
 PAGE_SIZE = 4
 STEPS = 8
 # name -> (rank, alpha, targets, use_rslora); every projection is covered, o and down included
@@ -86,8 +88,7 @@ def scenario(group, base_dir, adapter_paths, prompts):
     return {"prefill": prefill, "decode": decode_logits, "tokens": seqs, "kv_heads": kv.shape[-2]}
 
 
-def test_tensor_parallel_2_ranks_match_1(tmp_path):
-    from helpers import make_peft_adapter, tiny_llama  # here, not at the top: the spawned ranks import this module
+def test_tensor_parallel_2_ranks_match_1(tmp_path, make_peft_adapter, tiny_llama):
 
     hf_model = tiny_llama(seed=3)  # 4 heads, 2 kv heads, intermediate 96
     hf_model.save_pretrained(tmp_path / "base")

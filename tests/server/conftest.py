@@ -14,13 +14,15 @@ from punica.server.serve import build_state
 
 
 def free_port() -> int:
+    """A port of 127.0.0.1 that nothing listens on now."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
 
 class RunningServer:
-    """A punica server on a free 127.0.0.1 port, in a thread of this process."""
+    """A punica server on a free 127.0.0.1 port, in a thread of this process. Tests get theirs
+    from the `start_server` fixture, which stops it at the end of the session if the test did not."""
 
     def __init__(self, state, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES, server_class=uvicorn.Server,
                  **server_kwargs):
@@ -35,6 +37,7 @@ class RunningServer:
         deadline = time.monotonic() + 60
         while not self.server.started:
             if time.monotonic() > deadline or not self.thread.is_alive():
+                self.stop()
                 raise RuntimeError("the test server did not start")
             time.sleep(0.05)
 
@@ -48,8 +51,32 @@ class RunningServer:
             time.sleep(0.05)
 
     def stop(self) -> None:
+        """Shut the server down (and with it the engine thread); stopping a stopped server does nothing."""
         self.server.should_exit = True  # the app's lifespan shuts the engine thread down
         self.thread.join(timeout=30)
+
+
+@pytest.fixture(scope="session", name="free_port")
+def free_port_fixture():
+    """The function `free_port() -> int`."""
+    return free_port
+
+
+@pytest.fixture(scope="session")
+def start_server():
+    """The function `start_server(state, **kwargs) -> RunningServer` (kwargs: RunningServer's
+    max_request_bytes, server_class and what goes to server_class): a server of `state` on a free
+    127.0.0.1 port. A test may stop its server early with `.stop()`; every server started here
+    that is still running is stopped at the end of the session."""
+    started = []
+
+    def start(state, **kwargs) -> RunningServer:
+        started.append(RunningServer(state, **kwargs))
+        return started[-1]
+
+    yield start
+    for running in started:
+        running.stop()
 
 
 @pytest.fixture(scope="session")
@@ -68,13 +95,13 @@ def adapter_dirs(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
-def server(adapter_dirs):
+def server(adapter_dirs, start_server):
+    """The server of the session, shared by every module that asks for it: a test that changes
+    its state (API key, queue limit, loaded adapters, the engine) uses a server of its own."""
     served, loadable = adapter_dirs
     state = build_state(EngineArgs(max_batch_size=16, max_loras=4), adapters=served)
     state.adapter_dirs = [loadable]
-    running = RunningServer(state)
-    yield running
-    running.stop()
+    return start_server(state)
 
 
 @pytest.fixture()
@@ -120,3 +147,10 @@ def stub_state(tokenizer, **kwargs) -> ServerState:
     """A ServerState over a StubBackend whose base model is named "base"."""
     backend_kwargs = {k: kwargs.pop(k) for k in ("max_model_len", "adapters") if k in kwargs}
     return ServerState(StubBackend(**backend_kwargs), tokenizer, "base", **kwargs)
+
+
+@pytest.fixture(scope="session", name="stub_state")
+def stub_state_fixture():
+    """The function `stub_state(tokenizer, **kwargs) -> ServerState` (kwargs: StubBackend's
+    max_model_len and adapters, and ServerState's)."""
+    return stub_state

@@ -28,6 +28,7 @@ def test_models_lists_base_and_adapters(client, server):
     assert models["tenant-1"].model_extra["parent"] == server.state.base_model_name
 
 
+@pytest.mark.slow
 def test_completions_across_adapters_equal_offline_engine(server, adapter_dirs):
     names = [server.state.base_model_name, "tenant-0", "tenant-1", "tenant-2"]
 
@@ -47,6 +48,7 @@ def test_completions_across_adapters_equal_offline_engine(server, adapter_dirs):
     assert all(r.usage.completion_tokens == 12 and r.choices[0].finish_reason == "length" for r in responses)
 
 
+@pytest.mark.slow
 def test_streaming_equals_non_streaming(client):
     for model in ("tenant-0", "tenant-2"):
         full = client.completions.create(model=model, prompt=PROMPTS[1], max_tokens=10, temperature=0)
@@ -56,6 +58,7 @@ def test_streaming_equals_non_streaming(client):
         assert chunks[-1].usage.completion_tokens == 10 and chunks[-2].choices[0].finish_reason == "length"
 
 
+@pytest.mark.slow
 def test_chat_streaming_and_not_across_adapters(server):
     messages = [{"role": "user", "content": "Name three colors."}]
 
@@ -85,6 +88,7 @@ def test_chat_uses_the_chat_template(client, server):
     assert "Paris" in reply.choices[0].message.content and reply.choices[0].finish_reason == "stop"
 
 
+@pytest.mark.slow
 def test_n_seed_stop_and_logprobs(client):
     r = client.completions.create(model="tenant-0", prompt=PROMPTS[0], max_tokens=8, temperature=1.0, n=3, seed=7,
                                   logprobs=1)

@@ -8,18 +8,25 @@ import pytest
 import ray
 from prometheus_client.parser import text_string_to_metric_families
 
-from conftest import RunningServer
 from punica import LLM, SamplingParams
 from punica.config import EngineArgs
 from punica.server.serve import build_state
 
+pytestmark = pytest.mark.slow
+
 
 @pytest.fixture(scope="module")
-def cluster_server(adapter_dirs):
+def private_dir(tmp_path_factory):
+    """An adapter directory of this server alone, for the broken adapter a test writes."""
+    return tmp_path_factory.mktemp("cluster-adapters")
+
+
+@pytest.fixture(scope="module")
+def cluster_server(adapter_dirs, private_dir, start_server):
     served, loadable = adapter_dirs
     state = build_state(EngineArgs(max_batch_size=4, workers=2), adapters=served)
-    state.adapter_dirs = [loadable]
-    running = RunningServer(state)
+    state.adapter_dirs = [loadable, private_dir]
+    running = start_server(state)
     yield running
     running.stop()
 
@@ -45,7 +52,7 @@ def served_by_workers(server) -> list[set[str]]:
     return [set(ray.get(actor.adapters.remote())) for actor in server.state.backend.cluster.workers.values()]
 
 
-def test_adapters_load_and_unload_at_run_time_on_every_worker(cluster_server, adapter_dirs):
+def test_adapters_load_and_unload_at_run_time_on_every_worker(cluster_server, adapter_dirs, private_dir):
     served, loadable = adapter_dirs
     http = httpx.Client(base_url=cluster_server.url, timeout=120)
     client = openai.OpenAI(base_url=cluster_server.url + "/v1", api_key="unused", max_retries=0)
@@ -57,8 +64,8 @@ def test_adapters_load_and_unload_at_run_time_on_every_worker(cluster_server, ad
         assert response.status_code == status, response.text
         return response.json()["error"]["message"]
 
-    broken = loadable / "cluster-broken"
-    broken.mkdir(exist_ok=True)
+    broken = private_dir / "broken"
+    broken.mkdir()
     (broken / "adapter_config.json").write_text("{")
     assert "unreadable" in error(load("broken", broken), 400)
     assert "already loaded" in error(load("tenant-0", loadable / "extra-1"), 400)

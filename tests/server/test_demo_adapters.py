@@ -56,6 +56,7 @@ def test_demo_adapters_lists_installed_peft_dirs():
         assert (path / "adapter_model.safetensors").stat().st_size < 8 * 2**20
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", DEMO_ADAPTER_NAMES)
 def test_adapter_shows_its_effect_and_the_base_model_does_not(replies, name):
     effect = EFFECTS[name]

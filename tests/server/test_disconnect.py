@@ -6,7 +6,6 @@ import socket
 import time
 
 import pytest
-from conftest import RunningServer
 
 from punica.config import EngineArgs
 from punica.server.serve import build_state
@@ -15,9 +14,9 @@ LONG = {"prompt": "Count:", "max_tokens": 1500, "ignore_eos": True, "temperature
 
 
 @pytest.fixture(scope="module")
-def small():
+def small(start_server):
     """Room for two running requests; a third waits in the queue."""
-    running = RunningServer(build_state(EngineArgs(max_batch_size=2, kv_cache_tokens=4096)))
+    running = start_server(build_state(EngineArgs(max_batch_size=2, kv_cache_tokens=4096)))
     yield running
     running.stop()
 

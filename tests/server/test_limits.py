@@ -7,7 +7,6 @@ import threading
 
 import httpx
 import pytest
-from conftest import RunningServer, stub_state
 
 LIMIT = 1024 * 1024
 MAX_MODEL_LEN = 2048
@@ -38,10 +37,10 @@ class GatedTokenizer:
 
 
 @pytest.fixture(scope="module")
-def limited(tokenizer):
+def limited(tokenizer, start_server, stub_state):
     """A server (no model behind it) with a 1 MiB body limit and a 2,048-token context."""
     gated = GatedTokenizer(tokenizer)
-    running = RunningServer(stub_state(gated, max_model_len=MAX_MODEL_LEN), max_request_bytes=LIMIT)
+    running = start_server(stub_state(gated, max_model_len=MAX_MODEL_LEN), max_request_bytes=LIMIT)
     yield running, gated
     running.stop()
 

@@ -2,12 +2,11 @@
 
 import httpx
 import pytest
-from conftest import RunningServer, stub_state
 
 
 @pytest.fixture(scope="module")
-def keyed(tokenizer):
-    running = RunningServer(stub_state(tokenizer, api_key="sekret"))
+def keyed(tokenizer, start_server, stub_state):
+    running = start_server(stub_state(tokenizer, api_key="sekret"))
     yield running
     running.stop()
 
@@ -26,8 +25,8 @@ def test_openapi_needs_the_api_key(keyed):
     assert "/openapi.json" not in schema["paths"]
 
 
-def test_openapi_is_open_without_an_api_key(tokenizer):
-    running = RunningServer(stub_state(tokenizer))
+def test_openapi_is_open_without_an_api_key(tokenizer, start_server, stub_state):
+    running = start_server(stub_state(tokenizer))
     try:
         assert "/v1/completions" in httpx.get(running.url + "/openapi.json").json()["paths"]
     finally:

@@ -5,7 +5,8 @@ import shutil
 from contextlib import contextmanager
 
 import pytest
-from conftest import RunningServer, stub_state
+
+pytestmark = pytest.mark.slow
 
 CHROMIUM = shutil.which("chromium")
 needs_chromium = pytest.mark.skipif(CHROMIUM is None, reason="Debian's chromium is not installed (.ci/run installs it)")
@@ -47,8 +48,8 @@ def test_playground_streams_two_adapters(server):
 
 
 @needs_chromium
-def test_playground_lists_the_models_once_the_api_key_is_typed(tokenizer):
-    running = RunningServer(stub_state(tokenizer, api_key="sekret", adapters={"tenant-a": "/a", "tenant-b": "/b"}))
+def test_playground_lists_the_models_once_the_api_key_is_typed(tokenizer, start_server, stub_state):
+    running = start_server(stub_state(tokenizer, api_key="sekret", adapters={"tenant-a": "/a", "tenant-b": "/b"}))
     try:
         with chromium() as browser:
             page = browser.new_page()

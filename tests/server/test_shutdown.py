@@ -15,7 +15,6 @@ from types import SimpleNamespace
 
 import httpx
 import pytest
-from conftest import RunningServer, free_port
 from prometheus_client.parser import text_string_to_metric_families
 
 from punica.server.app import ServerState
@@ -27,10 +26,10 @@ MARGIN_S = 30  # for a slow machine: exiting is bounded by the timeout, not by t
 
 
 class Serving:
-    """`punica serve` (the embedded model) in a subprocess on a free port."""
+    """`punica serve` (the embedded model) in a subprocess on `port`."""
 
-    def __init__(self, log_path: Path, shutdown_timeout: float):
-        self.port = free_port()
+    def __init__(self, log_path: Path, shutdown_timeout: float, port: int):
+        self.port = port
         self.url = f"http://127.0.0.1:{self.port}"
         self.shutdown_timeout = shutdown_timeout
         self.log_path = log_path
@@ -74,11 +73,11 @@ class Serving:
 
 
 @pytest.fixture()
-def serving(tmp_path):
+def serving(tmp_path, free_port):
     started = []
 
     def start(shutdown_timeout: float) -> Serving:
-        started.append(Serving(tmp_path / "serve.log", shutdown_timeout))
+        started.append(Serving(tmp_path / "serve.log", shutdown_timeout, free_port()))
         return started[-1]
 
     yield start
@@ -200,13 +199,13 @@ class HungEngine:
 
 
 @pytest.mark.slow
-def test_shutdown_with_a_hung_engine_ends_every_request_and_stops(tokenizer):
+def test_shutdown_with_a_hung_engine_ends_every_request_and_stops(tokenizer, start_server):
     engine = HungEngine()
     backend = AsyncEngine(engine)
     backend.STOP_TIMEOUT_S = 1
     state = ServerState(backend, tokenizer, "base")
     timeout_s = 1
-    server = RunningServer(state, server_class=GracefulServer, in_flight=state.in_flight, timeout_s=timeout_s)
+    server = start_server(state, server_class=GracefulServer, in_flight=state.in_flight, timeout_s=timeout_s)
     try:
         async def run():
             async with httpx.AsyncClient(base_url=server.url, timeout=120) as c:

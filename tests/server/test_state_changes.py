@@ -9,7 +9,6 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from conftest import RunningServer
 from punica.config import EngineArgs
 from punica.server.serve import build_state
 
@@ -23,11 +22,11 @@ def private_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def own(adapter_dirs, private_dir):
+def own(adapter_dirs, private_dir, start_server):
     served, loadable = adapter_dirs
     state = build_state(EngineArgs(max_batch_size=8, max_loras=2), adapters={"tenant-0": served["tenant-0"]})
     state.adapter_dirs = [loadable, private_dir]
-    running = RunningServer(state)
+    running = start_server(state)
     yield running
     running.stop()
 

@@ -58,6 +58,7 @@ def test_bad_sampling_parameter_is_a_400_naming_it(http, field, value):
     assert_error(http.post("/v1/chat/completions", json=chat(**{field: value})), 400, field, field)
 
 
+@pytest.mark.slow
 def test_bad_sampling_parameters_leave_co_batched_requests_alone(server):
     """Requests in flight on three adapters finish as if the bad ones had never been sent."""
     good = [completion(model=m, max_tokens=12, temperature=0, ignore_eos=True)
