@@ -5,8 +5,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from punica.cluster.policy import (POLICIES, LeastLoadedPolicy, PolicyConfig, PunicaPolicy,
-                                   RoundRobinPolicy)
+from punica.cluster.policy import POLICIES, LeastLoadedPolicy, PolicyConfig, PunicaPolicy, RoundRobinPolicy
 
 
 def cluster(policy_class=PunicaPolicy, num_gpus=3, kv=100, **config):
@@ -23,7 +22,8 @@ def submit(policy, request_id, num_tokens=10):
 
 def test_punica_places_on_the_largest_batch_below_max_lowest_id_first():
     policy = cluster()
-    assert [submit(policy, f"r{i}") for i in range(5)] == [[("r0", 0)], [("r1", 0)], [("r2", 0)], [("r3", 0)], [("r4", 1)]]
+    assert [submit(policy, f"r{i}") for i in range(5)] == [[("r0", 0)], [("r1", 0)], [("r2", 0)], [("r3", 0)],
+                                                           [("r4", 1)]]
     policy.finish("r1")
     assert submit(policy, "r5") == [("r5", 0)]  # batch 3 beats batch 1
     submit(policy, "r6")                        # GPU 0 full again: the busiest with room is GPU 1

@@ -138,7 +138,8 @@ def test_workers_are_added_while_requests_wait_and_released_when_idle(ray_cluste
     policy_config = PolicyConfig(max_batch_size=2, light_load_batch=1, idle_release_s=0.5, min_gpus=1)
 
     async def last_output(cluster, request_id, prompt, adapter):
-        async for out in cluster.generate(prompt, greedy(200), adapter, request_id):
+        out = None
+        async for out in cluster.generate(prompt, greedy(200), adapter, request_id):  # noqa: B007 - the last
             pass
         return out
 

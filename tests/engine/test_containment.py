@@ -6,7 +6,6 @@ the tokens of a clean engine. On a GPU the same runs through CUDA graphs."""
 import pytest
 import torch
 
-from helpers import make_peft_adapter, tiny_llama
 from punica.config import EngineConfig
 from punica.engine.sampling_params import SamplingParams
 from punica.factory import engine_on_model
@@ -17,7 +16,7 @@ PROMPTS = [[5, 6, 7, 8, 9], [11, 3, 40, 2], [7] * 9, [100, 101]]
 
 
 @pytest.fixture(scope="module")
-def setup(tmp_path_factory):
+def poisonable(tmp_path_factory, make_peft_adapter, tiny_llama):
     tmp = tmp_path_factory.mktemp("containment")
     hf = tiny_llama(seed=6)
     hf.save_pretrained(tmp / "base")
@@ -29,8 +28,8 @@ def greedy(n, **kw):
     return SamplingParams(max_tokens=n, temperature=0, ignore_eos=True, **kw)
 
 
-def make(setup, device):
-    base, paths = setup
+def make(poisonable, device):
+    base, paths = poisonable
     config = EngineConfig(max_batch_size=8, page_size=4, kv_cache_tokens=160, max_loras=3)
     return engine_on_model(load_hf_dir(base, dtype=torch.float32, device=device), config, paths)
 
@@ -50,12 +49,12 @@ def poison(engine, adapter: str, value: float) -> None:
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("value", [float("nan"), 1e30])
-def test_a_poisoned_adapter_fails_its_requests_alone(setup, device, value):
-    clean = make(setup, device)
+def test_a_poisoned_adapter_fails_its_requests_alone(poisonable, device, value):
+    clean = make(poisonable, device)
     want = drain_ids(clean, [(p, a, 8) for p in PROMPTS for a in (None, "a")])
     want_later = drain_ids(clean, [(p, None, 6) for p in PROMPTS])
 
-    engine = make(setup, device)
+    engine = make(poisonable, device)
     warm = engine.add_request([1, 2], greedy(2), "b")  # makes "b" resident
     drain(engine)
     assert warm not in engine.requests

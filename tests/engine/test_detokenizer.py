@@ -10,7 +10,8 @@ def tokenizer():
     return AutoTokenizer.from_pretrained(str(resolve_model_dir(None)))
 
 
-TEXTS = ["Hello, world! Ünïcödé: 世界 🎉🎉 naïve café — ok.", "  two  spaces\nand a newline\t tab", "日本語のテキスト👍🏽"]
+TEXTS = ["Hello, world! Ünïcödé: 世界 🎉🎉 naïve café — ok.", "  two  spaces\nand a newline\t tab",
+         "日本語のテキスト👍🏽"]
 
 
 @pytest.mark.parametrize("text", TEXTS)

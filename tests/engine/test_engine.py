@@ -2,6 +2,8 @@
 
 import gc
 import shutil
+import threading
+import time
 import weakref
 from pathlib import Path
 
@@ -10,8 +12,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from punica.config import EngineConfig
-from punica.factory import engine_on_model
 from punica.engine.sampling_params import SamplingParams
+from punica.factory import engine_on_model
 from punica.models.loader import load_hf_dir
 
 
@@ -58,11 +60,13 @@ def test_seeded_sampling_is_reproducible_across_batches_and_preemption(setup, hf
 def test_logprobs_and_stop_token_ids(setup, make_engine, run_all):
     engine = make_engine(setup)
     prompt = [5, 6, 7, 8]
-    out = run_all(engine, [(prompt, "a", 12)], lambda m: SamplingParams(max_tokens=m, temperature=0, logprobs=True, ignore_eos=True))[0]
+    out = run_all(engine, [(prompt, "a", 12)],
+                  lambda m: SamplingParams(max_tokens=m, temperature=0, logprobs=True, ignore_eos=True))[0]
     assert len(out.logprobs) == 12 and all(lp <= 0 for lp in out.logprobs)
     stop_at = out.token_ids[3]
     first = out.token_ids.index(stop_at)
-    stopped = run_all(engine, [(prompt, "a", 12)], lambda m: SamplingParams(max_tokens=m, temperature=0, stop_token_ids=[stop_at], ignore_eos=True))[0]
+    stopped = run_all(engine, [(prompt, "a", 12)], lambda m: SamplingParams(
+        max_tokens=m, temperature=0, stop_token_ids=[stop_at], ignore_eos=True))[0]
     assert stopped.finish_reason == "stop" and stopped.token_ids == out.token_ids[:first + 1]
 
 
@@ -150,6 +154,32 @@ def test_a_request_preempted_after_its_adapter_is_unloaded_fails_and_never_runs_
     if reload:
         assert outs[later].token_ids == hf_greedy(peft_model, [5, 6, 7], "c", 4)
     assert engine.allocator.num_used == 0 and not engine.adapters.refs
+
+
+def test_a_step_that_can_run_nothing_sleeps_so_adapter_reads_get_the_gil(setup, greedy, make_engine, monkeypatch):
+    """Every queued request waits for its adapter's read: `step` sleeps (releasing the GIL to the
+    reader threads) instead of returning at once, so a caller's tight `while has_unfinished():
+    step()` loop cannot starve the reads; the request then runs as usual."""
+    from punica.engine import engine as engine_module
+    from punica.lora.manager import AdapterManager
+
+    read_may_finish = threading.Event()
+    real_read = AdapterManager._read
+
+    def slow_read(self, registration, row):
+        assert read_may_finish.wait(60), "the test never let the read finish"
+        return real_read(self, registration, row)
+
+    monkeypatch.setattr(AdapterManager, "_read", slow_read)
+    sleeps, real_sleep = [], time.sleep
+    monkeypatch.setattr(engine_module.time, "sleep", lambda s: sleeps.append(s) or real_sleep(s))
+    engine = make_engine(setup, max_batch_size=4)
+    request_id = engine.add_request([5, 6, 7], greedy(3), "b")
+    assert engine.step() == [] and engine.step() == [], "nothing can run while the read is held"
+    assert sleeps == [engine_module.STALLED_WAIT_S] * 2
+    read_may_finish.set()
+    outs = [o for outputs in engine.steps() for o in outputs if o.finished]
+    assert [o.request_id for o in outs] == [request_id] and len(outs[0].token_ids) == 3
 
 
 def test_abort_frees_pages(setup, greedy, make_engine):

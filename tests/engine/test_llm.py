@@ -17,7 +17,8 @@ def llm():
 
 def test_generate_strings_token_ids_and_per_prompt_params(llm):
     prompts = [llm.chat_prompt("What is the capital of France?"), llm.tokenizer.encode("1, 2, 3, 4,")]
-    params = [SamplingParams(max_tokens=12, temperature=0), SamplingParams(max_tokens=5, temperature=0, ignore_eos=True)]
+    params = [SamplingParams(max_tokens=12, temperature=0),
+              SamplingParams(max_tokens=5, temperature=0, ignore_eos=True)]
     outs = llm.generate(prompts, params)
     assert "Paris" in outs[0].text
     assert len(outs[1].token_ids) == 5 and outs[1].finish_reason == "length"
@@ -36,6 +37,7 @@ def test_generate_rejects_bad_prompt_and_keeps_working(llm):
 
 def test_generate_with_adapters(tmp_path, make_peft_adapter):
     from transformers import LlamaForCausalLM
+
     from punica.models.loader import resolve_model_dir
 
     hf = LlamaForCausalLM.from_pretrained(resolve_model_dir(None))
@@ -49,8 +51,9 @@ def test_generate_with_adapters(tmp_path, make_peft_adapter):
 
 
 def test_cli_generate_prints_sensible_text():
-    result = subprocess.run([sys.executable, "-m", "punica.cli", "generate", "--prompt", "What is the capital of France?",
-                             "--max-tokens", "16"], capture_output=True, text=True, timeout=300)
+    result = subprocess.run([sys.executable, "-m", "punica.cli", "generate", "--prompt",
+                             "What is the capital of France?", "--max-tokens", "16"],
+                            capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr
     assert "Paris" in result.stdout
 

@@ -8,8 +8,15 @@ import torch
 
 from punica.engine.request import Request
 from punica.engine.sampler import sample
-from punica.engine.sampling_params import (MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS,
-                                           MIN_TEMPERATURE, SamplingParams, SamplingParamsError, offset_seed)
+from punica.engine.sampling_params import (
+    MAX_STOP_STRING_CHARS,
+    MAX_STOP_STRINGS,
+    MAX_STOP_TOKEN_IDS,
+    MIN_TEMPERATURE,
+    SamplingParams,
+    SamplingParamsError,
+    offset_seed,
+)
 
 
 @pytest.mark.parametrize("field, value", [

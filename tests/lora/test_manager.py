@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from punica.config import EngineConfig
-from punica.factory import engine_on_model
 from punica.engine.sampling_params import SamplingParams
+from punica.factory import engine_on_model
 from punica.lora.adapter import AdapterError, load_adapter, read_adapter
 from punica.lora.batch import LoraBatch
 from punica.lora.dummy import save_random_adapter
@@ -16,7 +16,6 @@ from punica.lora.manager import AdapterManager
 from punica.lora.pool import LoraPool
 from punica.models.loader import load_hf_dir
 from punica.ops.attention import AttnBatch
-
 
 BASE_SEED = 11
 

@@ -8,7 +8,8 @@ poisoned here with NaN, +inf or -inf, and the reference and the Triton kernels m
 exactly the outputs of the unpoisoned cache. The reference also keeps causal order exactly: a
 position after a query (in the request's own prompt) does not reach it; the Triton prefill
 kernel may let such a value, which only the request's own non-finite activations write, reach
-that request's earlier queries (punica.ops.attention_triton). Without a GPU the kernels run under Triton's interpreter (tests/conftest.py).
+that request's earlier queries (punica.ops.attention_triton). Without a GPU the kernels run under
+Triton's interpreter (tests/conftest.py).
 """
 
 import random

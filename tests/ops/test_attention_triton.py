@@ -205,7 +205,8 @@ def test_rope_and_write_kv_equals_rope_then_write_kv(path):
     kernels under the interpreter); on the GPU within rounding."""
     from punica.ops import layers, layers_triton
     fused, rope, write = ((ops.rope_and_write_kv_, layers.rope_, ops.write_kv) if path == "public" else
-                          (kv_append_triton.rope_and_write_kv_triton_, layers_triton.rope_triton_, kv_append_triton.write_kv_triton))
+                          (kv_append_triton.rope_and_write_kv_triton_, layers_triton.rope_triton_,
+                           kv_append_triton.write_kv_triton))
     heads = (6, 2, 64)
     qkv, cos, sin, kv, slots = rope_kv_inputs(13, *heads, 4, torch.bfloat16, torch.bfloat16, seed=8)
     fused_qkv, fused_kv = qkv.clone(), kv.clone()

@@ -206,7 +206,7 @@ def test_cuda_graph_replay_equals_reference(capture_graph):
         return normed, summed, ops.silu_and_mul(gate_up)
 
     graph, outs = capture_graph(chain)
-    for step in range(3):
+    for _ in range(3):
         for t in (x, residual, q, k, gate_up):
             t.copy_(torch.randn(t.shape, generator=gen).to(dtype))
         positions = torch.randint(0, 4096, (num_tokens,), generator=gen).float()

@@ -96,7 +96,8 @@ def test_n_seed_stop_and_logprobs(client):
     assert [c.index for c in r.choices] == [0, 1, 2]
     assert [c.text for c in r.choices] == [c.text for c in again.choices]
     assert all(len(c.logprobs.token_logprobs) == 8 for c in r.choices)
-    greedy = client.completions.create(model="tenant-1", prompt=PROMPTS[1], max_tokens=12, temperature=0).choices[0].text
+    greedy = client.completions.create(model="tenant-1", prompt=PROMPTS[1], max_tokens=12,
+                                       temperature=0).choices[0].text
     stop = greedy.strip().split()[1]
     stopped = client.completions.create(model="tenant-1", prompt=PROMPTS[1], max_tokens=12, temperature=0, stop=[stop])
     assert stopped.choices[0].finish_reason == "stop" and stop not in stopped.choices[0].text
@@ -136,7 +137,8 @@ def test_completion_errors(http, server, body, status, fragment):
 @pytest.mark.parametrize("body, status, fragment", [
     ({"model": "tenant-0", "messages": []}, 400, "messages"),
     ({"model": "tenant-0", "messages": [{"role": "wizard", "content": "x"}]}, 400, "role"),
-    ({"model": "tenant-0", "messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}, 400, "tools"),
+    ({"model": "tenant-0", "messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}, 400,
+     "tools"),
     ({"model": "ghost", "messages": [{"role": "user", "content": "x"}]}, 404, "ghost"),
 ])
 def test_chat_errors(http, server, body, status, fragment):

@@ -19,7 +19,6 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from safetensors.torch import load_file, save_file
 
-from conftest import RunningServer
 from punica.config import EngineArgs
 from punica.lora.dummy import save_random_adapter
 from punica.server.serve import build_state
@@ -69,11 +68,11 @@ def hostile(adapter_dirs, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def fuzz_server(adapter_dirs, hostile):
+def fuzz_server(adapter_dirs, hostile, start_server):
     served, _ = adapter_dirs
     state = build_state(EngineArgs(max_batch_size=16, max_loras=3), adapters=served)
     state.adapter_dirs = [hostile[0]]
-    running = RunningServer(state, max_request_bytes=MAX_BODY)
+    running = start_server(state, max_request_bytes=MAX_BODY)
     yield running
     running.stop()
 

@@ -11,6 +11,7 @@ import httpx
 import pytest
 
 
+@pytest.mark.slow
 def test_soak_concurrent_with_cancellations(server):
     rng = random.Random(0)
     models = [server.state.base_model_name, "tenant-0", "tenant-1", "tenant-2"]
@@ -28,7 +29,8 @@ def test_soak_concurrent_with_cancellations(server):
             return "finished early"
         if stream:
             usage = 0
-            async with client.stream("POST", "/v1/completions", json={**body, "stream_options": {"include_usage": True}}) as r:
+            body = {**body, "stream_options": {"include_usage": True}}
+            async with client.stream("POST", "/v1/completions", json=body) as r:
                 assert r.status_code == 200
                 async for line in r.aiter_lines():
                     if line.startswith("data: {"):
