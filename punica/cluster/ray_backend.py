@@ -25,7 +25,8 @@ from dataclasses import dataclass, field, replace
 import ray
 from ray.exceptions import RayActorError
 
-from punica.cluster.policy import ClusterPolicy, PolicyConfig, PunicaPolicy
+from punica.cluster.placement import PunicaPolicy
+from punica.cluster.policy import ClusterPolicy, PolicyConfig
 from punica.cluster.worker import EngineWorker, StepResult, WorkerInfo
 from punica.config import EngineArgs
 from punica.engine.admission import checked_prompt
