@@ -106,7 +106,8 @@ FLAT = StepTimeModel(base=0.1, per_request=0.0, per_context_token=0.0, per_prefi
 
 def simulate(trace, policy="punica", host_tier_adapters=8, **config):
     policy_config = PolicyConfig(**({"max_batch_size": 8, "light_load_batch": 4, "max_loras": 1} | config))
-    sim_config = SimConfig(1, 4096, FLAT, policy, policy_config, gpu_startup_s=5.0, host_tier_adapters=host_tier_adapters)
+    sim_config = SimConfig(1, 4096, FLAT, policy, policy_config, gpu_startup_s=5.0,
+                           host_tier_adapters=host_tier_adapters)
     return Simulator(sim_config, trace).run()
 
 
