@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 
 from benchmarks.adapter_load import load_latency
-from benchmarks.common import format_table, warm_up, write_results
+from benchmarks.common import format_table, save_figure, warm_up, write_results
 from punica.cluster.step_time import Sample, fit, fit_errors, measure
 from punica.config import EngineArgs, preset_config
 from punica.factory import build_engine
@@ -146,6 +146,27 @@ def refit(path: Path, out: Path) -> None:
     meta.setdefault("cuda_graphs", meta["device"] != "cpu")
     out.mkdir(parents=True, exist_ok=True)
     report(samples, meta, out)
+    plot_fit(json.loads((out / "cluster_step_time.json").read_text())["rows"], out / "cluster_step_time.png")
+
+
+def plot_fit(rows: list[dict], path: Path) -> None:
+    """Measured against fitted step time, decode and prefill/mixed steps, with and without LoRA."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(5, 4.5))
+    for prefill, lora, marker in ((False, False, "o"), (False, True, "x"), (True, False, "s"), (True, True, "+")):
+        sel = [r for r in rows if bool(r["prefill"]) == prefill and r["lora"] == lora and not r["outlier"]]
+        ax.scatter([1e3 * r["seconds"] for r in sel], [1e3 * r["model_s"] for r in sel], marker=marker, s=14,
+                   label=f"{'prefill/mixed' if prefill else 'decode'}{', LoRA' if lora else ''}")
+    lims = [4, 300]
+    ax.plot(lims, lims, "k--", lw=0.8)
+    ax.set(xscale="log", yscale="log", xlim=lims, ylim=lims, xlabel="measured step (ms)", ylabel="model (ms)")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+    save_figure(fig, path, "cluster step-time model vs the H200 engine (llama-2-7b, bf16)")
 
 if __name__ == "__main__":
     main()

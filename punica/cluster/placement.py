@@ -5,9 +5,10 @@ size that has KV room for it (ties: the lowest GPU id); `LeastLoadedPolicy` on t
 such batch; `RoundRobinPolicy` on the next GPU in id order that has room; `AdapterAwarePolicy`
 first on a GPU that holds the request's adapter (resident or loading; busiest first), then by
 Punica's rule while the adapter is held by fewer than `max_gpus_per_adapter` GPUs (else it
-waits for room on one that holds it). Evicted (migrated) requests are placed by the same rule,
-so they too prefer GPUs holding their adapter. GPUs are kept in bisect-sorted lists per batch
-size, so a placement looks at `max_batch_size` lists and, within one, only at GPUs that lack room.
+waits for room on one that holds it, letting the requests behind it pass). Evicted (migrated)
+requests are placed by the same rule, so they too prefer GPUs holding their adapter. GPUs are
+kept in bisect-sorted lists per batch size, so a placement looks at `max_batch_size` lists and,
+within one, only at GPUs that lack room.
 """
 
 from __future__ import annotations
@@ -38,9 +39,12 @@ class AdapterAwarePolicy(ClusterPolicy):
         full = self.config.max_batch_size
         yield from sorted((g for g in holders if self.gpus[g].batch_size < full),
                           key=lambda g: (-self.gpus[g].batch_size, g))
-        cap = self.config.max_gpus_per_adapter
-        if cap is None or len(holders) < cap:
+        if not self._held_back(request):
             yield from (g for g in self._busiest_first() if g not in holders)
+
+    def _held_back(self, request: RequestState) -> bool:
+        cap = self.config.max_gpus_per_adapter
+        return cap is not None and request.adapter is not None and len(self.holders.get(request.adapter, ())) >= cap
 
 
 class LeastLoadedPolicy(ClusterPolicy):

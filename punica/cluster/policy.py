@@ -196,17 +196,27 @@ class ClusterPolicy:
         heapq.heappush(self._waiting, (self.requests[request_id].seq, request_id))
 
     def schedule(self, now: float = 0.0) -> list[tuple[RequestId, int]]:
-        """Place waiting requests in arrival order until the head fits nowhere: [(request_id, gpu_id)]."""
-        placed = []
+        """Place waiting requests in arrival order until the head fits nowhere: [(request_id, gpu_id)].
+        A request held back by its placement rule alone (`_held_back`: its adapter's spread cap)
+        stays waiting without blocking those behind it."""
+        placed, held_back = [], []
         while self._waiting:
             request = self.requests[self._waiting[0][1]]
             gpu = self._choose(request)
             if gpu is None:
-                break
+                if not self._held_back(request):
+                    break
+                held_back.append(heapq.heappop(self._waiting))
+                continue
             heapq.heappop(self._waiting)
             self._join(gpu, request)
             placed.append((request.request_id, gpu.gpu_id))
+        for entry in held_back:
+            heapq.heappush(self._waiting, entry)
         return placed
+
+    def _held_back(self, request: RequestState) -> bool:
+        return False
 
     def step(self, gpu_id: int, num_steps: int = 1, now: float = 0.0) -> list[RequestId]:
         """Run `num_steps` steps on a GPU: each running request grows by one token per step.

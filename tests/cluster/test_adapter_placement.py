@@ -68,9 +68,11 @@ def test_holders_fill_busiest_first_then_the_cap_makes_requests_wait_for_them():
     policy.adapter_loaded(1, "hot")
     assert [place(policy, f"h{i}", "hot") for i in range(5, 8)] == [1, 1, 1]
     assert place(policy, "h8", "hot") is None                                # both holders full, cap 2
-    assert place(policy, "cold", "c") is None                                # FCFS: behind h8
+    assert place(policy, "cold", "c") == 2                                   # passes the held-back h8
+    assert place(policy, "h9", "hot") is None and policy.waiting_ids() == ["h8", "h9"]
     policy.finish("h1")
-    assert policy.schedule() == [("h8", 0), ("cold", 2)]
+    assert policy.schedule() == [("h8", 0)]
+    assert policy.waiting_ids() == ["h9"]
 
 
 def test_migration_prefers_gpus_holding_the_migrated_requests_adapter():

@@ -2,6 +2,11 @@
 the fitted model must recover that cost exactly, and overlapped engines are refused; the shipped
 models load by name, and a JSON file with a misspelt field is refused."""
 
+import json
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -102,3 +107,17 @@ def test_measure_refuses_an_overlapped_engine():
     engine = Engine(CostedExecutor(Clock()), None, EngineConfig())
     with pytest.raises(ValueError, match="overlap_steps=False"):
         measure(engine)
+
+
+@pytest.mark.slow
+def test_the_benchmark_measures_fits_and_writes_a_loadable_model(tmp_path):
+    command = [sys.executable, "-m", "benchmarks.cluster_step_time", "--preset", "tiny", "--batches", "4", "1",
+               "--prompts", "32", "8", "--mixed", "8", "--out", str(tmp_path)]
+    done = subprocess.run(command, cwd=Path(__file__).parents[2], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    model = load_model(str(tmp_path / "model.json"))
+    assert model.base > 0 and model.adapter_load_s > 0 and model.adapter_read_s > 0
+    data = json.loads((tmp_path / "cluster_step_time.json").read_text())
+    assert {r["lora"] for r in data["rows"]} == {False, True}
+    assert any(r["prefill"] and r["batch"] > 1 and r["context"] > r["prefill"] for r in data["rows"])  # mixed
+    assert data["meta"]["fit_error"] and (tmp_path / "samples.jsonl").read_text().count("\n") == len(data["rows"])
