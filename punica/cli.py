@@ -7,6 +7,9 @@ import dataclasses
 import os
 import sys
 
+SIM_REQUESTS = 60_000      # the Fig. 13 rate on 16 H200s: a peak of ~26 requests/s
+SIM_KV_TOKENS = 200_000    # a 7B model's KV cache in bf16 on an H200 (0.5 MiB a token, ~100 GiB)
+
 
 def parse_adapters(items: list[str]) -> dict[str, str]:
     adapters = {}
@@ -41,14 +44,18 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from punica.cluster.policy import PolicyConfig
-    from punica.cluster.report import simulate, table
-    from punica.cluster.step_time import CPU_SMOLLM2, StepTimeModel
+    from punica.cluster.report import NO_PLOTS, can_plot, simulate, table
+    from punica.cluster.step_time import load_model
 
-    step_time = StepTimeModel.from_json(args.step_time) if args.step_time else CPU_SMOLLM2
-    policy_config = PolicyConfig(args.max_batch_size, args.light_load_batch, args.idle_release_s)
+    policy_config = PolicyConfig(args.max_batch_size, args.light_load_batch, args.idle_release_s,
+                                 max_loras=args.max_loras, max_gpus_per_adapter=args.max_gpus_per_adapter)
+    plots = can_plot()
     results = simulate(args.gpus, args.requests, args.duration, args.kv_tokens, args.policy, Path(args.out),
-                       step_time, policy_config, args.gpu_startup_s, args.max_total, args.seed)
+                       load_model(args.step_time), policy_config, args.gpu_startup_s, args.max_total, args.seed,
+                       args.adapters, args.zipf_alpha, args.host_tier_adapters, plots)
     print(table(results))
+    if not plots:
+        print(NO_PLOTS)
     return 0
 
 
@@ -71,7 +78,9 @@ def add_engine_args(p: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> N
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from punica.cluster.placement import POLICIES
     from punica.cluster.policy import PolicyConfig
+    from punica.cluster.step_time import DEFAULT_MODEL, MODELS
     from punica.config import add_arguments
     from punica.server.args import ServerArgs
 
@@ -90,19 +99,29 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(srv)
     add_arguments(srv, ServerArgs)
     srv.set_defaults(func=cmd_serve)
-    sim = sub.add_parser("simulate", help="simulate the cluster scheduler on the paper's Fig. 13 workload")
-    sim.add_argument("--gpus", type=int, required=True, help="GPUs the cluster may hold")
-    sim.add_argument("--requests", type=int, default=10_000)
+    sim = sub.add_parser("simulate", help="simulate the cluster scheduler on the paper's Fig. 13 workload "
+                                          "(defaults: its setting, on the H200-measured 7B model)")
+    sim.add_argument("--gpus", type=int, default=16, help="GPUs the cluster may hold")
+    sim.add_argument("--requests", type=int, default=SIM_REQUESTS)
     sim.add_argument("--duration", type=float, default=3600.0, help="seconds over which requests arrive")
-    sim.add_argument("--kv-tokens", type=int, default=65_536, help="KV cache of one GPU, in tokens")
+    sim.add_argument("--kv-tokens", type=int, default=SIM_KV_TOKENS, help="KV cache of one GPU, in tokens")
     sim.add_argument("--max-total", type=int, default=2048, help="longest prompt + output, in tokens")
-    sim.add_argument("--policy", nargs="+", default=["punica", "round-robin", "least-loaded"])
+    sim.add_argument("--adapters", type=int, default=None, help="adapters the requests draw from (default: one "
+                                                                 "per request)")
+    sim.add_argument("--zipf-alpha", type=float, default=1.5, help="adapter popularity: Zipf exponent")
+    sim.add_argument("--policy", nargs="+", default=["punica", "round-robin", "least-loaded"],
+                     choices=list(POLICIES))
     sim.add_argument("--max-batch-size", type=int, default=PolicyConfig.max_batch_size)
     sim.add_argument("--light-load-batch", type=int, default=PolicyConfig.light_load_batch,
                      help="ask for a GPU when every batch is this large")
     sim.add_argument("--idle-release-s", type=float, default=PolicyConfig.idle_release_s)
+    sim.add_argument("--max-loras", type=int, default=PolicyConfig.max_loras, help="adapter slots per GPU")
+    sim.add_argument("--host-tier-adapters", type=int, default=48, help="adapters each GPU's host tier holds")
+    sim.add_argument("--max-gpus-per-adapter", type=int, default=None,
+                     help="adapter-aware: spread one adapter over at most this many GPUs")
     sim.add_argument("--gpu-startup-s", type=float, default=30.0)
-    sim.add_argument("--step-time", default=None, metavar="JSON", help="step-time coefficients (default: CPU-measured)")
+    sim.add_argument("--step-time", default=DEFAULT_MODEL, metavar="NAME|JSON",
+                     help=f"the GPU model: {', '.join(MODELS)}, or a JSON file of its fields (default: %(default)s)")
     sim.add_argument("--seed", type=int, default=0)
     sim.add_argument("--out", required=True, help="directory for simulate.json and the PNGs")
     sim.set_defaults(func=cmd_simulate)

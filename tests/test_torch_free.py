@@ -5,8 +5,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-MODULES = ("punica", "punica.cluster.policy", "punica.cluster.simulator", "punica.engine.scheduler",
-           "punica.engine.request", "punica.config")
+MODULES = ("punica", "punica.cluster.policy", "punica.cluster.placement", "punica.cluster.simulator",
+           "punica.cluster.step_time", "punica.engine.scheduler", "punica.engine.request", "punica.config")
 CHECK = """
 import importlib.util, sys
 sys.path.insert(0, {root!r})

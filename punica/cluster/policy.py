@@ -7,11 +7,15 @@ NEWEST request is evicted and queued again like a new request (keeping its arriv
 be resumed elsewhere by recomputing prompt + generated tokens. Waiting requests are placed in
 strict arrival order (FCFS): the head waits until some GPU can take it.
 
-`PunicaPolicy` puts a request on the GPU with the LARGEST batch still below the max batch
-size that has KV room for it (ties: the lowest GPU id); `LeastLoadedPolicy` on the smallest
-such batch; `RoundRobinPolicy` on the next GPU in id order that has room. GPUs are kept in
-bisect-sorted lists per batch size, so a placement looks at `max_batch_size` lists and, within
-one, only at GPUs that lack KV room.
+Adapters: each GPU holds up to `max_loras` adapters (LRU order; one a running request uses is
+pinned), and a GPU with every slot pinned cannot take a request of another adapter. When the
+policy `models_loads` (the simulator), placing a request whose adapter the GPU does not hold
+starts a load (`started_loads`): the request holds its batch slot and prompt KV but waits, not
+growing, until `adapter_loaded`; requests of an adapter being loaded wait for the same load. The
+Ray backend's engines load adapters themselves: there the policy only follows what the workers
+report as held (`set_adapters`).
+
+The placement rules (`_candidates`) are punica.cluster.placement's.
 """
 
 from __future__ import annotations
@@ -33,10 +37,15 @@ class PolicyConfig:
     light_load_batch: int = EngineConfig.max_batch_size // 2  # a GPU whose batch is below this is lightly loaded
     idle_release_s: float = 60.0    # release a GPU idle for this long
     min_gpus: int = 1               # never release below this many GPUs
+    max_loras: int = EngineConfig.max_loras  # adapter slots per GPU
+    models_loads: bool = False      # placing a request whose adapter the GPU lacks starts a load it waits for
+    max_gpus_per_adapter: int | None = None  # AdapterAwarePolicy: spread one adapter over at most this many
 
     def __post_init__(self):
-        if self.max_batch_size < 1 or self.min_gpus < 0 or self.idle_release_s < 0:
+        if self.max_batch_size < 1 or self.min_gpus < 0 or self.idle_release_s < 0 or self.max_loras < 1:
             raise ValueError(f"invalid policy config {self}")
+        if self.max_gpus_per_adapter is not None and self.max_gpus_per_adapter < 1:
+            raise ValueError(f"max_gpus_per_adapter must be >= 1, got {self.max_gpus_per_adapter}")
         if not 1 <= self.light_load_batch <= self.max_batch_size:
             raise ValueError(f"light_load_batch must be in [1, {self.max_batch_size}], got {self.light_load_batch}")
 
@@ -48,11 +57,19 @@ class GpuState:
     kv_used: int = 0
     num_steps: int = 0
     running: dict[RequestId, None] = field(default_factory=dict)  # join order: the last is the newest
+    waiting_load: dict[RequestId, None] = field(default_factory=dict)  # placed, waiting for their adapter
     idle_since: float | None = 0.0
+    adapters: dict[Hashable, int] = field(default_factory=dict)  # held (LRU first) -> requests using it
+    loading: set[Hashable] = field(default_factory=set)
+    num_pinned: int = 0                                     # adapters some request uses
 
     @property
     def batch_size(self) -> int:
-        return len(self.running)
+        return len(self.running) + len(self.waiting_load)
+
+    def has_adapter_room(self, adapter: Hashable | None, max_loras: int) -> bool:
+        return adapter is None or adapter in self.adapters or len(self.adapters) < max_loras \
+            or self.num_pinned < len(self.adapters)
 
     @property
     def kv_free(self) -> int:
@@ -64,6 +81,7 @@ class RequestState:
     request_id: RequestId
     seq: int                    # arrival order; kept when evicted, so FCFS survives migration
     num_tokens: int             # tokens (prompt + generated) when it was last placed or queued
+    adapter: Hashable | None = None
     gpu_id: int | None = None
     joined_step: int = 0        # its GPU's num_steps when it joined
 
@@ -85,6 +103,9 @@ class ClusterPolicy:
         self._idle: list[tuple[float, int]] = []        # heap of (idle_since, gpu_id), lazily pruned
         self._seq = itertools.count()
         self.num_evictions = 0
+        self.holders: dict[Hashable, set[int]] = {}     # adapter -> GPUs holding it
+        self.started_loads: list[tuple[int, Hashable]] = []  # (gpu, adapter) loads to start; the owner drains it
+        self.num_loads = 0
 
     # ---- GPUs -------------------------------------------------------------------------
     def add_gpu(self, gpu_id: int, kv_capacity: int, now: float = 0.0) -> None:
@@ -98,32 +119,104 @@ class ClusterPolicy:
         """Forget a GPU (released or failed); its requests wait to be placed again, oldest first."""
         gpu = self.gpus[gpu_id]
         self._leave(gpu)
-        moved = list(gpu.running)
+        moved = list(gpu.running) + list(gpu.waiting_load)
         for request_id in moved:
             self._requeue(gpu, request_id)
+        for adapter in gpu.adapters:
+            self._unhold(gpu_id, adapter)
         del self.gpus[gpu_id]
         return moved
 
+    # ---- adapters -----------------------------------------------------------------------
+    def set_adapters(self, gpu_id: int, adapters: list[Hashable]) -> None:
+        """What a GPU's engine reports it holds (resident or loading, LRU first): adapters it no
+        longer holds are forgotten unless a request placed there uses them."""
+        gpu = self.gpus[gpu_id]
+        for adapter in [a for a, refs in gpu.adapters.items() if not refs and a not in adapters]:
+            del gpu.adapters[adapter]
+            self._unhold(gpu_id, adapter)
+        for adapter in adapters:
+            if adapter not in gpu.adapters:
+                gpu.adapters[adapter] = 0
+                self.holders.setdefault(adapter, set()).add(gpu_id)
+            else:
+                gpu.adapters[adapter] = gpu.adapters.pop(adapter)  # move to the MRU end
+
+    def adapter_loaded(self, gpu_id: int, adapter: Hashable) -> list[RequestId]:
+        """A load `started_loads` asked for finished: its waiting requests start running (returned)."""
+        gpu = self.gpus[gpu_id]
+        gpu.loading.discard(adapter)
+        ready = [r for r in gpu.waiting_load if self.requests[r].adapter == adapter]
+        for request_id in ready:
+            del gpu.waiting_load[request_id]
+            gpu.running[request_id] = None
+            self.requests[request_id].joined_step = gpu.num_steps
+        return ready
+
+    def is_loading(self, request_id: RequestId) -> bool:
+        request = self.requests[request_id]
+        return request.gpu_id is not None and request_id in self.gpus[request.gpu_id].waiting_load
+
+    def _unhold(self, gpu_id: int, adapter: Hashable) -> None:
+        holders = self.holders[adapter]
+        holders.discard(gpu_id)
+        if not holders:
+            del self.holders[adapter]
+
+    def _use_adapter(self, gpu: GpuState, adapter: Hashable) -> bool:
+        """A request of `adapter` joins the GPU (which has room for it); whether it must wait for a load."""
+        refs = gpu.adapters.pop(adapter, None)
+        if refs is None:
+            if len(gpu.adapters) >= self.config.max_loras:
+                lru = next(a for a, r in gpu.adapters.items() if not r)
+                del gpu.adapters[lru]
+                self._unhold(gpu.gpu_id, lru)
+            self.holders.setdefault(adapter, set()).add(gpu.gpu_id)
+            self.num_loads += 1
+            refs = 0
+            if self.config.models_loads:
+                gpu.loading.add(adapter)
+                self.started_loads.append((gpu.gpu_id, adapter))
+        gpu.adapters[adapter] = refs + 1
+        gpu.num_pinned += refs == 0
+        return adapter in gpu.loading
+
+    def _release_adapter(self, gpu: GpuState, adapter: Hashable | None) -> None:
+        if adapter is None or adapter not in gpu.adapters:
+            return
+        gpu.adapters[adapter] -= 1
+        gpu.num_pinned -= gpu.adapters[adapter] == 0
+
     # ---- requests -----------------------------------------------------------------------
-    def submit(self, request_id: RequestId, num_tokens: int) -> None:
-        """Queue a new request whose prompt has `num_tokens` tokens."""
+    def submit(self, request_id: RequestId, num_tokens: int, adapter: Hashable | None = None) -> None:
+        """Queue a new request whose prompt has `num_tokens` tokens (and uses `adapter`, if any)."""
         if request_id in self.requests:
             raise ValueError(f"request {request_id!r} is already known")
-        self.requests[request_id] = RequestState(request_id, next(self._seq), num_tokens)
+        self.requests[request_id] = RequestState(request_id, next(self._seq), num_tokens, adapter)
         heapq.heappush(self._waiting, (self.requests[request_id].seq, request_id))
 
     def schedule(self, now: float = 0.0) -> list[tuple[RequestId, int]]:
-        """Place waiting requests in arrival order until the head fits nowhere: [(request_id, gpu_id)]."""
-        placed = []
+        """Place waiting requests in arrival order until the head fits nowhere: [(request_id, gpu_id)].
+        A request held back by its placement rule alone (`_held_back`: its adapter's spread cap)
+        stays waiting without blocking those behind it."""
+        placed, held_back = [], []
         while self._waiting:
             request = self.requests[self._waiting[0][1]]
-            gpu = self._choose(request.num_tokens)
+            gpu = self._choose(request)
             if gpu is None:
-                break
+                if not self._held_back(request):
+                    break
+                held_back.append(heapq.heappop(self._waiting))
+                continue
             heapq.heappop(self._waiting)
             self._join(gpu, request)
             placed.append((request.request_id, gpu.gpu_id))
+        for entry in held_back:
+            heapq.heappush(self._waiting, entry)
         return placed
+
+    def _held_back(self, request: RequestState) -> bool:
+        return False
 
     def step(self, gpu_id: int, num_steps: int = 1, now: float = 0.0) -> list[RequestId]:
         """Run `num_steps` steps on a GPU: each running request grows by one token per step.
@@ -133,14 +226,14 @@ class ClusterPolicy:
         Returns the evicted requests, newest first."""
         gpu = self.gpus[gpu_id]
         evicted: list[RequestId] = []
-        while num_steps > 0 and gpu.batch_size:
-            fitting = min(num_steps, gpu.kv_free // gpu.batch_size)
+        while num_steps > 0 and gpu.running:
+            fitting = min(num_steps, gpu.kv_free // len(gpu.running))
             gpu.num_steps += fitting
-            gpu.kv_used += fitting * gpu.batch_size
+            gpu.kv_used += fitting * len(gpu.running)
             num_steps -= fitting
             if num_steps:
                 self._leave(gpu)
-                while gpu.batch_size and gpu.kv_free < gpu.batch_size:
+                while gpu.running and gpu.kv_free < len(gpu.running):
                     request_id = next(reversed(gpu.running))
                     self._requeue(gpu, request_id)
                     evicted.append(request_id)
@@ -170,13 +263,15 @@ class ClusterPolicy:
         gpu = self.gpus[request.gpu_id]
         self._leave(gpu)
         gpu.kv_used -= self.num_tokens(request_id, request)
-        del gpu.running[request_id]
+        gpu.running.pop(request_id, None)
+        gpu.waiting_load.pop(request_id, None)
+        self._release_adapter(gpu, request.adapter)
         self._enter(gpu, now)
 
     def num_tokens(self, request_id: RequestId, request: RequestState | None = None) -> int:
         """A request's tokens now: when placed plus one per step of its GPU since."""
         request = request or self.requests[request_id]
-        if request.gpu_id is None:
+        if request.gpu_id is None or request_id not in self.gpus[request.gpu_id].running:
             return request.num_tokens
         return request.num_tokens + self.gpus[request.gpu_id].num_steps - request.joined_step
 
@@ -207,22 +302,29 @@ class ClusterPolicy:
         return released
 
     # ---- internals ----------------------------------------------------------------------
-    def _choose(self, num_tokens: int) -> GpuState | None:
-        for gpu_id in self._candidates():
+    def _choose(self, request: RequestState) -> GpuState | None:
+        for gpu_id in self._candidates(request):
+            gpu = self.gpus[gpu_id]
+            if not gpu.has_adapter_room(request.adapter, self.config.max_loras):
+                continue
             if self.sync is not None:
                 self.sync(gpu_id)
-            gpu = self.gpus[gpu_id]
-            if gpu.kv_free >= num_tokens:
+            if gpu.kv_free >= request.num_tokens:
                 return gpu
         return None
 
-    def _candidates(self) -> Iterator[int]:
+    def _candidates(self, request: RequestState) -> Iterator[int]:
         raise NotImplementedError
+
+    def _busiest_first(self) -> Iterator[int]:
+        for bucket in reversed(self._buckets):
+            yield from bucket
 
     def _join(self, gpu: GpuState, request: RequestState) -> None:
         self._leave(gpu)
         request.gpu_id, request.joined_step = gpu.gpu_id, gpu.num_steps
-        gpu.running[request.request_id] = None
+        waits = request.adapter is not None and self._use_adapter(gpu, request.adapter)
+        (gpu.waiting_load if waits else gpu.running)[request.request_id] = None
         gpu.kv_used += request.num_tokens
         gpu.idle_since = None
         self._enter(gpu)
@@ -231,7 +333,9 @@ class ClusterPolicy:
         request = self.requests[request_id]
         request.num_tokens = self.num_tokens(request_id, request)
         gpu.kv_used -= request.num_tokens
-        del gpu.running[request_id]
+        gpu.running.pop(request_id, None)
+        gpu.waiting_load.pop(request_id, None)
+        self._release_adapter(gpu, request.adapter)
         request.gpu_id = None
         heapq.heappush(self._waiting, (request.seq, request_id))
 
@@ -247,56 +351,3 @@ class ClusterPolicy:
         if gpu.batch_size < self.config.max_batch_size:
             bucket = self._buckets[gpu.batch_size]
             del bucket[bisect.bisect_left(bucket, gpu.gpu_id)]
-
-
-class PunicaPolicy(ClusterPolicy):
-    """The busiest GPU that still has room: GPUs run full or idle, and idle ones can go."""
-
-    name = "punica"
-
-    def _candidates(self) -> Iterator[int]:
-        for bucket in reversed(self._buckets):
-            yield from bucket
-
-
-class LeastLoadedPolicy(ClusterPolicy):
-    name = "least-loaded"
-
-    def _candidates(self) -> Iterator[int]:
-        for bucket in self._buckets:
-            yield from bucket
-
-
-class RoundRobinPolicy(ClusterPolicy):
-    """The next GPU after the last one chosen, in id order, that has a free batch slot."""
-
-    name = "round-robin"
-
-    def __init__(self, config: PolicyConfig = PolicyConfig(), sync: Callable[[int], None] | None = None):
-        super().__init__(config, sync)
-        self._open: list[int] = []   # sorted ids of GPUs below max batch
-        self._last = -1
-
-    def _enter(self, gpu: GpuState, now: float | None = None) -> None:
-        super()._enter(gpu, now)
-        if gpu.batch_size < self.config.max_batch_size:
-            bisect.insort(self._open, gpu.gpu_id)
-
-    def _leave(self, gpu: GpuState) -> None:
-        super()._leave(gpu)
-        if gpu.batch_size < self.config.max_batch_size:
-            del self._open[bisect.bisect_left(self._open, gpu.gpu_id)]
-
-    def _choose(self, num_tokens: int) -> GpuState | None:
-        gpu = super()._choose(num_tokens)
-        if gpu is not None:
-            self._last = gpu.gpu_id
-        return gpu
-
-    def _candidates(self) -> Iterator[int]:
-        start, num_open = bisect.bisect_right(self._open, self._last), len(self._open)
-        for i in range(num_open):
-            yield self._open[(start + i) % num_open]
-
-
-POLICIES = {cls.name: cls for cls in (PunicaPolicy, LeastLoadedPolicy, RoundRobinPolicy)}

@@ -2,7 +2,7 @@
 cluster policy from the driver's asyncio loop.
 
 The driver keeps every request's prompt, parameters and streamed tokens. It places requests
-with the policy (`PunicaPolicy` by default) and sends them to workers; one task per worker
+with the policy (`PunicaPolicy` by default, `--cluster-policy`) and sends them to workers; one task per worker
 calls `step` over and over while the worker has requests, streams each output to its request,
 and places again what the worker handed back (its engine ran out of KV cache: the newest
 request) or what the policy evicted. A placed-again request resumes from prompt + generated
@@ -12,7 +12,9 @@ Ray is the only distributed machinery.
 
 Adapters: the driver's `adapters` (name -> directory) is the served set. Every worker
 registers exactly that set: `load_adapter` / `unload_adapter` send it to all workers, a
-joining worker gets it before it takes requests, one lock orders the two.
+joining worker gets it before it takes requests, one lock orders the two. Each step's result
+says which adapters the worker's GPU holds (resident or loading), and the policy follows it
+(`ClusterPolicy.set_adapters`): the adapter-aware policy places by it.
 """
 
 from __future__ import annotations
@@ -25,7 +27,8 @@ from dataclasses import dataclass, field, replace
 import ray
 from ray.exceptions import RayActorError
 
-from punica.cluster.policy import ClusterPolicy, PolicyConfig, PunicaPolicy
+from punica.cluster.placement import POLICIES, PunicaPolicy
+from punica.cluster.policy import ClusterPolicy, PolicyConfig
 from punica.cluster.worker import EngineWorker, StepResult, WorkerInfo
 from punica.config import EngineArgs
 from punica.engine.admission import checked_prompt
@@ -86,7 +89,7 @@ class ClusterEngine:
                        request_id: str) -> AsyncIterator[RequestOutput]:
         """Stream one request's outputs; the last has finished=True. ValueError on bad input."""
         tracked = self._track(prompt, params, adapter, request_id)
-        self.policy.submit(request_id, len(tracked.prompt_token_ids))
+        self.policy.submit(request_id, len(tracked.prompt_token_ids), adapter)
         self._place()
         finished = False
         try:
@@ -261,6 +264,7 @@ class ClusterEngine:
 
     def _apply(self, gpu_id: int, actor: ray.actor.ActorHandle, result: StepResult) -> None:
         now = time.monotonic()
+        self.policy.set_adapters(gpu_id, result.adapters)
         for out in result.outputs:
             tracked = self.requests.get(out.request_id)
             if tracked is None or tracked.gpu_id != gpu_id:
@@ -312,10 +316,13 @@ class ClusterEngine:
 
 
 def build_cluster_engine(args: EngineArgs, adapters: dict[str, str], max_workers: int | None = None,
-                         policy_config: PolicyConfig | None = None) -> ClusterEngine:
+                         policy_config: PolicyConfig | None = None, policy: str = "punica") -> ClusterEngine:
     """A ClusterEngine over `args.workers` Ray actors, each an engine of `args` (one GPU each, or
     `args.tensor_parallel_size` GPUs each, where there are GPUs; CPU workers otherwise), growing to
-    `max_workers`. Call `await engine.start()` in the server's loop; Ray must be initialised first."""
+    `max_workers`, placing requests by the policy named `policy` (punica.cluster.placement.POLICIES).
+    Call `await engine.start()` in the server's loop; Ray must be initialised first."""
+    if policy not in POLICIES:
+        raise ValueError(f"unknown cluster policy {policy!r}; known: {', '.join(POLICIES)}")
     from punica.factory import load_tokenizer, model_source
 
     use_gpu = bool(ray.cluster_resources().get("GPU"))
@@ -323,6 +330,7 @@ def build_cluster_engine(args: EngineArgs, adapters: dict[str, str], max_workers
         EngineWorker)
     max_workers = max_workers or args.workers
     config = policy_config or PolicyConfig(max_batch_size=args.max_batch_size,
-                                           light_load_batch=max(1, args.max_batch_size // 2), min_gpus=args.workers)
-    return ClusterEngine(lambda: actor_class.remote(args, adapters), args.workers, max_workers, PunicaPolicy(config),
-                         load_tokenizer(model_source(args)[1]), adapters)
+                                           light_load_batch=max(1, args.max_batch_size // 2), min_gpus=args.workers,
+                                           max_loras=args.max_loras)
+    return ClusterEngine(lambda: actor_class.remote(args, adapters), args.workers, max_workers,
+                         POLICIES[policy](config), load_tokenizer(model_source(args)[1]), adapters)

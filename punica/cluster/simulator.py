@@ -8,21 +8,28 @@ that runs out of KV cache (evicting the newest request). A request placed on a b
 the step in flight (its prefill is charged to that step). Arrivals, segment ends, GPU start-ups
 and samples for the time series run through one heap, so 1M requests on 1,000 GPUs take
 minutes in one process.
+
+Adapters: every GPU has `policy_config.max_loras` slots and a host tier of `host_tier_adapters`
+adapters (LRU). A request placed on a GPU that lacks its adapter waits (holding its batch slot
+and prompt KV) for the load: the model's `adapter_load_s`, plus `adapter_read_s` when the adapter
+is not in that GPU's host tier; then it joins the step in flight like any placed request.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
 import math
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 
-from punica.cluster.policy import POLICIES, ClusterPolicy, PolicyConfig
+from punica.cluster.placement import POLICIES
+from punica.cluster.policy import ClusterPolicy, PolicyConfig
 from punica.cluster.step_time import StepTimeModel
 from punica.cluster.trace import Trace
 
-GPU_EVENT, GPU_READY, SAMPLE = 0, 1, 2
+GPU_EVENT, GPU_READY, SAMPLE, ADAPTER_READY = 0, 1, 2, 3
 
 
 @dataclass(frozen=True)
@@ -34,6 +41,7 @@ class SimConfig:
     policy_config: PolicyConfig = PolicyConfig()
     gpu_startup_s: float = 30.0     # from asking for a GPU to it taking requests
     num_samples: int = 120          # points of the time series over the trace's duration
+    host_tier_adapters: int = 48    # adapters a GPU's host tier holds (4 GiB / 80 MiB, rank-16 7B)
 
 
 @dataclass(eq=False)
@@ -59,7 +67,11 @@ class GpuSegment:
 class Simulator:
     def __init__(self, config: SimConfig, trace: Trace):
         self.config, self.trace, self.model = config, trace, config.step_time
-        self.policy: ClusterPolicy = POLICIES[config.policy](config.policy_config, sync=self._sync)
+        policy_config = dataclasses.replace(config.policy_config, models_loads=True)
+        self.policy: ClusterPolicy = POLICIES[config.policy](policy_config, sync=self._sync)
+        self.lora = any(a is not None for a in trace.adapters)
+        self.host_tiers: dict[int, OrderedDict] = {}
+        self.num_reads = 0
         n = len(trace)
         self.generated = [0] * n           # tokens generated before the current placement
         self.epoch = [0] * n
@@ -78,7 +90,7 @@ class Simulator:
 
     # ---- driving --------------------------------------------------------------------------
     def run(self) -> dict:
-        start = time.perf_counter()
+        start, cpu_start = time.perf_counter(), time.process_time()
         for _ in range(self.config.num_gpus):
             self._add_gpu()
         heapq.heappush(self.events, (0.0, SAMPLE, 0, 0))
@@ -96,21 +108,46 @@ class Simulator:
                 elif kind == GPU_READY:
                     self.num_starting -= 1
                     self._add_gpu()
+                elif kind == ADAPTER_READY:
+                    self._adapter_ready(key, version)
                 else:
                     self._sample(key)
             self._scale()
         for gpu_id in list(self.held_since):
             self._release(gpu_id)
-        return self._report(time.perf_counter() - start)
+        return self._report(time.perf_counter() - start, time.process_time() - cpu_start)
 
     def _arrive(self, i: int) -> None:
         self._count("arrivals", 1)
-        self.policy.submit(i, self.trace.prompt_lens[i])
+        self.policy.submit(i, self.trace.prompt_lens[i], self.trace.adapters[i])
         self._place()
 
     def _place(self) -> None:
         for request, gpu_id in self.policy.schedule(self.now):
+            if not self.policy.is_loading(request):
+                self._join(request, gpu_id)
+        for gpu_id, adapter in self.policy.started_loads:
+            tier = self.host_tiers[gpu_id]
+            seconds = self.model.adapter_load_s
+            if adapter in tier:
+                tier.move_to_end(adapter)
+            else:
+                seconds += self.model.adapter_read_s
+                self.num_reads += 1
+                if len(tier) >= self.config.host_tier_adapters:
+                    tier.popitem(last=False)
+                tier[adapter] = None
+            heapq.heappush(self.events, (self.now + seconds, ADAPTER_READY, gpu_id, adapter))
+        self.policy.started_loads.clear()
+
+    def _adapter_ready(self, gpu_id: int, adapter) -> None:
+        gpu = self.policy.gpus.get(gpu_id)
+        if gpu is None or adapter not in gpu.loading:
+            return
+        self._sync(gpu_id)
+        for request in self.policy.adapter_loaded(gpu_id, adapter):
             self._join(request, gpu_id)
+        self._place()
 
     def _scale(self) -> None:
         for gpu_id in self.policy.release_idle(self.now):
@@ -126,6 +163,7 @@ class Simulator:
         gpu_id = heapq.heappop(self.free_ids)
         self.policy.add_gpu(gpu_id, self.config.kv_tokens, self.now)
         self.segments[gpu_id] = GpuSegment(start=self.now)
+        self.host_tiers.setdefault(gpu_id, OrderedDict())
         self.held_since[gpu_id] = self.now
         self._place()
 
@@ -189,13 +227,14 @@ class Simulator:
     def _restart(self, gpu_id: int, seg: GpuSegment, start: float, prefill: int) -> None:
         """A new segment from a step boundary; schedule its end (next finish or KV exhaustion)."""
         gpu = self.policy.gpus[gpu_id]
-        m, batch = self.model, gpu.batch_size
+        m, batch = self.model, len(gpu.running)
         seg.start, seg.start_step, seg.batch_size, seg.version = start, gpu.num_steps, batch, seg.version + 1
         seg.prefill_tokens = prefill
         if not batch:
             return
         seg.growth_s = m.per_context_token * batch
-        seg.first_step_s = m.seconds(batch, gpu.kv_used + batch, prefill)
+        context = gpu.kv_used - sum(self.policy.requests[r].num_tokens for r in gpu.waiting_load) + batch
+        seg.first_step_s = m.seconds(batch, context, prefill, self.lora)
         while seg.finishes[0][1] not in gpu.running or seg.finishes[0][2] != self.epoch[seg.finishes[0][1]]:
             heapq.heappop(seg.finishes)
         steps = min(seg.finishes[0][0] - gpu.num_steps, gpu.kv_free // batch + 1)
@@ -204,7 +243,8 @@ class Simulator:
 
     def _step_base(self, seg: GpuSegment) -> float:
         """Duration of the segment's first step without its prefill."""
-        return seg.first_step_s - self.model.per_prefill_token * seg.prefill_tokens
+        m = self.model
+        return seg.first_step_s - (m.per_prefill_token + self.lora * m.lora_per_prefill_token) * seg.prefill_tokens
 
     def _completed_steps(self, seg: GpuSegment) -> int:
         """Steps of the segment finished by now (fewer than the one that ends it)."""
@@ -236,7 +276,7 @@ class Simulator:
         if self.num_finished < len(self.trace):
             heapq.heappush(self.events, ((index + 1) * self.bin_s, SAMPLE, index + 1, 0))
 
-    def _report(self, wall_s: float) -> dict:
+    def _report(self, wall_s: float, cpu_s: float) -> dict:
         latency = sorted(f - a for f, a in zip(self.finish, self.trace.arrivals))
         ttft = sorted(f - a for f, a in zip(self.first_token, self.trace.arrivals))
         makespan = max(self.finish)
@@ -245,9 +285,11 @@ class Simulator:
             "policy": self.config.policy, "num_gpus": self.config.num_gpus, "num_requests": len(self.trace),
             "gpu_hours": self.gpu_seconds / 3600, "makespan_s": makespan, "output_tokens": tokens,
             "throughput_tokens_per_s": tokens / makespan, "num_evictions": self.policy.num_evictions,
+            "adapter_loads": self.policy.num_loads, "adapter_reads": self.num_reads,
+            "loads_per_1k_requests": 1000 * self.policy.num_loads / len(self.trace),
             "latency_p50_s": percentile(latency, 50), "latency_p99_s": percentile(latency, 99),
             "ttft_p50_s": percentile(ttft, 50), "ttft_p99_s": percentile(ttft, 99),
-            "sim_wall_s": wall_s, "bin_s": self.bin_s, "series": self.series,
+            "sim_wall_s": wall_s, "sim_cpu_s": cpu_s, "bin_s": self.bin_s, "series": self.series,
         }
 
 

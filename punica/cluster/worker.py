@@ -31,6 +31,7 @@ class StepResult:
     outputs: list[RequestOutput]
     evicted: list[tuple[str, list[int]]]   # (request_id, output_token_ids) handed back
     num_unfinished: int
+    adapters: list[str]                    # held on the GPU or loading (AdapterManager.held)
 
 
 class EngineWorker:
@@ -74,7 +75,7 @@ class EngineWorker:
         outputs = self.engine.step()
         evicted = self.engine.take_preempted()
         stats = self.engine.stats()
-        return StepResult(outputs, evicted, stats.num_running + stats.num_waiting)
+        return StepResult(outputs, evicted, stats.num_running + stats.num_waiting, self.engine.adapters.held())
 
     def release(self, request_ids: list[str]) -> list[tuple[str, list[int]]]:
         """Take requests out unfinished (the cluster evicts them): (request_id, output_token_ids);

@@ -239,6 +239,11 @@ class AdapterManager:
                 self._start_read(registration)
             spare -= 1
 
+    def held(self) -> list[str]:
+        """Names of the adapters on the GPU or on their way there: resident (least recently used
+        first), then those being copied, then those being read."""
+        return [r.name for group in (self.resident, self.copies, self.reads) for r in group if self._is_current(r)]
+
     # internals ---------------------------------------------------------------------------
     def _is_current(self, registration: Registration) -> bool:
         return self.current.get(registration.name) is registration

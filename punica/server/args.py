@@ -12,6 +12,7 @@ from punica.config import described
 # (at most 8 bytes each with the separator); a body over it cannot be a prompt that fits.
 DEFAULT_MAX_REQUEST_BYTES = 8 * 1024 * 1024
 DEFAULT_SHUTDOWN_TIMEOUT_S = 30.0
+CLUSTER_POLICIES = ("punica", "adapter-aware", "round-robin", "least-loaded")  # punica.cluster.placement's
 
 
 @dataclass(frozen=True)
@@ -26,6 +27,10 @@ class ServerArgs:
     max_queue: int = described(1024, "requests waiting to run before new ones get 429")
     max_request_bytes: int = described(DEFAULT_MAX_REQUEST_BYTES, "a request body over this many bytes is refused "
                                                                   "with 413 as it arrives")
+    cluster_policy: str = described("punica", "with --workers: how requests are placed (punica: the busiest worker "
+                                              "with room; adapter-aware: workers holding the request's adapter "
+                                              "first; round-robin; least-loaded)",
+                                    choices=CLUSTER_POLICIES)
     shutdown_timeout: float = described(DEFAULT_SHUTDOWN_TIMEOUT_S, "on SIGTERM, seconds in-flight requests may "
                                                                     "still run before they end with finish_reason "
                                                                     "'abort'")
@@ -35,5 +40,8 @@ class ServerArgs:
         if self.max_queue < 0 or self.max_request_bytes < 1:
             raise ValueError(f"max_queue must be >= 0 and max_request_bytes >= 1, got {self.max_queue} and "
                              f"{self.max_request_bytes}")
+        if self.cluster_policy not in CLUSTER_POLICIES:
+            raise ValueError(f"cluster_policy must be one of {', '.join(CLUSTER_POLICIES)}, "
+                             f"got {self.cluster_policy!r}")
         if self.shutdown_timeout < 0:
             raise ValueError(f"shutdown_timeout must be >= 0 seconds, got {self.shutdown_timeout}")

@@ -66,8 +66,8 @@ def build_state(args: EngineArgs, adapters: dict[str, str] | None = None, server
         from punica.server.cluster_backend import ClusterBackend, start_ray
 
         start_ray()
-        cluster = build_cluster_engine(args, all_adapters)
-        log.info("model %s on %d workers (Punica placement and migration)", name, args.workers)
+        cluster = build_cluster_engine(args, all_adapters, policy=server.cluster_policy)
+        log.info("model %s on %d workers (%s placement, migration)", name, args.workers, server.cluster_policy)
         state = ServerState(ClusterBackend(cluster), load_tokenizer(model_dir), name, dirs, api_key, max_queue)
         state.backend.on_finished = state.metrics.finished
         return state

@@ -5,7 +5,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from punica.cluster.policy import POLICIES, LeastLoadedPolicy, PolicyConfig, PunicaPolicy, RoundRobinPolicy
+from punica.cluster.placement import POLICIES, LeastLoadedPolicy, PunicaPolicy, RoundRobinPolicy
+from punica.cluster.policy import PolicyConfig
 
 
 def cluster(policy_class=PunicaPolicy, num_gpus=3, kv=100, **config):

@@ -65,13 +65,14 @@ async def collect(cluster, request_id, prompt, adapter, max_tokens, progress):
 
 
 @pytest.mark.slow
-def test_kv_exhaustion_migrates_requests_and_outputs_match(ray_cluster, model):
+@pytest.mark.parametrize("policy", ["punica", "adapter-aware"])
+def test_kv_exhaustion_migrates_requests_and_outputs_match(ray_cluster, model, policy):
     requests = workload(12, seed=0)
     expected = single_engine(model, requests, max_tokens=24)
 
     async def main():
         cluster = build_cluster_engine(cpu_args(model, workers=2, page_size=4, kv_cache_tokens=64, max_batch_size=6),
-                                       model[1])
+                                       model[1], policy=policy)
         await cluster.start()
         try:
             outs = await asyncio.gather(*(collect(cluster, f"r{i}", p, a, 24, {}) for i, (p, a) in enumerate(requests)))
@@ -103,6 +104,51 @@ def test_two_workers_of_two_tensor_parallel_ranks_each_match_one_engine(ray_clus
 
     outs, num_workers = asyncio.run(asyncio.wait_for(main(), 180))
     assert num_workers == 2
+    assert outs == expected
+
+
+@pytest.mark.slow
+def test_adapter_aware_sends_an_adapters_requests_to_the_worker_holding_it(ray_cluster, model):
+    """Worker 1 comes to hold "a" (worker 0 is full of "b" requests when the first "a" arrives);
+    then, with worker 0 the busier, every later "a" request goes to worker 1 while it has room."""
+    rng = random.Random(3)
+    prompts = [[rng.randrange(3, 128) for _ in range(6)] for _ in range(12)]
+    requests = [(p, "b") for p in prompts[:4]] + [(prompts[4], "a")] + [(p, "b") for p in prompts[5:7]] \
+        + [(p, "a") for p in prompts[7:10]]
+    expected = single_engine(model, requests, max_tokens=12)
+
+    async def main():
+        cluster = build_cluster_engine(cpu_args(model, workers=2, page_size=4, max_batch_size=4), model[1],
+                                       policy="adapter-aware")
+        placements = []
+        schedule = cluster.policy.schedule
+
+        def logged(now=0.0):
+            placed = schedule(now)
+            placements.extend(placed)
+            return placed
+
+        cluster.policy.schedule = logged
+        await cluster.start()
+        try:
+            first = await asyncio.gather(*(collect(cluster, f"r{i}", p, a, 12, {})
+                                           for i, (p, a) in enumerate(requests[:5])))
+            held = {g: set(gpu.adapters) for g, gpu in cluster.policy.gpus.items()}
+            later = [asyncio.ensure_future(collect(cluster, f"r{i}", p, a, 12, {}))
+                     for i, (p, a) in enumerate(requests[5:7], 5)]
+            while len(placements) < 7:
+                await asyncio.sleep(0.01)
+            later += [asyncio.ensure_future(collect(cluster, f"r{i}", p, a, 12, {}))
+                      for i, (p, a) in enumerate(requests[7:], 7)]
+            outs = first + list(await asyncio.gather(*later))
+            return outs, held, dict(placements)
+        finally:
+            await cluster.shutdown()
+
+    outs, held, placed = asyncio.run(asyncio.wait_for(main(), 120))
+    assert placed["r4"] == 1 and "a" in held[1] and "a" not in held[0]  # the worker reported holding "a"
+    assert placed["r5"] == placed["r6"] == 0                            # "b" stays where it is held
+    assert [placed[f"r{i}"] for i in (7, 8, 9)] == [1, 1, 1]            # though worker 0 is busier
     assert outs == expected
 
 

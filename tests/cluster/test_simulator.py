@@ -2,13 +2,16 @@
 the paper's finding (Punica needs fewer GPU-hours), and `punica simulate`'s files."""
 
 import json
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
-from punica.cli import main
+from punica.cli import build_parser, main
 from punica.cluster.policy import PolicyConfig
 from punica.cluster.simulator import SimConfig, Simulator
-from punica.cluster.step_time import StepTimeModel, fit
+from punica.cluster.step_time import Sample, StepTimeModel, fit
 from punica.cluster.trace import Trace, fig13_trace
 
 FLAT = StepTimeModel(base=0.1, per_request=0.0, per_context_token=0.0, per_prefill_token=0.0)
@@ -64,7 +67,8 @@ def test_punica_packs_gpus_and_needs_fewer_gpu_hours():
 
 def test_fit_recovers_coefficients():
     truth = StepTimeModel(0.01, 0.002, 3e-6, 5e-5)
-    samples = [(b, c, p, truth.seconds(b, c, p)) for b in (1, 4, 16) for c in (100, 5000) for p in (0, 300)]
+    samples = [Sample(b, c, p, False, truth.seconds(b, c, p))
+               for b in (1, 4, 16) for c in (100, 5000) for p in (0, 300)]
     got = fit(samples, "synthetic")
     assert got.base == pytest.approx(0.01) and got.per_request == pytest.approx(0.002)
     assert got.per_context_token == pytest.approx(3e-6) and got.per_prefill_token == pytest.approx(5e-5)
@@ -81,3 +85,22 @@ def test_punica_simulate_writes_json_and_pngs(tmp_path, capsys):
     for policy in ("punica", "round-robin", "least-loaded"):
         assert (out / f"simulate-{policy}.png").stat().st_size > 10_000
     assert "gpu_hours" in capsys.readouterr().out
+
+
+def test_simulate_defaults_are_the_fig13_setting_on_the_gpu_model():
+    args = build_parser().parse_args(["simulate", "--out", "x"])
+    assert (args.gpus, args.duration, args.zipf_alpha, args.step_time) == (16, 3600.0, 1.5, "h200-llama-2-7b")
+    assert args.policy == ["punica", "round-robin", "least-loaded"]
+
+
+def test_simulate_without_matplotlib_writes_json_and_says_how_to_get_plots(tmp_path):
+    code = ("import sys; sys.modules['matplotlib'] = None; from punica.cli import main; "
+            f"sys.exit(main(['simulate', '--gpus', '2', '--requests', '50', '--duration', '60', '--max-total', '128', "
+            f"'--policy', 'punica', 'adapter-aware', '--out', {str(tmp_path)!r}]))")
+    done = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).parents[2], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "Traceback" not in done.stderr and "pip install matplotlib" in done.stdout
+    data = json.loads((tmp_path / "simulate.json").read_text())
+    assert [r["policy"] for r in data["results"]] == ["punica", "adapter-aware"]
+    assert not list(tmp_path.glob("*.png"))

@@ -1,10 +1,16 @@
 """step_time.measure on a real Engine whose executor costs a known time per step (on a fake clock):
-the fitted model must recover that cost exactly, and overlapped engines are refused."""
+the fitted model must recover that cost exactly, and overlapped engines are refused; the shipped
+models load by name, and a JSON file with a misspelt field is refused."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 
-from punica.cluster.step_time import StepTimeModel, fit, measure
+from punica.cluster.step_time import CPU_SMOLLM2, DEFAULT_MODEL, Sample, StepTimeModel, fit, load_model, measure
 from punica.config import EngineConfig, ModelConfig
 from punica.engine.engine import Engine
 from punica.lora.pool import LoraPool
@@ -49,17 +55,69 @@ def test_measured_steps_fit_the_known_cost():
     clock = Clock()
     executor = CostedExecutor(clock)
     engine = Engine(executor, None, EngineConfig(max_batch_size=32, page_size=16, overlap_steps=False))
-    samples = measure(engine, batch_sizes=(1, 8, 32), prompt_lens=(16, 128), clock=clock)
-    assert len(samples) == 12  # a prefill and a decode step for each of the 6 grid points
-    for batch, context, prefill, seconds in samples:
+    samples = measure(engine, batch_sizes=(1, 8, 32), prompt_lens=(16, 128), mixed_prefills=(40,), clock=clock)
+    # per point: its prefill step(s), 4 decodes, and a mixed step where the batch has room (not at 32)
+    assert len(samples) == 6 * 5 + 4
+    for batch, context, prefill, lora, seconds in samples:
+        assert not lora
         assert seconds == pytest.approx(COST.seconds(batch, context, prefill), rel=1e-9)
-    assert {prefill > 0 for *_, prefill, _ in samples} == {True, False}
+    mixed = [s for s in samples if s.prefill == 40]
+    assert [s.batch for s in mixed] == [2, 2, 9, 9]
+    assert all(s.context > 40 for s in mixed)  # beside the batch's decodes
     model = fit(samples, source="test")
     for name in ("base", "per_request", "per_context_token", "per_prefill_token"):
         assert getattr(model, name) == pytest.approx(getattr(COST, name), rel=1e-6), name
+    assert model.lora_base == model.lora_per_request == model.lora_per_prefill_token == 0
+    assert not engine.has_unfinished()
+
+
+def test_measure_stops_at_the_deadline():
+    clock = Clock()
+    engine = Engine(CostedExecutor(clock), None, EngineConfig(max_batch_size=32, page_size=16, overlap_steps=False))
+    assert measure(engine, batch_sizes=(1, 8), prompt_lens=(16,), deadline=-1.0, clock=clock) == []
+
+
+def test_fit_separates_the_lora_terms():
+    truth = StepTimeModel(0.005, 2e-5, 1.3e-7, 2e-5, lora_base=5e-4, lora_per_request=2e-5, lora_per_prefill_token=4e-6)
+    samples = [Sample(b, c, p, lora, truth.seconds(b, c, p, lora))
+               for b in (1, 8, 32) for c in (100, 30000) for p in (0, 1000) for lora in (False, True)]
+    got = fit(samples, "synthetic", adapter_load_s=0.0015)
+    for name in ("base", "per_request", "per_context_token", "per_prefill_token", "lora_base", "lora_per_request",
+                 "lora_per_prefill_token"):
+        assert getattr(got, name) == pytest.approx(getattr(truth, name), rel=1e-6), name
+    assert got.adapter_load_s == 0.0015
+
+
+def test_models_load_by_name_or_file(tmp_path):
+    gpu = load_model(DEFAULT_MODEL)
+    assert "H200" in gpu.source and gpu.adapter_load_s > 0 and gpu.lora_base > 0
+    assert gpu.seconds(32, 32 * 1024) < 0.02  # a 7B decode step at batch 32: milliseconds
+    assert load_model("cpu-smollm2") == CPU_SMOLLM2
+    CPU_SMOLLM2.to_json(tmp_path / "m.json")
+    assert load_model(str(tmp_path / "m.json")) == CPU_SMOLLM2
+    (tmp_path / "bad.json").write_text('{"base": 1, "per_request": 0, "per_context_token": 0, '
+                                       '"per_prefill_token": 0, "per_requests": 1}')
+    with pytest.raises(ValueError, match="per_requests"):
+        load_model(str(tmp_path / "bad.json"))
+    with pytest.raises(ValueError, match="neither a model name"):
+        load_model("h100-llama")
 
 
 def test_measure_refuses_an_overlapped_engine():
     engine = Engine(CostedExecutor(Clock()), None, EngineConfig())
     with pytest.raises(ValueError, match="overlap_steps=False"):
         measure(engine)
+
+
+@pytest.mark.slow
+def test_the_benchmark_measures_fits_and_writes_a_loadable_model(tmp_path):
+    command = [sys.executable, "-m", "benchmarks.cluster_step_time", "--preset", "tiny", "--batches", "4", "1",
+               "--prompts", "32", "8", "--mixed", "8", "--out", str(tmp_path)]
+    done = subprocess.run(command, cwd=Path(__file__).parents[2], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    model = load_model(str(tmp_path / "model.json"))
+    assert model.base > 0 and model.adapter_load_s > 0 and model.adapter_read_s > 0
+    data = json.loads((tmp_path / "cluster_step_time.json").read_text())
+    assert {r["lora"] for r in data["rows"]} == {False, True}
+    assert any(r["prefill"] and r["batch"] > 1 and r["context"] > r["prefill"] for r in data["rows"])  # mixed
+    assert data["meta"]["fit_error"] and (tmp_path / "samples.jsonl").read_text().count("\n") == len(data["rows"])

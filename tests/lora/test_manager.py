@@ -159,6 +159,17 @@ def test_eviction_is_lru_and_never_takes_a_slot_in_use(base):
     assert load(m, "t1") == slots["t2"]
 
 
+def test_held_lists_resident_adapters_lru_first_then_those_on_their_way(base):
+    m = manager_with(base, 4, slots=3)
+    m.release(load(m, "t0"))
+    m.release(load(m, "t1"))
+    m.release(load(m, "t0"))       # t1 is now the least recently used
+    assert m.acquire("t2") is None  # its read starts
+    assert m.held() == ["t1", "t0", "t2"]
+    m.unregister("t1")
+    assert m.held() == ["t0", "t2"]
+
+
 def test_queued_adapters_are_prefetched_without_evicting(base):
     m = manager_with(base, 5, slots=3)
     m.release(load(m, "t0"))  # resident and unused: evictable, but a prefetch does not evict

@@ -1,0 +1,140 @@
+"""Adapters in the policy: slots (LRU, pinned while used), loads a placed request waits for, the
+adapter-aware rule (holders first, busiest first, the spread cap, migration), and what workers
+report; and in the simulator, a request waits exactly its adapter's load time."""
+
+import pytest
+
+from punica.cluster.placement import AdapterAwarePolicy, PunicaPolicy
+from punica.cluster.policy import PolicyConfig
+from punica.cluster.simulator import SimConfig, Simulator
+from punica.cluster.step_time import StepTimeModel
+from punica.cluster.trace import Trace, fig13_trace
+
+
+def cluster(policy_class=AdapterAwarePolicy, num_gpus=3, kv=100, **config):
+    defaults = {"max_batch_size": 4, "light_load_batch": 2, "max_loras": 2, "models_loads": True}
+    policy = policy_class(PolicyConfig(**(defaults | config)))
+    for gpu_id in range(num_gpus):
+        policy.add_gpu(gpu_id, kv)
+    return policy
+
+
+def place(policy, request_id, adapter, num_tokens=10):
+    policy.submit(request_id, num_tokens, adapter)
+    placed = policy.schedule()
+    return placed[0][1] if placed else None
+
+
+def test_a_placed_request_waits_for_its_adapter_and_does_not_grow_meanwhile():
+    policy = cluster(PunicaPolicy)
+    assert place(policy, "r0", "a") == 0
+    assert policy.started_loads == [(0, "a")] and policy.is_loading("r0")
+    assert place(policy, "r1", "a") == 0 and policy.started_loads == [(0, "a")]  # waits for the same load
+    assert policy.step(0, 5) == [] and policy.num_tokens("r0") == 10 and policy.gpus[0].kv_used == 20
+    assert sorted(policy.adapter_loaded(0, "a")) == ["r0", "r1"] and not policy.is_loading("r0")
+    policy.step(0, 3)
+    assert policy.num_tokens("r0") == 13 and policy.gpus[0].kv_used == 26
+
+
+def test_slots_evict_the_lru_unused_adapter_and_a_gpu_with_every_slot_pinned_is_skipped():
+    policy = cluster(PunicaPolicy, num_gpus=2, max_batch_size=8)
+    for i, adapter in enumerate("ab"):
+        place(policy, f"r{i}", adapter)
+    assert place(policy, "r2", "c") == 1  # GPU 0's two slots are both in use
+    policy.finish("r0")                    # "a" unused now: GPU 0 (the busier) evicts it for "d"
+    assert place(policy, "r3", "d") == 0
+    assert list(policy.gpus[0].adapters) == ["b", "d"] and policy.holders.get("a") is None
+    assert policy.num_loads == 4
+
+
+def test_adapter_aware_prefers_a_gpu_holding_the_adapter_even_if_less_busy():
+    aware, punica = cluster(), cluster(PunicaPolicy)
+    for policy in (aware, punica):
+        place(policy, "x0", "x")
+        place(policy, "x1", "x")          # GPU 0: batch 2, adapter x
+    for policy in (aware, punica):
+        policy.add_gpu(9, 100)
+        policy.set_adapters(9, ["a"])     # a worker reports holding "a"
+    assert place(aware, "a0", "a") == 9   # holds "a", though GPU 0 is busier
+    assert place(punica, "a0", "a") == 0  # busiest first, wherever the adapter is
+    assert aware.num_loads == punica.num_loads - 1
+
+
+def test_holders_fill_busiest_first_then_the_cap_makes_requests_wait_for_them():
+    policy = cluster(num_gpus=3, max_gpus_per_adapter=2)
+    assert [place(policy, f"h{i}", "hot") for i in range(4)] == [0, 0, 0, 0]  # batch 4: full
+    assert place(policy, "h4", "hot") == 1                                   # a second GPU (under the cap)
+    policy.adapter_loaded(0, "hot")
+    policy.adapter_loaded(1, "hot")
+    assert [place(policy, f"h{i}", "hot") for i in range(5, 8)] == [1, 1, 1]
+    assert place(policy, "h8", "hot") is None                                # both holders full, cap 2
+    assert place(policy, "cold", "c") == 2                                   # passes the held-back h8
+    assert place(policy, "h9", "hot") is None and policy.waiting_ids() == ["h8", "h9"]
+    policy.finish("h1")
+    assert policy.schedule() == [("h8", 0)]
+    assert policy.waiting_ids() == ["h9"]
+
+
+def test_migration_prefers_gpus_holding_the_migrated_requests_adapter():
+    policy = cluster(num_gpus=3, kv=40, max_batch_size=8)
+    policy.set_adapters(2, ["a"])
+    assert place(policy, "b0", "b", 35) == 0
+    policy.adapter_loaded(0, "b")
+    assert place(policy, "a0", "a", 5) == 2
+    policy.adapter_loaded(2, "a")
+    policy.gpus[0].adapters["a"] = 0   # GPU 0 holds "a" too, unused
+    policy.holders["a"].add(0)
+    assert place(policy, "a1", "a", 3) == 0  # the busiest holder
+    policy.adapter_loaded(0, "a")
+    evicted = policy.step(0, 3)              # GPU 0's KV runs out: its newest goes
+    assert evicted == ["a1"]
+    assert policy.schedule() == [("a1", 2)]  # to the other GPU holding "a", not to the empty GPU 1
+
+
+def test_set_adapters_keeps_adapters_in_use_and_forgets_the_rest():
+    policy = cluster(models_loads=False)
+    place(policy, "r", "a")
+    assert not policy.is_loading("r")     # the engine loads it; the policy does not wait
+    policy.set_adapters(0, ["b"])
+    assert set(policy.gpus[0].adapters) == {"a", "b"} and policy.holders == {"a": {0}, "b": {0}}
+    policy.finish("r")
+    policy.set_adapters(0, ["b"])
+    assert set(policy.gpus[0].adapters) == {"b"} and policy.holders == {"b": {0}}
+
+
+FLAT = StepTimeModel(base=0.1, per_request=0.0, per_context_token=0.0, per_prefill_token=0.0,
+                     adapter_load_s=0.05, adapter_read_s=0.2)
+
+
+def simulate(trace, policy="punica", host_tier_adapters=8, **config):
+    policy_config = PolicyConfig(**({"max_batch_size": 8, "light_load_batch": 4, "max_loras": 1} | config))
+    sim_config = SimConfig(1, 4096, FLAT, policy, policy_config, gpu_startup_s=5.0,
+                           host_tier_adapters=host_tier_adapters)
+    return Simulator(sim_config, trace).run()
+
+
+def test_a_request_waits_its_adapters_read_and_load_then_joins_the_step_in_flight():
+    # r0 (adapter 0) arrives at 0: read + load 0.25 s, then 3 steps of 0.1 s; r1 (adapter 0) at 0.3
+    # joins the step in flight (0.25-0.35) at once
+    trace = Trace([0.0, 0.3], [5, 5], [3, 2], [0, 0], duration_s=10.0)
+    result = simulate(trace)
+    assert result["ttft_p99_s"] == pytest.approx(0.35) and result["ttft_p50_s"] == pytest.approx(0.05)
+    assert result["adapter_loads"] == 1 and result["adapter_reads"] == 1
+
+
+def test_an_adapter_back_from_the_host_tier_costs_only_its_load():
+    # one slot: adapter 1 evicts 0, then 0 comes back from the host tier (0.05 s, no read)
+    trace = Trace([0.0, 10.0, 20.0], [5, 5, 5], [1, 1, 1], [0, 1, 0], duration_s=30.0)
+    result = simulate(trace)
+    assert result["adapter_loads"] == 3 and result["adapter_reads"] == 2
+    # first tokens after 0.35, 0.35 and 0.15 s (read + load + one 0.1 s step, or load + step)
+    assert result["ttft_p50_s"] == pytest.approx(0.35) and result["latency_p50_s"] == pytest.approx(0.35)
+    assert result["makespan_s"] == pytest.approx(20.15)
+
+
+@pytest.mark.parametrize("policy", ["punica", "adapter-aware"])
+def test_tokens_are_conserved_with_loads_and_evictions(policy):
+    trace = fig13_trace(400, duration_s=300.0, seed=3, max_total=512, num_adapters=50, zipf_alpha=1.1)
+    result = simulate(trace, policy, max_loras=4)
+    assert result["num_evictions"] >= 0 and result["adapter_loads"] > 0
+    assert sum(result["series"]["tokens"]) == sum(trace.output_lens) == result["output_tokens"]
