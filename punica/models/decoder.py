@@ -1,4 +1,8 @@
-"""One Llama-family model whose 7 projections per layer add each token's LoRA delta.
+"""The decoder of every family punica serves (punica.families), whose 7 projections per layer
+add each token's LoRA delta. A family is a set of features of the config (ModelConfig): biased
+q/k/v (`qkv_bias`, the LoRA delta adding to the biased projection), an RMSNorm over each head
+of q and k before rotary (`qk_norm`), and sliding-window attention on some layers
+(`layer_windows`); with none of them it is Llama.
 
 The forward pass takes one fused batch (prefill tokens first, decode tokens after) with its
 per-step metadata as explicit frozen dataclasses: `AttnBatch` (positions, pages, lengths)
@@ -82,14 +86,17 @@ def rope_inv_freq(rope: RopeConfig, head_dim: int) -> torch.Tensor:
     return inv_freq
 
 
-class LlamaLayer(nn.Module):
+class DecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, index: int, **factory):
         super().__init__()
         c = config
         self.index = index
         self.num_heads, self.num_kv_heads, self.head_dim = c.num_heads, c.num_kv_heads, c.head_dim
+        self.window = c.window(index)
         self.input_norm = RMSNorm(c.hidden_size, c.rms_norm_eps, **factory)
-        self.qkv_proj = nn.Linear(c.hidden_size, c.q_size + 2 * c.kv_size, bias=False, **factory)
+        self.qkv_proj = nn.Linear(c.hidden_size, c.q_size + 2 * c.kv_size, bias=c.qkv_bias, **factory)
+        self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps, **factory) if c.qk_norm else None
+        self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps, **factory) if c.qk_norm else None
         self.o_proj = nn.Linear(c.q_size, c.hidden_size, bias=False, **factory)
         self.post_norm = RMSNorm(c.hidden_size, c.rms_norm_eps, **factory)
         self.gate_up_proj = nn.Linear(c.hidden_size, 2 * c.intermediate_size, bias=False, **factory)
@@ -143,8 +150,11 @@ class LlamaLayer(nn.Module):
         q = qkv[:, :q_end].view(num_tokens, self.num_heads, self.head_dim)
         k = qkv[:, q_end:k_end].view(num_tokens, self.num_kv_heads, self.head_dim)
         v = qkv[:, k_end:].view(num_tokens, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:  # over each head: rows of head_dim
+            q = self.q_norm(q.reshape(-1, self.head_dim)).view(num_tokens, self.num_heads, self.head_dim)
+            k = self.k_norm(k.reshape(-1, self.head_dim)).view(num_tokens, self.num_kv_heads, self.head_dim)
         rope_and_write_kv_(q, k, v, cos, sin, kv_layer, attn.slot_mapping)  # q rotated in place, k into the cache
-        o = paged_attention(q, kv_layer, attn, self.head_dim ** -0.5).reshape(num_tokens, -1)
+        o = paged_attention(q, kv_layer, attn, self.head_dim ** -0.5, self.window).reshape(num_tokens, -1)
         o = self._project(self.o_proj, o, "o", lora, lora_weights)
         h, residual = self.post_norm(self._all_reduce(o), residual)
         gate_up = self._project(self.gate_up_proj, h, "gate_up", lora, lora_weights)
@@ -153,14 +163,14 @@ class LlamaLayer(nn.Module):
         return self._all_reduce(down), residual
 
 
-class LlamaForCausalLM(nn.Module):
+class DecoderForCausalLM(nn.Module):
     def __init__(self, config: ModelConfig, dtype: torch.dtype = torch.float32,
                  device: torch.device | str = "cpu"):
         super().__init__()
         factory = {"dtype": dtype, "device": device}
         self.config = config
         self.embed = nn.Embedding(config.vocab_size, config.hidden_size, **factory)
-        self.layers = nn.ModuleList(LlamaLayer(config, i, **factory) for i in range(config.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(config, i, **factory) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, **factory)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False, **factory)
         self.tie_weights()
