@@ -1,7 +1,9 @@
 """The model families punica serves, read from a checkpoint's config.json.
 
 One decoder (punica.models.decoder) serves every family: a family is the set of features its
-config turns on (biased q/k/v, per-head q/k RMSNorm, sliding-window layers), and `hf_model_fields`
+config turns on (biased q/k/v, per-head q/k RMSNorm, sliding-window layers, Gemma's GeGLU,
+(1 + w) norms, scaled embeddings, norms after attention and MLP, softcapping, query scale and
+a rope of its own for the local layers), and `hf_model_fields`
 turns a config.json into the fields of punica.config.ModelConfig. Whatever a config asks for
 that the decoder does not implement is refused with UnsupportedModel naming it: a checkpoint is
 served exactly as transformers runs it, or not at all.
@@ -12,6 +14,10 @@ served exactly as transformers runs it, or not at all.
     ministral   MinistralForCausalLM  no          no        the layers layer_types names
     qwen2       Qwen2ForCausalLM      yes         no        with use_sliding_window: the layers
     qwen3       Qwen3ForCausalLM      no          yes         layer_types (or max_window_layers) names
+    gemma2      Gemma2ForCausalLM     no          no        the layers layer_types names (else every
+    gemma3_text Gemma3ForCausalLM     no          yes         other one; Gemma 3: 5 of each 6)
+    phi3        Phi3ForCausalLM       no          no        every layer (sliding_window); fused
+                                                            qkv_proj and gate_up_proj
 """
 
 from __future__ import annotations
@@ -34,6 +40,9 @@ class Family:
     qkv_bias: bool = False
     qk_norm: bool = False
     windows: str = "none"  # "none" (refused), "all" (every layer), "layer_types", "qwen" (use_sliding_window)
+    gemma: bool = False    # GeGLU, (1 + w) norms, sqrt(hidden) embedding scale, sandwich norms, softcaps
+    window_pattern: int = 0  # without layer_types: every window_pattern-th layer is global, the others local
+    fused: bool = False    # checkpoints and adapters hold qkv_proj and gate_up_proj
 
 
 FAMILIES = {f.name: f for f in (
@@ -42,7 +51,11 @@ FAMILIES = {f.name: f for f in (
     Family("ministral", "MinistralForCausalLM", windows="layer_types"),
     Family("qwen2", "Qwen2ForCausalLM", qkv_bias=True, windows="qwen"),
     Family("qwen3", "Qwen3ForCausalLM", qk_norm=True, windows="qwen"),
+    Family("gemma2", "Gemma2ForCausalLM", windows="layer_types", gemma=True, window_pattern=2),
+    Family("gemma3_text", "Gemma3ForCausalLM", qk_norm=True, windows="layer_types", gemma=True, window_pattern=6),
+    Family("phi3", "Phi3ForCausalLM", windows="all", fused=True),
 )}
+GEMMA_OPTIONS = ("attn_logit_softcapping", "final_logit_softcapping")  # implemented for the Gemma families
 BY_ARCHITECTURE = {f.architecture: f for f in FAMILIES.values()}
 # options of some transformers configs that change the math and that the decoder does not implement
 UNSUPPORTED_OPTIONS = {
@@ -87,18 +100,28 @@ def hf_model_fields(d: dict[str, Any]) -> dict[str, Any]:
         return UnsupportedModel(f"{family.architecture} config: {what} is not supported{hint}")
 
     for option, what in UNSUPPORTED_OPTIONS.items():
-        if d.get(option):
+        if d.get(option) and not (family.gemma and option in GEMMA_OPTIONS):
             raise refuse(what)
-    if d.get("attention_bias"):  # Llama's and Qwen3's also put a bias on o_proj
+    if d.get("attention_bias"):  # Llama's, Qwen3's and Gemma's also put a bias on o_proj
         raise refuse("attention_bias=true (biases on the attention projections)")
-    act = d.get("hidden_act", "silu")
-    if act != "silu":
-        raise refuse(f"hidden_act {act!r} (only silu)")
-    rope = _rope(d, refuse)
+    act_key, act = "hidden_act", d.get("hidden_act", "silu")
+    if family.gemma:
+        act_key, act = "hidden_activation", d.get("hidden_activation") or d.get("hidden_act")
+    expected_act = "gelu_pytorch_tanh" if family.gemma else "silu"
+    if act != expected_act:
+        raise refuse(f"{act_key} {act!r} (only {expected_act})")
     num_layers = d["num_hidden_layers"]
     num_heads = d["num_attention_heads"]
+    layer_windows = _layer_windows(d, family, num_layers, refuse)
+    rope, local_rope = _ropes(d, family, refuse)
     eos = d.get("eos_token_id")
-    return dict(
+    gemma = {}
+    if family.gemma:
+        gemma = dict(hidden_act="gelu_tanh", norm_offset=1.0, embed_scale=True, sandwich_norms=True,
+                     attn_softcap=float(d.get("attn_logit_softcapping") or 0.0),
+                     final_softcap=float(d.get("final_logit_softcapping") or 0.0),
+                     attn_scale=float(d.get("query_pre_attn_scalar", 256)) ** -0.5, local_rope=local_rope)
+    return gemma | dict(
         family=family.name,
         vocab_size=d["vocab_size"],
         hidden_size=d["hidden_size"],
@@ -115,12 +138,24 @@ def hf_model_fields(d: dict[str, Any]) -> dict[str, Any]:
         eos_token_ids=tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,)),
         qkv_bias=family.qkv_bias,
         qk_norm=family.qk_norm,
-        layer_windows=_layer_windows(d, family, num_layers, refuse),
+        layer_windows=layer_windows,
+        fused_projections=family.fused,
     )
 
 
-def _rope(d: dict[str, Any], refuse) -> dict[str, Any]:
+def _ropes(d: dict[str, Any], family: Family, refuse) -> tuple[dict[str, Any], dict[str, Any] | None]:
+    """(the rope of the global layers, that of the local ones where the family has one of its own)."""
     params = dict(d.get("rope_parameters") or {})
+    if family.name != "gemma3_text":
+        return _rope(d, params, refuse), None
+    if FULL_ATTENTION in params:  # transformers 5: one rope per layer type
+        return (_rope(d, dict(params[FULL_ATTENTION]), refuse),
+                _rope({}, dict(params.get(SLIDING_ATTENTION) or {"rope_theta": 10000.0}), refuse))
+    local = {"rope_theta": d.get("rope_local_base_freq", 10000.0)}
+    return _rope(d, params, refuse), _rope({}, local, refuse)
+
+
+def _rope(d: dict[str, Any], params: dict[str, Any], refuse) -> dict[str, Any]:
     params.update(d.get("rope_scaling") or {})
     partial = params.get("partial_rotary_factor", d.get("partial_rotary_factor", 1.0))
     if partial != 1.0:
@@ -154,6 +189,9 @@ def _layer_windows(d: dict[str, Any], family: Family, num_layers: int, refuse) -
             raise refuse(f"layer_types on {family.name} (transformers' Mistral ignores them; alternating "
                          "attention is model_type ministral)")
         layer_types = [SLIDING_ATTENTION] * num_layers
+    elif layer_types is None and family.window_pattern:
+        pattern = d.get("sliding_window_pattern", family.window_pattern)
+        layer_types = [SLIDING_ATTENTION if (i + 1) % pattern else FULL_ATTENTION for i in range(num_layers)]
     elif layer_types is None:
         first_sliding = d.get("max_window_layers", num_layers) if family.windows == "qwen" else 0
         layer_types = [SLIDING_ATTENTION if i >= first_sliding else FULL_ATTENTION for i in range(num_layers)]
@@ -163,6 +201,8 @@ def _layer_windows(d: dict[str, Any], family: Family, num_layers: int, refuse) -
     if unknown:
         raise refuse(f"layer_types {unknown}")
     if window is None:
+        if family.name == "gemma3_text" and SLIDING_ATTENTION in layer_types:
+            raise refuse("local layers without a sliding_window (they would still take the local rope)")
         return ()
     if isinstance(window, bool) or not isinstance(window, int) or window < 1:
         raise refuse(f"sliding_window={window!r} (a positive number of tokens)")

@@ -68,7 +68,21 @@ TINY_FAMILIES = {
     "mistral": ("mistral", {"sliding_window": 8, "head_dim": 16}),
     "ministral": ("ministral", {"sliding_window": 8, "head_dim": 16,
                                 "layer_types": ["sliding_attention", "full_attention"]}),
+    # local and global layers alternate; weights of std 0.2 make scores and logits that both softcaps cap
+    "gemma2": ("gemma2", {"sliding_window": 8, "head_dim": 16, "query_pre_attn_scalar": 24, "initializer_range": 0.2,
+                          "attn_logit_softcapping": 1.0, "final_logit_softcapping": 1.0}),
+    "gemma3": ("gemma3_text", {"sliding_window": 8, "head_dim": 16, "query_pre_attn_scalar": 24,
+                               "layer_types": ["sliding_attention", "full_attention"],
+                               "rope_parameters": {"full_attention": {"rope_type": "linear", "factor": 4.0,
+                                                                      "rope_theta": 1e6},
+                                                   "sliding_attention": {"rope_type": "default",
+                                                                         "rope_theta": 1e4}}}),
+    "phi3": ("phi3", {"sliding_window": 8, "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2,
+                      "tie_word_embeddings": True}),
 }
+# the fused modules of some families (Phi-3) that stand for the separate ones of the others
+FUSED_MODULES = {"q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj", "gate_proj": "gate_up_proj",
+                 "up_proj": "gate_up_proj"}
 
 
 def tiny_family_model(family: str, seed: int = 0, **overrides):
@@ -112,8 +126,11 @@ def make_peft_adapter(base_model: LlamaForCausalLM, path: str | Path, r: int, al
                       seed: int = 0, safe_serialization: bool = True, **kw) -> Path:
     """Save a PEFT LoRA adapter with random non-zero A and B (init_lora_weights=False) to `path`.
 
-    `base_model` is not modified; `kw` goes to LoraConfig (e.g. layers_to_transform).
+    `base_model` is not modified; `kw` goes to LoraConfig (e.g. layers_to_transform). On a model
+    with fused projections (Phi-3) the targets q/k/v and gate/up name its qkv_proj and gate_up_proj.
     """
+    if any(name.endswith("qkv_proj") for name, _ in base_model.named_modules()):
+        targets = sorted({FUSED_MODULES.get(t, t) for t in targets})
     config = LoraConfig(r=r, lora_alpha=alpha, target_modules=list(targets), use_rslora=use_rslora,
                         init_lora_weights=False, **kw)
     with torch.random.fork_rng(devices=[]):

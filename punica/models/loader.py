@@ -162,6 +162,11 @@ def _place(config: ModelConfig, name: str) -> tuple[str, int, int]:
               "down": ("down_proj", 0, h), "input_layernorm": ("input_norm", 0, h),
               "post_attention_layernorm": ("post_norm", 0, h), "q_norm": ("q_norm", 0, config.head_dim),
               "k_norm": ("k_norm", 0, config.head_dim)}
+    if config.fused_projections:  # Phi-3's checkpoints hold the fused projections as they are
+        places |= {"qkv": ("qkv_proj", 0, q + 2 * kv), "gate_up": ("gate_up_proj", 0, 2 * inter)}
+    if config.sandwich_norms:  # Gemma's post_attention_layernorm normalises the attention output
+        places |= {"post_attention_layernorm": ("attn_out_norm", 0, h), "pre_feedforward_layernorm": (
+            "post_norm", 0, h), "post_feedforward_layernorm": ("mlp_out_norm", 0, h)}
     if m is None or int(m[1]) >= config.num_layers or m[2] not in places or (m[3], m[2]) not in _layer_tensors(config):
         raise ValueError(f"unexpected tensor {name!r} in checkpoint (for a {config.family} model)")
     module, first, end = places[m[2]]
@@ -170,8 +175,11 @@ def _place(config: ModelConfig, name: str) -> tuple[str, int, int]:
 
 def _layer_tensors(config: ModelConfig) -> set[tuple[str, str]]:
     """(weight or bias, projection or norm) of the tensors every layer of the checkpoint holds."""
-    tensors = {("weight", p) for p in ("q", "k", "v", "o", "gate", "up", "down", "input_layernorm",
-                                       "post_attention_layernorm")}
+    projections = ("qkv", "o", "gate_up", "down") if config.fused_projections else (
+        "q", "k", "v", "o", "gate", "up", "down")
+    tensors = {("weight", p) for p in (*projections, "input_layernorm", "post_attention_layernorm")}
+    if config.sandwich_norms:
+        tensors |= {("weight", "pre_feedforward_layernorm"), ("weight", "post_feedforward_layernorm")}
     if config.qkv_bias:
         tensors |= {("bias", "q"), ("bias", "k"), ("bias", "v")}
     if config.qk_norm:
@@ -181,9 +189,9 @@ def _layer_tensors(config: ModelConfig) -> set[tuple[str, str]]:
 
 def _hf_layer_tensor(layer: int, kind: str, part: str) -> str:
     """The checkpoint name of one of a layer's tensors (`_layer_tensors`)."""
-    if part in ("input_layernorm", "post_attention_layernorm"):
+    if part.endswith("layernorm"):
         return f"model.layers.{layer}.{part}.{kind}"
-    if part in ("gate", "up", "down"):
+    if part in ("gate", "up", "down", "gate_up"):
         return f"model.layers.{layer}.mlp.{part}_proj.{kind}"
     return f"model.layers.{layer}.self_attn.{part if part.endswith('norm') else part + '_proj'}.{kind}"
 
@@ -222,6 +230,8 @@ def load_hf_dir(path: str | Path, dtype: torch.dtype | None = None, device: torc
                 for a, b, local in where.overlaps(first, end):
                     rows = slice(a - first, b - first)
                     part = tensor[rows] if where.cols is None else tensor[rows, where.cols[0]:where.cols[1]]
+                    if config.norm_offset and target.endswith("norm.weight"):  # Gemma's 1 + w, in float32
+                        part = part.float() + config.norm_offset
                     param.data[local:local + b - a].copy_(part)
                 filled.add(name)
     expected = {"model.embed_tokens.weight", "model.norm.weight"}

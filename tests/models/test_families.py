@@ -18,7 +18,8 @@ def config(model_type, architecture, **fields):
 
 def test_each_family_turns_on_its_features(punica_config, tiny_family_model):
     features = {family: (c.family, c.qkv_bias, c.qk_norm, c.layer_windows, c.tie_word_embeddings)
-                for family in ("llama", "qwen2", "qwen2-sliding", "qwen3", "mistral", "ministral")
+                for family in ("llama", "qwen2", "qwen2-sliding", "qwen3", "mistral", "ministral", "gemma2", "gemma3",
+                               "phi3")
                 for c in [punica_config(tiny_family_model(family))]}
     assert features == {
         "llama": ("llama", False, False, (), False),
@@ -27,7 +28,30 @@ def test_each_family_turns_on_its_features(punica_config, tiny_family_model):
         "qwen3": ("qwen3", False, True, (), False),
         "mistral": ("mistral", False, False, (8, 8), False),
         "ministral": ("ministral", False, False, (8, 0), False),
+        "gemma2": ("gemma2", False, False, (8, 0), True),
+        "gemma3": ("gemma3_text", False, True, (8, 0), True),
+        "phi3": ("phi3", False, False, (8, 8), True),
     }
+    assert [punica_config(tiny_family_model(f)).fused_projections for f in ("llama", "phi3")] == [False, True]
+
+
+def test_gemma_features(punica_config, tiny_family_model):
+    g2, g3 = (punica_config(tiny_family_model(f)) for f in ("gemma2", "gemma3"))
+    assert (g2.hidden_act, g2.norm_offset, g2.embed_scale, g2.sandwich_norms) == ("gelu_tanh", 1.0, True, True)
+    assert (g2.attn_softcap, g2.final_softcap, g2.attn_scale, g2.local_rope) == (1.0, 1.0, 24 ** -0.5, None)
+    assert (g3.attn_softcap, g3.final_softcap) == (0.0, 0.0)
+    assert (g3.rope.rope_type, g3.rope.factor, g3.rope.theta, g3.local_rope.theta) == ("linear", 4.0, 1e6, 1e4)
+    assert g3.layer_rope(0) == g3.local_rope and g3.layer_rope(1) == g3.rope
+    # a Gemma 2 config.json of the hub: no layer_types, every other layer local
+    hub = config("gemma2", "Gemma2ForCausalLM", hidden_activation="gelu_pytorch_tanh", sliding_window=4096,
+                 attn_logit_softcapping=50.0, final_logit_softcapping=30.0, query_pre_attn_scalar=256)
+    assert hub.layer_windows == (4096, 0, 4096, 0) and hub.attn_scale == 1 / 16
+    # a Gemma 3 one of transformers 4: rope_local_base_freq and rope_scaling for the global layers
+    old = config("gemma3_text", "Gemma3ForCausalLM", hidden_activation="gelu_pytorch_tanh", sliding_window=512,
+                 sliding_window_pattern=2, rope_theta=1e6, rope_local_base_freq=1e4,
+                 rope_scaling={"rope_type": "linear", "factor": 8.0})
+    assert old.layer_windows == (512, 0, 512, 0) and old.local_rope.theta == 1e4
+    assert (old.rope.theta, old.rope.factor, old.local_rope.rope_type) == (1e6, 8.0, "default")
 
 
 def test_qwen_windows_follow_use_sliding_window_and_max_window_layers():
@@ -50,8 +74,15 @@ def test_old_configs_without_model_type_are_read_by_architecture():
 
 
 @pytest.mark.parametrize("model_type,architecture,fields,message", [
-    ("gemma2", "Gemma2ForCausalLM", {}, r"model_type 'gemma2' \(Gemma2ForCausalLM\) is not supported; punica "
-                                        r"serves llama \(LlamaForCausalLM\), mistral"),
+    ("gpt_neox", "GPTNeoXForCausalLM", {}, r"model_type 'gpt_neox' \(GPTNeoXForCausalLM\) is not supported; "
+                                          r"punica serves llama \(LlamaForCausalLM\), mistral"),
+    ("phi3", "Phi3ForCausalLM", {"rope_parameters": {"rope_type": "longrope", "short_factor": [1.0] * 8}},
+     r"Phi3ForCausalLM config: rope scaling type 'longrope' is not supported"),
+    ("phi3", "Phi3ForCausalLM", {"rope_scaling": {"type": "su"}}, r"rope scaling type 'su'"),
+    ("phi3", "Phi3ForCausalLM", {"partial_rotary_factor": 0.75}, r"partial_rotary_factor=0.75"),  # Phi-4-mini
+    ("gemma2", "Gemma2ForCausalLM", {"hidden_activation": "gelu"}, r"hidden_activation 'gelu' \(only gelu_pytorch"),
+    ("gemma3_text", "Gemma3ForCausalLM", {"hidden_activation": "gelu_pytorch_tanh", "sliding_window": None},
+     r"local layers without a sliding_window"),
     (None, "FalconForCausalLM", {}, r"architectures \['FalconForCausalLM'\] are not supported"),
     ("qwen2", "Qwen2ForSequenceClassification", {}, r"serves the causal LM Qwen2ForCausalLM"),
     ("llama", "LlamaForCausalLM", {"sliding_window": 64}, r"sliding-window attention \(sliding_window=64\)"),
@@ -90,7 +121,10 @@ def test_a_checkpoint_tensor_the_family_lacks_is_refused(tmp_path, tiny_family_m
         load_hf_dir(tmp_path, torch.float32)
 
 
-def test_qwen_preset():
+def test_family_presets():
     c = preset_config("qwen2.5-7b")
     assert (c.hidden_size, c.intermediate_size, c.num_layers, c.num_heads, c.num_kv_heads, c.head_dim,
             c.vocab_size, c.qkv_bias, c.family) == (3584, 18944, 28, 28, 4, 128, 152064, True, "qwen2")
+    g = preset_config("gemma-2-9b")
+    assert (g.hidden_size, g.num_layers, g.num_heads, g.num_kv_heads, g.head_dim, g.q_size, g.vocab_size,
+            g.window(0), g.window(1)) == (3584, 42, 16, 8, 256, 4096, 256000, 4096, 0)

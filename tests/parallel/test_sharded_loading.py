@@ -60,7 +60,7 @@ def test_dummy_shard_splits_the_qkv_bias(rank, punica_config, tiny_family_model)
 
 
 @pytest.mark.parametrize("rank", range(WORLD_SIZE))
-@pytest.mark.parametrize("shard_family", ["llama", "qwen2", "qwen3"])  # q/k/v biases split, q/k norms replicated
+@pytest.mark.parametrize("shard_family", ["llama", "qwen2", "qwen3", "phi3"])  # biases split, q/k norms replicated
 def test_checkpoint_shard_reads_the_slice_of_the_full_model(tmp_path, rank, tiny_family_model, shard_family):
     tiny_family_model(shard_family, seed=5).save_pretrained(tmp_path)
     assert_shard_of(load_hf_dir(tmp_path, torch.float32, shard=split_on_meta(rank)),

@@ -89,8 +89,8 @@ def scenario(group, base_dir, adapter_paths, prompts):
 
 
 # Llama; Qwen2 with its q/k/v bias split with the heads, tied embeddings and a sliding-window layer;
-# Qwen3 with its per-head q/k norms replicated
-@pytest.mark.parametrize("tp_family", ["llama", "qwen2-sliding", "qwen3"])
+# Qwen3 with its per-head q/k norms replicated; Gemma 2 with its sandwich norms, softcaps and local layers
+@pytest.mark.parametrize("tp_family", ["llama", "qwen2-sliding", "qwen3", "gemma2"])
 def test_tensor_parallel_2_ranks_match_1(tmp_path, make_peft_adapter, tiny_family_model, tp_family):
     hf_model = tiny_family_model(tp_family, seed=3)  # 4 heads, 2 kv heads, intermediate 96
     hf_model.save_pretrained(tmp_path / "base")
