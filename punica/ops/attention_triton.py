@@ -91,8 +91,8 @@ def _attend(acc, m, l, qt, kv_head, pages_row, lo, hi, query_pos, window, qk_sca
             kt = kt.to(tl.float32)
             vt = vt.to(tl.float32)
         s = tl.dot(qt, kt, input_precision=PRECISION) * qk_scale
-        if SOFTCAP:  # tanh(x) = 2 sigmoid(2x) - 1
-            s = (softcap * LOG2E) * (2.0 * tl.sigmoid(2.0 * s / softcap) - 1.0)
+        if SOFTCAP:  # tanh(x) = 2 sigmoid(2x) - 1; log2(e) as a literal (a jitted function reads no globals)
+            s = (softcap * 1.4426950408889634) * (2.0 * tl.sigmoid(2.0 * s / softcap) - 1.0)
         if MASKED:
             seen = key_ok[None, :] & (keys[None, :] <= query_pos[:, None])
             if SLIDING:
