@@ -3,10 +3,10 @@
 One decoder (punica.models.decoder) serves every family: a family is the set of features its
 config turns on (biased q/k/v, per-head q/k RMSNorm, sliding-window layers, Gemma's GeGLU,
 (1 + w) norms, scaled embeddings, norms after attention and MLP, softcapping, query scale and
-a rope of its own for the local layers), and `hf_model_fields`
-turns a config.json into the fields of punica.config.ModelConfig. Whatever a config asks for
-that the decoder does not implement is refused with UnsupportedModel naming it: a checkpoint is
-served exactly as transformers runs it, or not at all.
+a rope of its own for the local layers), and `hf_model_fields` turns a config.json into the
+fields of punica.config.ModelConfig. Whatever a config asks for that the decoder does not
+implement is refused with UnsupportedModel naming it: a checkpoint is served with the math
+transformers runs for it, or not at all.
 
     family      transformers class    q/k/v bias  q/k norm  sliding window
     llama       LlamaForCausalLM      no          no        refused
