@@ -22,10 +22,11 @@ memory). One such engine, with all adapter names registered, runs every workload
 fresh group per workload would rebuild the model each time); the pages of one workload are all
 free before the next. The HF+PEFT baseline is skipped (it runs on one device).
 
-HF+PEFT baseline (unless --skip-hf; for backbone, distinct and identical among --workloads):
-transformers' LlamaForCausalLM of the same shape with its own random init (N(0, 0.02) weights
-like the engine's dummy model; bf16 on CUDA, fp32 on CPU; SDPA attention), PEFT LoRA of rank
---rank on all 7 projections (adapters in the model's dtype: autocast_adapter_dtype=False),
+HF+PEFT baseline (unless --skip-hf, and for Llama presets only; for backbone, distinct and
+identical among --workloads): transformers' LlamaForCausalLM of the same shape with its own
+random init (N(0, 0.02) weights like the engine's dummy model; bf16 on CUDA, fp32 on CPU; SDPA
+attention), PEFT LoRA of rank --rank on all 7 projections (adapters in the model's dtype:
+autocast_adapter_dtype=False),
 `generate` greedy in static batches of 32 left-padded prompts, each batch running to its
 longest output. distinct: PEFT's mixed-batch `adapter_names`, request i adapter i; identical:
 one active adapter (PEFT's single-adapter path); backbone: the model before PEFT wraps it.
@@ -243,15 +244,18 @@ def main() -> None:
         finally:
             if tp > 1:
                 parallel_engine.close()
+    hf_ran = not args.skip_hf and tp == 1 and config.family == "llama"
     if not args.skip_hf and tp > 1:
         print(f"HF+PEFT baseline skipped: it runs on one device, the engine on {tp}", flush=True)
+    elif not args.skip_hf and config.family != "llama":
+        print(f"HF+PEFT baseline skipped: it builds a Llama, and {args.preset} is {config.family}", flush=True)
     elif not args.skip_hf:
         rows += hf_baseline(config, args.workloads, args.hf_requests, args.hf_max_total, args.rank, dtype, device)
     device_name = torch.cuda.get_device_name() if device == "cuda" else "cpu"
     meta = {"device": device_name if tp == 1 else f"{tp}x {device_name}", "preset": args.preset,
             "tensor_parallel_size": tp, "overlaps_steps": tp == 1 and args.overlap_steps,
             "requests": args.requests, "max_total": args.max_total, "rank": args.rank,
-            "hf_requests": 0 if args.skip_hf or tp > 1 else args.hf_requests, "hf_max_total": args.hf_max_total,
+            "hf_requests": args.hf_requests if hf_ran else 0, "hf_max_total": args.hf_max_total,
             "hf_batch": HF_BATCH, "date": time.strftime("%Y-%m-%d")}
     write_results(args.out, "textgen", rows, meta)
     plot(rows, args.out / "textgen.png", f"{args.preset}, rank {args.rank}, {meta['device']}, TP={tp}")

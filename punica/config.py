@@ -9,8 +9,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM")
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+from punica.families import SUPPORTED_ROPE_TYPES, hf_model_fields
 
 
 @dataclass(frozen=True)
@@ -47,6 +46,20 @@ class ModelConfig:
     tie_word_embeddings: bool = False
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    # the family's features (punica.families): the decoder implements each of them
+    family: str = "llama"
+    qkv_bias: bool = False   # biases on q, k and v (the LoRA delta adds to the biased projection)
+    qk_norm: bool = False    # RMSNorm over each head of q and k before rotary
+    layer_windows: tuple[int, ...] = ()  # each layer's sliding window in tokens, 0: full; (): all full
+    hidden_act: str = "silu"  # the MLP's gate activation: silu (SwiGLU) or gelu_tanh (GeGLU)
+    norm_offset: float = 0.0  # checkpoints store each RMSNorm weight less this (Gemma's 1 + w)
+    embed_scale: bool = False  # embeddings times sqrt(hidden_size)
+    sandwich_norms: bool = False  # RMSNorms on the attention and MLP outputs too, before their residual adds
+    attn_softcap: float = 0.0  # attention scores s -> cap * tanh(s / cap); 0: none
+    final_softcap: float = 0.0  # the same on the logits
+    attn_scale: float = 0.0  # the attention's score scale; 0: head_dim ** -0.5
+    local_rope: RopeConfig | None = None  # the rope of the sliding-window layers, where it is not `rope`
+    fused_projections: bool = False  # checkpoint and adapters name the fused qkv_proj and gate_up_proj (Phi-3)
 
     def __post_init__(self):
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers",
@@ -58,6 +71,21 @@ class ModelConfig:
                 f"model config: num_heads ({self.num_heads}) must be a multiple of "
                 f"num_kv_heads ({self.num_kv_heads})"
             )
+        if self.layer_windows and (len(self.layer_windows) != self.num_layers or min(self.layer_windows) < 0):
+            raise ValueError(f"model config: layer_windows {self.layer_windows} must hold one window >= 0 "
+                             f"per layer ({self.num_layers})")
+        if self.hidden_act not in ("silu", "gelu_tanh"):
+            raise ValueError(f"model config: hidden_act {self.hidden_act!r} is not silu or gelu_tanh")
+        if min(self.attn_softcap, self.final_softcap, self.attn_scale) < 0:
+            raise ValueError("model config: softcaps and the attention scale must not be negative")
+
+    def window(self, layer: int) -> int:
+        """Layer `layer`'s sliding window in tokens; 0: it attends to the whole context."""
+        return self.layer_windows[layer] if self.layer_windows else 0
+
+    def layer_rope(self, layer: int) -> RopeConfig:
+        """The rope of layer `layer`: `local_rope` on a sliding-window layer where there is one."""
+        return self.local_rope if self.local_rope is not None and self.window(layer) else self.rope
 
     @property
     def q_size(self) -> int:
@@ -77,45 +105,12 @@ class ModelConfig:
 
     @classmethod
     def from_hf_dict(cls, d: dict[str, Any]) -> ModelConfig:
-        archs = d.get("architectures") or ["LlamaForCausalLM"]
-        if not any(a in SUPPORTED_ARCHITECTURES for a in archs) and d.get("model_type") not in ("llama", "mistral"):
-            raise ValueError(f"unsupported architecture {archs}; punica serves Llama-family models")
-        for flag in ("attention_bias", "mlp_bias"):
-            if d.get(flag):
-                raise ValueError(f"model config: {flag}=true is not supported")
-        if d.get("hidden_act", "silu") != "silu":
-            raise ValueError(f"model config: hidden_act {d['hidden_act']!r} is not supported (only silu)")
-        num_heads = d["num_attention_heads"]
-        rope_params = dict(d.get("rope_parameters") or {})
-        scaling = dict(d.get("rope_scaling") or {})
-        rope_params.update(scaling)
-        theta = rope_params.get("rope_theta", d.get("rope_theta", 10000.0))
-        rope_type = rope_params.get("rope_type", rope_params.get("type", "default"))
-        rope = RopeConfig(
-            theta=float(theta),
-            rope_type=rope_type,
-            factor=float(rope_params.get("factor", 1.0)),
-            low_freq_factor=float(rope_params.get("low_freq_factor", 1.0)),
-            high_freq_factor=float(rope_params.get("high_freq_factor", 4.0)),
-            original_max_position_embeddings=int(rope_params.get("original_max_position_embeddings", 8192)),
-        )
-        eos = d.get("eos_token_id")
-        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
-        return cls(
-            vocab_size=d["vocab_size"],
-            hidden_size=d["hidden_size"],
-            intermediate_size=d["intermediate_size"],
-            num_layers=d["num_hidden_layers"],
-            num_heads=num_heads,
-            num_kv_heads=d.get("num_key_value_heads") or num_heads,
-            head_dim=d.get("head_dim") or d["hidden_size"] // num_heads,
-            rms_norm_eps=float(d.get("rms_norm_eps", 1e-5)),
-            rope=rope,
-            max_position_embeddings=d.get("max_position_embeddings", 4096),
-            tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
-            bos_token_id=d.get("bos_token_id"),
-            eos_token_ids=eos_ids,
-        )
+        """The config of a transformers config.json; punica.families.UnsupportedModel (a ValueError)
+        names anything in it that punica does not implement."""
+        fields_ = hf_model_fields(d)
+        local = fields_.get("local_rope")
+        return cls(**(fields_ | {"rope": RopeConfig(**fields_["rope"]),
+                                 "local_rope": None if local is None else RopeConfig(**local)}))
 
     @classmethod
     def from_dir(cls, path: str | Path) -> ModelConfig:
@@ -126,11 +121,18 @@ class ModelConfig:
 
 
 PRESETS = {
-    # name: (hidden, intermediate, layers, heads, kv_heads, vocab)
+    # name: (hidden, intermediate, layers, heads, kv_heads, vocab[, other ModelConfig fields])
     "llama-2-7b": (4096, 11008, 32, 32, 32, 32000),
     "llama-2-13b": (5120, 13824, 40, 40, 40, 32000),
     "llama-2-70b": (8192, 28672, 80, 64, 8, 32000),
     "llama-3-8b": (4096, 14336, 32, 32, 8, 128256),
+    "qwen2.5-7b": (3584, 18944, 28, 28, 4, 152064,
+                   {"family": "qwen2", "qkv_bias": True, "rms_norm_eps": 1e-6, "rope": RopeConfig(theta=1e6)}),
+    "gemma-2-9b": (3584, 14336, 42, 16, 8, 256000,
+                   {"family": "gemma2", "head_dim": 256, "rms_norm_eps": 1e-6, "tie_word_embeddings": True,
+                    "layer_windows": (4096, 0) * 21, "hidden_act": "gelu_tanh", "norm_offset": 1.0,
+                    "embed_scale": True, "sandwich_norms": True, "attn_softcap": 50.0, "final_softcap": 30.0,
+                    "attn_scale": 256 ** -0.5, "max_position_embeddings": 8192}),
     "tiny": (128, 256, 2, 4, 2, 512),  # smoke-testing the benchmarks on a CPU
 }
 
@@ -139,15 +141,14 @@ def preset_config(name: str) -> ModelConfig:
     """Config of a well-known model shape, for random-weight ("dummy") benchmarks."""
     if name not in PRESETS:
         raise ValueError(f"unknown model preset {name!r}; known: {', '.join(PRESETS)}")
-    h, i, n, heads, kv, vocab = PRESETS[name]
+    h, i, n, heads, kv, vocab, *other = PRESETS[name]
+    fields_ = dict(head_dim=h // heads, max_position_embeddings=4096) | (other[0] if other else {})
     return ModelConfig(vocab_size=vocab, hidden_size=h, intermediate_size=i, num_layers=n,
-                       num_heads=heads, num_kv_heads=kv, head_dim=h // heads,
-                       max_position_embeddings=4096)
+                       num_heads=heads, num_kv_heads=kv, **fields_)
 
 
 def ceil_div(a: int, b: int) -> int:
     return -(-a // b)
-
 
 
 def described(default, help: str, **metadata):

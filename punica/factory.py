@@ -20,7 +20,7 @@ from punica.engine.engine import Engine
 from punica.engine.executor import Executor, LocalExecutor
 from punica.engine.worker import ModelWorker, kv_cache_pages
 from punica.lora.adapter import adapter_rank
-from punica.models.llama import LlamaForCausalLM
+from punica.models.decoder import DecoderForCausalLM
 from punica.models.loader import DummyWeights, default_dtype, load_weights, resolve_model_dir
 from punica.parallel.executor import start_tensor_parallel
 
@@ -79,7 +79,7 @@ def engine_config(args: EngineArgs, adapters: dict[str, str]) -> EngineConfig:
     return dataclasses.replace(config, max_lora_rank=rank)
 
 
-def engine_on_model(model: LlamaForCausalLM, config: EngineConfig, adapters: dict[str, str] | None = None,
+def engine_on_model(model: DecoderForCausalLM, config: EngineConfig, adapters: dict[str, str] | None = None,
                     tokenizer=None, eos_token_ids: tuple[int, ...] = ()) -> Engine:
     """An engine in this process over a model already loaded (benchmarks build several engines over one)."""
     return Engine(LocalExecutor(ModelWorker(model, config, kv_cache_pages(model, config))), tokenizer, config,

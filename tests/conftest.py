@@ -1,4 +1,5 @@
-"""Fixtures of every test directory: a tiny random Llama and real PEFT LoRA adapters made by `peft` itself.
+"""Fixtures of every test directory: tiny random models of each family served (transformers' own
+classes), real PEFT LoRA adapters made by `peft` itself, and greedy decoding by both to compare.
 
 Each fixture returns a function (tests call it with the arguments they need); test modules never
 import this file.
@@ -20,11 +21,18 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from peft import LoraConfig, PeftModel, get_peft_model  # noqa: E402
-from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
+from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM  # noqa: E402
 
 from punica.config import ModelConfig  # noqa: E402
+from punica.engine.sampling_params import SamplingParams  # noqa: E402
 
 HF_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def pytest_generate_tests(metafunc):
+    """A test taking `family` runs once for each tiny model family of TINY_FAMILIES."""
+    if "family" in metafunc.fixturenames:
+        metafunc.parametrize("family", list(TINY_FAMILIES))
 
 
 def pytest_collection_modifyitems(config, items):
@@ -50,6 +58,53 @@ def tiny_llama(seed: int = 0, **overrides) -> LlamaForCausalLM:
         return LlamaForCausalLM(tiny_llama_config(**overrides)).eval()
 
 
+# tiny model of each family: (model_type, config overrides on top of tiny_llama_config's shape);
+# sliding windows of 8 tokens, shorter than the test prompts plus their outputs
+TINY_FAMILIES = {
+    "llama": ("llama", {}),
+    "qwen2": ("qwen2", {"tie_word_embeddings": True}),
+    "qwen2-sliding": ("qwen2", {"use_sliding_window": True, "sliding_window": 8, "max_window_layers": 1}),
+    "qwen3": ("qwen3", {"head_dim": 16}),
+    "mistral": ("mistral", {"sliding_window": 8, "head_dim": 16}),
+    "ministral": ("ministral", {"sliding_window": 8, "head_dim": 16,
+                                "layer_types": ["sliding_attention", "full_attention"]}),
+    # local and global layers alternate; weights of std 0.2 make scores and logits that both softcaps cap
+    "gemma2": ("gemma2", {"sliding_window": 8, "head_dim": 16, "query_pre_attn_scalar": 24, "initializer_range": 0.2,
+                          "attn_logit_softcapping": 1.0, "final_logit_softcapping": 1.0}),
+    "gemma3": ("gemma3_text", {"sliding_window": 8, "head_dim": 16, "query_pre_attn_scalar": 24,
+                               "layer_types": ["sliding_attention", "full_attention"],
+                               "rope_parameters": {"full_attention": {"rope_type": "linear", "factor": 4.0,
+                                                                      "rope_theta": 1e6},
+                                                   "sliding_attention": {"rope_type": "default",
+                                                                         "rope_theta": 1e4}}}),
+    "phi3": ("phi3", {"sliding_window": 8, "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2,
+                      "tie_word_embeddings": True}),
+}
+# the fused modules of some families (Phi-3) that stand for the separate ones of the others
+FUSED_MODULES = {"q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj", "gate_proj": "gate_up_proj",
+                 "up_proj": "gate_up_proj"}
+
+
+def tiny_family_model(family: str, seed: int = 0, **overrides):
+    """A randomly initialised tiny model of a TINY_FAMILIES family, made by transformers' class for
+    it, in fp32 eval mode; its biases and norm weights random too (transformers initialises them
+    to 0 and 1, which would hide a bias or a norm the decoder forgot)."""
+    model_type, family_overrides = TINY_FAMILIES[family]
+    shape = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, vocab_size=128, max_position_embeddings=256)
+    config = AutoConfig.for_model(model_type, **(shape | family_overrides | overrides))
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(config).eval()
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if name.endswith(".bias"):
+                    param.normal_(0.0, 0.5)
+                elif "norm" in name:
+                    param.add_(torch.randn_like(param) * 0.2)
+    return model
+
+
 def capture_graph(fn):
     """Run fn once eagerly (its kernels compile outside the capture), then capture one call of it
     in a CUDA graph: (graph, what the captured call returned)."""
@@ -61,8 +116,8 @@ def capture_graph(fn):
     return graph, out
 
 
-def punica_config(model: LlamaForCausalLM) -> ModelConfig:
-    """The punica ModelConfig of a transformers Llama."""
+def punica_config(model) -> ModelConfig:
+    """The punica ModelConfig of a transformers model."""
     return ModelConfig.from_hf_dict(model.config.to_dict())
 
 
@@ -71,8 +126,11 @@ def make_peft_adapter(base_model: LlamaForCausalLM, path: str | Path, r: int, al
                       seed: int = 0, safe_serialization: bool = True, **kw) -> Path:
     """Save a PEFT LoRA adapter with random non-zero A and B (init_lora_weights=False) to `path`.
 
-    `base_model` is not modified; `kw` goes to LoraConfig (e.g. layers_to_transform).
+    `base_model` is not modified; `kw` goes to LoraConfig (e.g. layers_to_transform). On a model
+    with fused projections (Phi-3) the targets q/k/v and gate/up name its qkv_proj and gate_up_proj.
     """
+    if any(name.endswith("qkv_proj") for name, _ in base_model.named_modules()):
+        targets = sorted({FUSED_MODULES.get(t, t) for t in targets})
     config = LoraConfig(r=r, lora_alpha=alpha, target_modules=list(targets), use_rslora=use_rslora,
                         init_lora_weights=False, **kw)
     with torch.random.fork_rng(devices=[]):
@@ -95,6 +153,12 @@ def load_peft_model(base_model: LlamaForCausalLM, paths: dict[str, str | Path]) 
 def tiny_llama_config_fixture():
     """The function `tiny_llama_config(**overrides) -> LlamaConfig`."""
     return tiny_llama_config
+
+
+@pytest.fixture(scope="session", name="tiny_family_model")
+def tiny_family_model_fixture():
+    """The function `tiny_family_model(family, seed=0, **overrides)`: a tiny model of a TINY_FAMILIES family."""
+    return tiny_family_model
 
 
 @pytest.fixture(scope="session", name="tiny_llama")
@@ -125,3 +189,46 @@ def make_peft_adapter_fixture():
 def load_peft_model_fixture():
     """The function `load_peft_model(base_model, paths) -> PeftModel`."""
     return load_peft_model
+
+
+def run_all(engine, requests, params_for):
+    ids = [engine.add_request(prompt, params_for(max_tokens), adapter) for prompt, adapter, max_tokens in requests]
+    outs = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.finished:
+                outs[out.request_id] = out
+    return [outs[i] for i in ids]
+
+
+def greedy(max_tokens):
+    return SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+
+
+def hf_greedy(peft_model, prompt, adapter, steps):
+    tokens = list(prompt)
+    with torch.no_grad():
+        for _ in range(steps):
+            logits = peft_model(torch.tensor([tokens]), adapter_names=[adapter or "__base__"]).logits[0, -1]
+            tokens.append(int(logits.argmax()))
+    return tokens[len(prompt):]
+
+
+@pytest.fixture(scope="session", name="run_all")
+def run_all_fixture():
+    """The function `run_all(engine, requests, params_for)`: the final output of every
+    (prompt, adapter, max_tokens) request, in order, with SamplingParams `params_for(max_tokens)`."""
+    return run_all
+
+
+@pytest.fixture(scope="session", name="greedy")
+def greedy_fixture():
+    """The function `greedy(max_tokens) -> SamplingParams`: greedy decoding that ignores EOS."""
+    return greedy
+
+
+@pytest.fixture(scope="session", name="hf_greedy")
+def hf_greedy_fixture():
+    """The function `hf_greedy(peft_model, prompt, adapter, steps)`: the tokens transformers + PEFT
+    generate greedily (adapter None: the base model)."""
+    return hf_greedy

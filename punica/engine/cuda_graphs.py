@@ -39,7 +39,7 @@ import torch
 
 from punica.engine.step_input import StepInput
 from punica.lora.batch import LoraBatch
-from punica.models.llama import LlamaForCausalLM
+from punica.models.decoder import DecoderForCausalLM
 from punica.ops.attention import AttnBatch
 from punica.ops.lora import prefer_bgmv
 
@@ -151,7 +151,7 @@ class StaticBatch:
         if self.copied is not None:
             self.copied.record()
 
-    def forward(self, model: LlamaForCausalLM, kv_cache: torch.Tensor, sampled: torch.Tensor,
+    def forward(self, model: DecoderForCausalLM, kv_cache: torch.Tensor, sampled: torch.Tensor,
                 with_lora: bool) -> torch.Tensor:
         """Logits [num_requests, V] float32 of every request row (LoRA deltas only if
         `with_lora`), fed rows read from `sampled`: only device ops, so it can be captured."""
@@ -178,7 +178,7 @@ class StaticBatch:
 class CudaGraphs:
     """Two captured steps per bucket (with and without LoRA), sharing one memory pool."""
 
-    def __init__(self, model: LlamaForCausalLM, kv_cache: torch.Tensor, sampled: torch.Tensor, page_size: int,
+    def __init__(self, model: DecoderForCausalLM, kv_cache: torch.Tensor, sampled: torch.Tensor, page_size: int,
                  max_batch_size: int, max_pages: int, scratch_page: int):
         device = kv_cache.device
         self.batches = [StaticBatch(b, max_pages, page_size, scratch_page, device)

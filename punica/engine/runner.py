@@ -10,12 +10,12 @@ import torch
 from punica.config import ceil_div
 from punica.engine.cuda_graphs import CudaGraphs, fed_token_ids
 from punica.engine.step_input import StepInput
-from punica.models.llama import LlamaForCausalLM
+from punica.models.decoder import DecoderForCausalLM
 
 log = logging.getLogger(__name__)
 
 
-def kv_bytes_per_token(model: LlamaForCausalLM) -> int:
+def kv_bytes_per_token(model: DecoderForCausalLM) -> int:
     c = model.config
     return 2 * c.num_layers * c.num_kv_heads * c.head_dim * model.embed.weight.element_size()
 
@@ -31,7 +31,7 @@ class ModelRunner:
     padded rows of graph batches write to.
     """
 
-    def __init__(self, model: LlamaForCausalLM, num_pages: int, page_size: int, max_batch_size: int,
+    def __init__(self, model: DecoderForCausalLM, num_pages: int, page_size: int, max_batch_size: int,
                  max_model_len: int | None = None, eager: bool = False):
         self.model = model
         self.device = model.embed.weight.device

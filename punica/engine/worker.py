@@ -11,12 +11,12 @@ from punica.config import EngineConfig, ModelConfig, ceil_div
 from punica.engine.runner import ModelRunner, kv_bytes_per_token
 from punica.engine.step_input import StepInput
 from punica.lora.pool import LoraPool
-from punica.models.llama import LlamaForCausalLM
+from punica.models.decoder import DecoderForCausalLM
 
 CPU_KV_CACHE_BYTES = 1 << 30
 
 
-def kv_cache_pages(model: LlamaForCausalLM, config: EngineConfig) -> int:
+def kv_cache_pages(model: DecoderForCausalLM, config: EngineConfig) -> int:
     """Pages from kv_cache_tokens, kv_cache_bytes, or the free-memory fraction (CUDA) / 1 GiB (CPU)."""
     if config.kv_cache_tokens is not None:
         return ceil_div(config.kv_cache_tokens, config.page_size)
@@ -39,7 +39,7 @@ def context_limit(model_config: ModelConfig, config: EngineConfig, num_pages: in
 
 
 class ModelWorker:
-    def __init__(self, model: LlamaForCausalLM, config: EngineConfig, num_pages: int):
+    def __init__(self, model: DecoderForCausalLM, config: EngineConfig, num_pages: int):
         self.model = model
         self.num_pages = num_pages
         weight = model.embed.weight

@@ -4,7 +4,10 @@
     lora_b[proj] : [num_layers, h_out, rank]   (PEFT's lora_B.weight)
     delta_y      = scale * (x @ lora_a[proj][layer].T) @ lora_b[proj][layer].T
 
-Only targeted projections are keys; layers the adapter does not touch are zeros. Anything the
+Only targeted projections are keys; layers the adapter does not touch are zeros. Phi-3's fused
+modules (qkv_proj, gate_up_proj), in checkpoints and adapters of models with `fused_projections`,
+split exactly: one lora_A shared by q, k and v (gate and up), lora_B split by output rows, so
+each part is a LoRA of the same rank and scale on its projection. Anything the
 canonical layout cannot express exactly is rejected with an AdapterError, never dropped; so is
 an adapter that could overflow the activations of its requests (a non-finite value, a scale
 over MAX_LORA_SCALE, a layer's delta with a gain over MAX_LORA_GAIN).
@@ -32,7 +35,12 @@ MODULES = {
     "self_attn.q_proj": "q", "self_attn.k_proj": "k", "self_attn.v_proj": "v",
     "self_attn.o_proj": "o", "mlp.gate_proj": "gate", "mlp.up_proj": "up", "mlp.down_proj": "down",
 }
+# fused modules (Phi-3) -> the projections whose outputs they stack, in order
+FUSED_MODULES = {"self_attn.qkv_proj": ("q", "k", "v"), "mlp.gate_up_proj": ("gate", "up")}
 SUFFIXES = {module.split(".")[1]: proj for module, proj in MODULES.items()}  # "q_proj" -> "q"
+FUSED_SUFFIXES = {module.split(".")[1]: parts for module, parts in FUSED_MODULES.items()}
+FUSED_NAMES = {module: module.split(".")[1].removesuffix("_proj") for module in FUSED_MODULES}  # -> "qkv"
+FUSED_PROJECTIONS = {FUSED_NAMES[module]: parts for module, parts in FUSED_MODULES.items()}
 # base_model.model.model.layers.3.self_attn.q_proj.lora_A[.adapter_name].weight
 TENSOR_NAME = re.compile(
     r"^(?:base_model\.model\.)?(?:model\.)?layers\.(\d+)\.(\w+\.\w+)\.lora_([AB])(?:\.[^.]+)?\.weight$"
@@ -167,24 +175,38 @@ def read_adapter(path: str | Path, config: ModelConfig, name: str | None = None,
                           cfg.get("layers_to_transform"), fail)
     shapes = config.projection_shapes()
     checked = {}
-    for (proj, layer), sides in sorted(pairs.items(), key=lambda kv: PROJECTIONS.index(kv[0][0])):
-        h_in, h_out = shapes[proj]
+    def first_projection(item) -> int:  # in PROJECTIONS order, a fused module at its first part
+        return PROJECTIONS.index(FUSED_PROJECTIONS.get(item[0][0], item[0])[0])
+
+    for (proj, layer), sides in sorted(pairs.items(), key=first_projection):
+        parts = FUSED_PROJECTIONS.get(proj, (proj,))
+        if len(parts) > 1 and not config.fused_projections:
+            raise fail(f"tensor {sides['A'][0]} targets the fused {proj}_proj, which a {config.family} model "
+                       "does not have")
+        h_in = shapes[parts[0]][0]
+        bounds = [0]
+        for part in parts:
+            bounds.append(bounds[-1] + shapes[part][1])
         a = _checked(*sides["A"], (rank, h_in), 0, proj, dtype, fail)
-        b = _checked(*sides["B"], (h_out, rank), 1, proj, dtype, fail)
+        b = _checked(*sides["B"], (bounds[-1], rank), 1, proj, dtype, fail)
         gain = lora_gain(a, b, scale)
         if not gain <= MAX_LORA_GAIN:
             raise fail(f"layer {layer} {proj} projection ({sides['A'][0]}, {sides['B'][0]}): the delta's gain "
                        f"|scale| * ||B @ A||_2 is {gain:.3g}, over the limit of {MAX_LORA_GAIN:g} (weights this "
                        "large would make the activations overflow)")
-        checked[proj, layer] = (a, b)
+        for part, lo, hi in zip(parts, bounds, bounds[1:]):
+            if (part, layer) in checked:
+                raise fail(f"layer {layer} has tensors for the {part} projection both fused and on its own")
+            checked[part, layer] = (a, b[lo:hi] if len(parts) > 1 else b)
     if not checked:
         raise fail("the weights file holds no LoRA tensors")
     targets = cfg.get("target_modules")
     projections = {p for p, _ in checked}
     for target in targets if isinstance(targets, list) else []:
-        proj = SUFFIXES.get(target.rsplit(".", 1)[-1])
-        if proj is not None and proj not in projections:
-            raise fail(f"target_modules names {target} but the weights have no {proj} tensors")
+        suffix = target.rsplit(".", 1)[-1]
+        for proj in FUSED_SUFFIXES.get(suffix, (SUFFIXES.get(suffix),)):
+            if proj is not None and proj not in projections:
+                raise fail(f"target_modules names {target} but the weights have no {proj} tensors")
     return AdapterWeights(name=name or path.resolve().name, rank=rank, scale=scale, pairs=checked)
 
 
@@ -223,12 +245,12 @@ def _pair_tensors(weights: dict[str, torch.Tensor], num_layers: int,
         if "lora_embedding_" in key:
             raise fail(f"LoRA on embeddings is not supported (tensor {key})")
         match = TENSOR_NAME.match(key)
-        if match is None or match[2] not in MODULES:
+        if match is None or match[2] not in MODULES | FUSED_NAMES:
             if "lm_head" in key or "embed_tokens" in key:
                 raise fail(f"LoRA on lm_head/embed_tokens is not supported (tensor {key})")
             raise fail(f"unrecognized tensor {key} (punica adapts only q/k/v/o/gate/up/down "
                        "projections of decoder layers)")
-        layer, proj, side = int(match[1]), MODULES[match[2]], match[3]
+        layer, proj, side = int(match[1]), (MODULES | FUSED_NAMES)[match[2]], match[3]
         if layer >= num_layers:
             raise fail(f"tensor {key} is for layer {layer}, but the base model has {num_layers} layers")
         if layers_to_transform is not None and layer not in layers_to_transform:

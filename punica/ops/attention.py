@@ -70,16 +70,25 @@ def _attend_ref(scores: torch.Tensor, seen: torch.Tensor, v: torch.Tensor) -> to
     return out
 
 
-def paged_attention_ref(q: torch.Tensor, kv_layer: torch.Tensor, batch: AttnBatch, scale: float) -> torch.Tensor:
+def softcap_ref(scores: torch.Tensor, softcap: float) -> torch.Tensor:
+    """softcap * tanh(scores / softcap) (Gemma 2's attention-logit and final-logit softcapping); 0: scores."""
+    return softcap * torch.tanh(scores / softcap) if softcap else scores
+
+
+def paged_attention_ref(q: torch.Tensor, kv_layer: torch.Tensor, batch: AttnBatch, scale: float,
+                        window: int = 0, softcap: float = 0.0) -> torch.Tensor:
     """Causal GQA attention of each request's queries over its cached keys and values.
 
         q: [T, Hq, D], kv_layer: [P, 2, page_size, Hkv, D]  ->  out: [T, Hq, D]
         for request i with queries rows[i] and context c_i over pages page_table[i]:
             K, V = cached tokens 0..c_i-1;  query j sits at position c_i - q_i + j
             out[rows[i]][j] = softmax(scale * q_j K^T, keys at positions <= its own) V
+        with a sliding window (window > 0) only the keys at positions p - window < key <= p
+        with softcap > 0 each score s = scale * q K^T becomes softcap * tanh(s / softcap)
 
-    A position a query does not see (past its own, past the context, on the page table's
-    padding) contributes exactly nothing, whatever the cache holds there (NaN and inf too).
+    A position a query does not see (past its own, outside its window, past the context, on the
+    page table's padding) contributes exactly nothing, whatever the cache holds there (NaN and
+    inf too).
     """
     num_heads, head_dim = q.shape[1], q.shape[2]
     page_size, num_kv_heads = kv_layer.shape[2], kv_layer.shape[3]
@@ -94,21 +103,24 @@ def paged_attention_ref(q: torch.Tensor, kv_layer: torch.Tensor, batch: AttnBatc
         v = kv_layer[pages, 1].reshape(-1, num_kv_heads, head_dim)[:ctx].float()
         k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
         qi = q[start:start + q_len].float()
-        scores = torch.einsum("qhd,khd->hqk", qi, k) * scale
+        scores = softcap_ref(torch.einsum("qhd,khd->hqk", qi, k) * scale, softcap)
         query_pos = torch.arange(ctx - q_len, ctx, device=q.device)[:, None]
-        seen = torch.arange(ctx, device=q.device)[None, :] <= query_pos
+        key_pos = torch.arange(ctx, device=q.device)[None, :]
+        seen = (key_pos <= query_pos) & ((key_pos > query_pos - window) if window else True)
         out[start:start + q_len] = _attend_ref(scores, seen, v).to(q.dtype)
         start += q_len
     num_decodes = batch.page_table.shape[0] - batch.num_prefills
     if num_decodes:  # one query each: all decodes at once, keys padded to the page table's width
         pages = batch.page_table[batch.num_prefills:].long()
         max_ctx = pages.shape[1] * page_size
-        seen = torch.arange(max_ctx, device=q.device)[None, :] < batch.context_lens[batch.num_prefills:, None]
+        key_pos = torch.arange(max_ctx, device=q.device)[None, :]
+        decode_lens = batch.context_lens[batch.num_prefills:, None]
+        seen = (key_pos < decode_lens) & ((key_pos >= decode_lens - window) if window else True)
         k = kv_layer[pages, 0].reshape(num_decodes, max_ctx, num_kv_heads, head_dim).float()
         v = kv_layer[pages, 1].reshape(num_decodes, max_ctx, num_kv_heads, head_dim).float()
         v = torch.where(seen[:, :, None, None], v, 0.0)  # all of a request's heads see the same keys
         qd = q[start:].float().reshape(num_decodes, num_kv_heads, group, head_dim)
-        scores = torch.einsum("bkgd,blkd->bkgl", qd, k) * scale
+        scores = softcap_ref(torch.einsum("bkgd,blkd->bkgl", qd, k) * scale, softcap)
         scores = torch.where(seen[:, None, None, :], scores, float("-inf"))
         o = torch.einsum("bkgl,blkd->bkgd", scores.softmax(-1), v)
         out[start:] = o.reshape(num_decodes, num_heads, head_dim).to(q.dtype)
@@ -152,19 +164,23 @@ def rope_and_write_kv_(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: t
     rope_and_write_kv_ref(q, k, v, cos, sin, kv_layer, slot_mapping)
 
 
-def paged_attention(q: torch.Tensor, kv_layer: torch.Tensor, batch: AttnBatch, scale: float) -> torch.Tensor:
-    """Causal GQA attention of every request's queries over its pages (prefills first, then decodes).
+def paged_attention(q: torch.Tensor, kv_layer: torch.Tensor, batch: AttnBatch, scale: float,
+                    window: int = 0, softcap: float = 0.0) -> torch.Tensor:
+    """Causal GQA attention of every request's queries over its pages (prefills first, then decodes),
+    over the whole context or (window > 0) a sliding window of the last `window` positions, its
+    scores optionally softcapped (softcap > 0: s -> softcap * tanh(s / softcap), before the softmax).
 
         q: [T, Hq, D], kv_layer: [P, 2, page_size, Hkv, D], Hq % Hkv == 0  ->  out: [T, Hq, D] (q's dtype)
         for request i: rows = query_start[i] : query_start[i+1], q_i = len(rows), c_i = context_lens[i]
             pages = page_table[i, : ceil(c_i / page_size)]
             K, V = kv_layer[pages, 0|1] flattened to [c_i, Hkv, D]   (cached tokens 0 .. c_i-1)
             for query j, head h (its key head h // (Hq / Hkv)), position p = c_i - q_i + j:
-                out[rows[j], h] = softmax(scale * q[rows[j], h] @ K[:p+1, kv].T) @ V[:p+1, kv]
+                out[rows[j], h] = softmax(scale * q[rows[j], h] @ K[w:p+1, kv].T) @ V[w:p+1, kv]
+                with w = max(0, p - window + 1) under a window, else 0 (transformers' sliding window)
         accumulated in fp32; no other position of the cache reaches out[rows[j]], whatever it
         holds (NaN and inf too: see Isolation in the module docstring)
     """
     if q.is_cuda:
         from punica.ops.attention_triton import paged_attention_triton
-        return paged_attention_triton(q, kv_layer, batch, scale)
-    return paged_attention_ref(q, kv_layer, batch, scale)
+        return paged_attention_triton(q, kv_layer, batch, scale, window=window, softcap=softcap)
+    return paged_attention_ref(q, kv_layer, batch, scale, window, softcap)

@@ -15,6 +15,12 @@
   the SMs, partitions of at least MIN_PARTITION tokens. With one split (large batches: e.g. 32
   requests x 32 KV heads already fill 132 SMs) the partition kernel normalises and writes the
   output itself: one launch, no partial buffers.
+* Softcapping (softcap > 0, Gemma 2): each score is capped, softcap * tanh(score / softcap),
+  before the online softmax.
+* Sliding window (window > 0): a prefill tile starts at the key tile of its first query's
+  window and masks every tile (a key outside a row's window is left out like one after it); a
+  decode partition starts at context_len - window, the partitions before it exit and the merge
+  skips them.
 
 Isolation (punica.ops.attention): nothing outside a request's context reaches its output.
 Key tiles wholly before the tile's first query and inside the context run unmasked; the others
@@ -51,14 +57,18 @@ DECODE_CONFIG = (64, 2, 3)        # BLOCK_N, num_warps, num_stages
 
 
 @triton.jit
-def _attend(acc, m, l, qt, kv_head, pages_row, lo, hi, query_pos, qk_scale,
+def _attend(acc, m, l, qt, kv_head, pages_row, lo, hi, query_pos, window, qk_scale, softcap,
             stride_kv_page, stride_kv_kv, stride_kv_token, stride_kv_dim,
             HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
-            MASKED: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+            MASKED: tl.constexpr, SLIDING: tl.constexpr, SOFTCAP: tl.constexpr, UPCAST: tl.constexpr,
+            PRECISION: tl.constexpr):
     """Online softmax of the query rows qt over keys lo..hi-1 of one request and KV head.
 
     acc [rows, HEAD_DIM], m, l [rows] fp32 (max and sum in the log2 domain). MASKED: keys at
-    or past hi, or after a row's query_pos, are left out; else every key is attended.
+    or past hi, or after a row's query_pos, are left out (and with SLIDING those at or before
+    query_pos - window, so a row may see no key of a tile: its max stays -inf and nothing is
+    added); else every key is attended. SOFTCAP: qk_scale is the plain scale, and each score
+    becomes softcap * tanh(score / softcap), then goes to the log2 domain.
     """
     dims = tl.arange(0, HEAD_DIM)
     for start in range(lo, hi, BLOCK_N):
@@ -81,9 +91,16 @@ def _attend(acc, m, l, qt, kv_head, pages_row, lo, hi, query_pos, qk_scale,
             kt = kt.to(tl.float32)
             vt = vt.to(tl.float32)
         s = tl.dot(qt, kt, input_precision=PRECISION) * qk_scale
+        if SOFTCAP:  # tanh(x) = 2 sigmoid(2x) - 1; log2(e) as a literal (a jitted function reads no globals)
+            s = (softcap * 1.4426950408889634) * (2.0 * tl.sigmoid(2.0 * s / softcap) - 1.0)
         if MASKED:
-            s = tl.where(key_ok[None, :] & (keys[None, :] <= query_pos[:, None]), s, float("-inf"))
+            seen = key_ok[None, :] & (keys[None, :] <= query_pos[:, None])
+            if SLIDING:
+                seen = seen & (keys[None, :] > query_pos[:, None] - window)
+            s = tl.where(seen, s, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, axis=1))
+        if SLIDING:  # a row that has seen no key yet: exp2(-inf - 0) = 0, not exp2(-inf + inf) = NaN
+            m_new = tl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = tl.exp2(m - m_new)
         p = tl.exp2(s - m_new[:, None])
         l = l * alpha + tl.sum(p, axis=1)
@@ -109,12 +126,12 @@ def _prefill_tile(query_start, num_prefills, tile, BLOCK_M: tl.constexpr, MAX_PR
 
 @triton.jit
 def _prefill_kernel(
-    q, kv, out, page_table, context_lens, query_start, num_prefills, group, qk_scale,
+    q, kv, out, page_table, context_lens, query_start, num_prefills, group, qk_scale, window, softcap,
     stride_q_token, stride_q_head, stride_q_dim, stride_o_token, stride_o_head, stride_o_dim,
     stride_kv_page, stride_kv_kv, stride_kv_token, stride_kv_head, stride_kv_dim, stride_table,
     HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr, MAX_PREFILLS: tl.constexpr, UPCAST: tl.constexpr,
-    PRECISION: tl.constexpr,
+    BLOCK_N: tl.constexpr, MAX_PREFILLS: tl.constexpr, SLIDING: tl.constexpr, SOFTCAP: tl.constexpr,
+    UPCAST: tl.constexpr, PRECISION: tl.constexpr,
 ):
     head = tl.program_id(1)
     request, block = _prefill_tile(query_start, num_prefills, tl.program_id(0), BLOCK_M, MAX_PREFILLS)
@@ -138,14 +155,22 @@ def _prefill_kernel(
     kv_head = kv + (head // group) * stride_kv_head
     pages_row = page_table + request.to(tl.int64) * stride_table
     first_pos = context_len - query_len + block * BLOCK_M
-    unmasked_end = (first_pos + 1) // BLOCK_N * BLOCK_N  # keys every row of the tile sees
     keys_end = tl.minimum(first_pos + BLOCK_M, context_len)
-    acc, m, l = _attend(acc, m, l, qt, kv_head, pages_row, 0, unmasked_end, query_pos, qk_scale,
-                        stride_kv_page, stride_kv_kv, stride_kv_token, stride_kv_dim,
-                        HEAD_DIM, PAGE_SIZE, BLOCK_N, False, UPCAST, PRECISION)
-    acc, m, l = _attend(acc, m, l, qt, kv_head, pages_row, unmasked_end, keys_end, query_pos, qk_scale,
-                        stride_kv_page, stride_kv_kv, stride_kv_token, stride_kv_dim,
-                        HEAD_DIM, PAGE_SIZE, BLOCK_N, True, UPCAST, PRECISION)
+    if SLIDING:  # from the key tile of the first row's window on, every tile masked
+        keys_start = tl.maximum(first_pos - window + 1, 0) // BLOCK_N * BLOCK_N
+        acc, m, l = _attend(acc, m, l, qt, kv_head, pages_row, keys_start, keys_end, query_pos, window, qk_scale,
+                            softcap, stride_kv_page, stride_kv_kv, stride_kv_token, stride_kv_dim,
+                            HEAD_DIM, PAGE_SIZE, BLOCK_N, True, True, SOFTCAP, UPCAST, PRECISION)
+    else:
+        unmasked_end = (first_pos + 1) // BLOCK_N * BLOCK_N  # keys every row of the tile sees
+        acc, m, l = _attend(acc, m, l, qt, kv_head, pages_row, 0, unmasked_end, query_pos, window, qk_scale, softcap,
+                            stride_kv_page, stride_kv_kv, stride_kv_token, stride_kv_dim,
+                            HEAD_DIM, PAGE_SIZE, BLOCK_N, False, False, SOFTCAP, UPCAST, PRECISION)
+        acc, m, l = _attend(acc, m, l, qt, kv_head, pages_row, unmasked_end, keys_end, query_pos, window,
+                            qk_scale, softcap, stride_kv_page, stride_kv_kv, stride_kv_token, stride_kv_dim,
+                            HEAD_DIM, PAGE_SIZE, BLOCK_N, True, False, SOFTCAP, UPCAST, PRECISION)
+    if SLIDING:  # a padding row's window may hold no key of the context
+        l = tl.where(row_ok, l, 1.0)
     o = acc / l[:, None]
     tl.store(out + tokens[:, None] * stride_o_token + head * stride_o_head + dims[None, :] * stride_o_dim,
              o.to(out.dtype.element_ty), mask=row_ok[:, None])
@@ -154,23 +179,28 @@ def _prefill_kernel(
 @triton.jit
 def _decode_partition_kernel(
     q, kv, out, part_acc, part_max, part_sum, page_table, context_lens, query_start, num_prefills,
-    group, qk_scale, partition_size,
+    group, qk_scale, partition_size, window, softcap,
     stride_q_token, stride_q_head, stride_q_dim, stride_o_token, stride_o_head, stride_o_dim,
     stride_kv_page, stride_kv_kv, stride_kv_token, stride_kv_head, stride_kv_dim, stride_table,
     stride_pa_request, stride_pa_head, stride_pa_split, stride_pa_dim,
     stride_pm_request, stride_pm_head, stride_pm_split,
     HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_G: tl.constexpr,
-    BLOCK_N: tl.constexpr, SINGLE_SPLIT: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_N: tl.constexpr, SINGLE_SPLIT: tl.constexpr, SLIDING: tl.constexpr, SOFTCAP: tl.constexpr,
+    UPCAST: tl.constexpr, PRECISION: tl.constexpr,
 ):
     """One partition of one decode request and KV head: its partial output and statistics, or
-    with SINGLE_SPLIT (one partition covers every context) the normalised output itself."""
+    with SINGLE_SPLIT (one partition covers every context) the normalised output itself. Under a
+    sliding window the query sees keys context_len - window .. context_len - 1: the partitions
+    wholly before them exit, and the one it starts in begins there (the merge skips the former)."""
     decode, kv_head_index, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     request = num_prefills + decode
     context_len = tl.load(context_lens + request)
     lo = split * partition_size
-    if lo >= context_len:
-        return
     hi = tl.minimum(lo + partition_size, context_len)
+    if SLIDING:
+        lo = tl.maximum(lo, context_len - window)
+    if lo >= hi:
+        return
     full_end = lo + (hi - lo) // BLOCK_N * BLOCK_N
     g = tl.arange(0, BLOCK_G)
     g_ok = g < group
@@ -187,12 +217,12 @@ def _decode_partition_kernel(
     kv_head = kv + kv_head_index * stride_kv_head
     pages_row = page_table + request.to(tl.int64) * stride_table
     query_pos = tl.full([BLOCK_G], 0, tl.int32) + context_len - 1
-    acc, m, l = _attend(acc, m, l, qt, kv_head, pages_row, lo, full_end, query_pos, qk_scale,
+    acc, m, l = _attend(acc, m, l, qt, kv_head, pages_row, lo, full_end, query_pos, window, qk_scale, softcap,
                         stride_kv_page, stride_kv_kv, stride_kv_token, stride_kv_dim,
-                        HEAD_DIM, PAGE_SIZE, BLOCK_N, False, UPCAST, PRECISION)
-    acc, m, l = _attend(acc, m, l, qt, kv_head, pages_row, full_end, hi, query_pos, qk_scale,
+                        HEAD_DIM, PAGE_SIZE, BLOCK_N, False, False, SOFTCAP, UPCAST, PRECISION)
+    acc, m, l = _attend(acc, m, l, qt, kv_head, pages_row, full_end, hi, query_pos, window, qk_scale, softcap,
                         stride_kv_page, stride_kv_kv, stride_kv_token, stride_kv_dim,
-                        HEAD_DIM, PAGE_SIZE, BLOCK_N, True, UPCAST, PRECISION)
+                        HEAD_DIM, PAGE_SIZE, BLOCK_N, True, False, SOFTCAP, UPCAST, PRECISION)
     if SINGLE_SPLIT:
         o = acc / l[:, None]
         tl.store(out + token * stride_o_token + heads[:, None] * stride_o_head + dims[None, :] * stride_o_dim,
@@ -207,17 +237,20 @@ def _decode_partition_kernel(
 
 @triton.jit
 def _decode_merge_kernel(
-    out, part_acc, part_max, part_sum, context_lens, query_start, num_prefills, partition_size,
+    out, part_acc, part_max, part_sum, context_lens, query_start, num_prefills, partition_size, window,
     stride_o_token, stride_o_head, stride_o_dim,
     stride_pa_request, stride_pa_head, stride_pa_split, stride_pa_dim,
     stride_pm_request, stride_pm_head, stride_pm_split,
-    HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, SLIDING: tl.constexpr,
 ):
     decode, head = tl.program_id(0), tl.program_id(1)
     request = num_prefills + decode
-    num_used = tl.cdiv(tl.load(context_lens + request), partition_size)
+    context_len = tl.load(context_lens + request)
+    num_used = tl.cdiv(context_len, partition_size)
     splits = tl.arange(0, BLOCK_S)
     used = splits < num_used
+    if SLIDING:  # the partitions wholly before the window did not run
+        used = used & (splits >= tl.maximum(context_len - window, 0) // partition_size)
     stats = decode.to(tl.int64) * stride_pm_request + head * stride_pm_head + splits * stride_pm_split
     m = tl.load(part_max + stats, mask=used, other=float("-inf"))
     l = tl.load(part_sum + stats, mask=used, other=0.0)
@@ -273,8 +306,9 @@ def decode_partition(num_decodes: int, num_kv_heads: int, max_context: int, bloc
 
 
 def paged_attention_triton(q: torch.Tensor, kv_layer: torch.Tensor, batch: AttnBatch, scale: float,
-                           num_splits: int | None = None) -> torch.Tensor:
+                           num_splits: int | None = None, window: int = 0, softcap: float = 0.0) -> torch.Tensor:
     """punica.ops.attention.paged_attention; `num_splits` overrides the decode split count."""
+    assert window >= 0 and softcap >= 0, (window, softcap)
     num_tokens, num_heads, head_dim = q.shape
     page_size, num_kv_heads = kv_layer.shape[2], kv_layer.shape[3]
     check_head_dim(head_dim)
@@ -283,14 +317,15 @@ def paged_attention_triton(q: torch.Tensor, kv_layer: torch.Tensor, batch: AttnB
     num_prefills = batch.num_prefills
     num_decodes = batch.page_table.shape[0] - num_prefills
     out = torch.empty_like(q)
-    common = dict(HEAD_DIM=head_dim, PAGE_SIZE=page_size, UPCAST=interpreting(), PRECISION=_precision(q.dtype))
-    qk_scale = scale * LOG2E
+    common = dict(HEAD_DIM=head_dim, PAGE_SIZE=page_size, SLIDING=window > 0, SOFTCAP=softcap > 0,
+                  UPCAST=interpreting(), PRECISION=_precision(q.dtype))
+    qk_scale = scale if softcap else scale * LOG2E  # a softcapped score goes to the log2 domain after the cap
     if num_prefills:
         block_m, block_n, warps, stages = _prefill_blocks(head_dim, kv_layer.dtype)
         num_tiles = (num_tokens - num_decodes) // block_m + num_prefills
         _prefill_kernel[(num_tiles, num_heads)](
             q, kv_layer, out, batch.page_table, batch.context_lens, batch.query_start, num_prefills,
-            group, qk_scale, *q.stride(), *out.stride(), *kv_layer.stride(),
+            group, qk_scale, window, softcap, *q.stride(), *out.stride(), *kv_layer.stride(),
             batch.page_table.stride(0), BLOCK_M=block_m, BLOCK_N=block_n,
             MAX_PREFILLS=max(16, triton.next_power_of_2(num_prefills)), num_warps=warps,
             num_stages=stages, **common,
@@ -311,7 +346,8 @@ def paged_attention_triton(q: torch.Tensor, kv_layer: torch.Tensor, batch: AttnB
             pa_strides, pm_strides = part_acc.stride(), part_max.stride()
         _decode_partition_kernel[(num_decodes, num_kv_heads, splits)](
             q, kv_layer, out, part_acc, part_max, part_sum, batch.page_table, batch.context_lens,
-            batch.query_start, num_prefills, group, qk_scale, partition, *q.stride(), *out.stride(),
+            batch.query_start, num_prefills, group, qk_scale, partition, window, softcap, *q.stride(),
+            *out.stride(),
             *kv_layer.stride(), batch.page_table.stride(0), *pa_strides, *pm_strides,
             BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n, SINGLE_SPLIT=single,
             num_warps=warps, num_stages=stages, **common,
@@ -319,7 +355,7 @@ def paged_attention_triton(q: torch.Tensor, kv_layer: torch.Tensor, batch: AttnB
         if not single:
             _decode_merge_kernel[(num_decodes, num_heads)](
                 out, part_acc, part_max, part_sum, batch.context_lens, batch.query_start, num_prefills,
-                partition, *out.stride(), *part_acc.stride(), *part_max.stride(), HEAD_DIM=head_dim,
-                BLOCK_S=max(2, triton.next_power_of_2(splits)), num_warps=4,
+                partition, window, *out.stride(), *part_acc.stride(), *part_max.stride(), HEAD_DIM=head_dim,
+                BLOCK_S=max(2, triton.next_power_of_2(splits)), SLIDING=window > 0, num_warps=4,
             )
     return out

@@ -1,5 +1,6 @@
-"""The Llama layer's elementwise ops, fused: RMSNorm (optionally with the residual add before
-it), rotary embedding of q and k in one call, and SiLU-and-mul.
+"""The decoder layer's elementwise ops, fused: RMSNorm (optionally with the residual add before
+it), rotary embedding of q and k in one call, and SiLU-and-mul (GELU-and-mul, Gemma's, runs as
+torch's ops on every device).
 
 Unfused, each is a handful of tiny kernels (RMSNorm ~6, rotary ~10 per tensor, SiLU * up 2-3,
 plus every residual add); in a decode step captured as a CUDA graph each still costs a launch
@@ -37,6 +38,15 @@ def rope_ref(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
 def silu_and_mul_ref(gate_up: torch.Tensor) -> torch.Tensor:
     gate, up = gate_up.chunk(2, dim=-1)
     return F.silu(gate) * up
+
+
+def gelu_tanh_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """GeGLU on the fused gate/up projection's output (Gemma's gelu_pytorch_tanh).
+
+        gate_up: [T, 2 I]  ->  out: [T, I] = gelu(gate, approximate="tanh") * up, in gate_up's dtype
+    """
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.gelu(gate, approximate="tanh") * up
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None):

@@ -5,7 +5,7 @@ Each of N ranks keeps 1/N of every layer:
     column-parallel  q, k, v (whole heads), gate, up   weight rows split: rank r computes its
                                                         heads / its slice of the intermediate
     row-parallel     o, down                           weight columns split: rank r computes a
-                                                        partial sum, all-reduced (LlamaLayer.tp_group)
+                                                        partial sum, all-reduced (DecoderLayer.tp_group)
 
 The fused qkv and gate_up GEMMs stay fused: a rank's qkv_proj holds [its q heads; its k heads;
 its v heads], and its gate_up_proj [its gate rows; its up rows]. q heads and kv heads are split
@@ -13,7 +13,8 @@ into contiguous blocks, so rank r's q heads use exactly its kv heads (GQA groups
 ranks); this needs num_kv_heads % N == 0. Each rank's KV cache holds its num_kv_heads / N heads:
 `model.config` becomes the per-rank config, so model.new_kv_cache allocates the rank's shard.
 The embedding and lm_head stay replicated (simplest: every rank computes the full logits, no
-vocab-parallel gather), as do the norms.
+vocab-parallel gather), as do the norms (the per-head q/k norms of some families too: every
+head has the same one). A family's q/k/v bias is split with qkv_proj's rows.
 
 `split_model_` says where each split parameter lies in the full model's (loader.Shard), so it
 works on a model still on the meta device: the loader then reads (checkpoint) or generates
@@ -50,7 +51,7 @@ from torch import nn
 from punica.config import ModelConfig
 from punica.lora.adapter import LoraAdapter
 from punica.lora.pool import LoraPool
-from punica.models.llama import LlamaForCausalLM
+from punica.models.decoder import DecoderForCausalLM
 from punica.models.loader import Shard
 
 COLUMN_PARALLEL = ("q", "k", "v", "gate", "up")  # output features split: lora_b rows split
@@ -86,9 +87,10 @@ def _lora_part(config: ModelConfig, projection: str, rank: int, world_size: int)
     return _part(h_out if projection in COLUMN_PARALLEL else h_in, rank, world_size)
 
 
-def _set_weight(linear: nn.Linear, weight: torch.Tensor) -> None:
-    linear.weight = nn.Parameter(weight.contiguous(), requires_grad=False)
-    linear.out_features, linear.in_features = weight.shape
+def _set_param(linear: nn.Linear, kind: str, value: torch.Tensor) -> None:
+    setattr(linear, kind, nn.Parameter(value.contiguous(), requires_grad=False))
+    if kind == "weight":
+        linear.out_features, linear.in_features = value.shape
 
 
 def model_shards(config: ModelConfig, rank: int, world_size: int) -> dict[str, Shard]:
@@ -96,8 +98,10 @@ def model_shards(config: ModelConfig, rank: int, world_size: int) -> dict[str, S
     h, q, kv, inter = config.hidden_size, config.q_size, config.kv_size, config.intermediate_size
     shards = {}
     for i in range(config.num_layers):
-        shards[f"layers.{i}.qkv_proj.weight"] = Shard((q + 2 * kv, h), (
-            _run(q, rank, world_size), _run(kv, rank, world_size, q), _run(kv, rank, world_size, q + kv)))
+        qkv_rows = (_run(q, rank, world_size), _run(kv, rank, world_size, q), _run(kv, rank, world_size, q + kv))
+        shards[f"layers.{i}.qkv_proj.weight"] = Shard((q + 2 * kv, h), qkv_rows)
+        if config.qkv_bias:
+            shards[f"layers.{i}.qkv_proj.bias"] = Shard((q + 2 * kv,), qkv_rows)
         shards[f"layers.{i}.gate_up_proj.weight"] = Shard((2 * inter, h), (
             _run(inter, rank, world_size), _run(inter, rank, world_size, inter)))
         shards[f"layers.{i}.o_proj.weight"] = Shard((h, q), ((0, h),), _run(q, rank, world_size))
@@ -105,13 +109,14 @@ def model_shards(config: ModelConfig, rank: int, world_size: int) -> dict[str, S
     return shards
 
 
-def split_model_(model: LlamaForCausalLM, rank: int, world_size: int) -> dict[str, Shard]:
+def split_model_(model: DecoderForCausalLM, rank: int, world_size: int) -> dict[str, Shard]:
     """Keep rank r's shard of every layer in place (real or meta tensors); where each lies in the full model."""
     full, local = model.config, rank_config(model.config, world_size)
     shards = model_shards(full, rank, world_size)
     params = dict(model.named_parameters())
     for name, where in shards.items():
-        _set_weight(model.get_submodule(name.removesuffix(".weight")), where.take(params[name]))
+        module, kind = name.rsplit(".", 1)
+        _set_param(model.get_submodule(module), kind, where.take(params[name]))
     lq, lkv, linter = local.q_size, local.kv_size, local.intermediate_size
     for layer in model.layers:
         layer.num_heads, layer.num_kv_heads = local.num_heads, local.num_kv_heads
@@ -121,7 +126,7 @@ def split_model_(model: LlamaForCausalLM, rank: int, world_size: int) -> dict[st
     return shards
 
 
-def shard_model_(model: LlamaForCausalLM, group: dist.ProcessGroup) -> dict[str, Shard]:
+def shard_model_(model: DecoderForCausalLM, group: dist.ProcessGroup) -> dict[str, Shard]:
     """Keep this rank's shard of every layer in place and sum row-parallel outputs over `group`.
 
     Also a loader ShardFn (`shard=lambda m: shard_model_(m, group)`): on the meta device it
@@ -157,7 +162,7 @@ def shard_adapter(adapter: LoraAdapter, config: ModelConfig, rank: int, world_si
     return dataclasses.replace(adapter, lora_a=lora_a, lora_b=lora_b)
 
 
-def tensor_parallel_(model: LlamaForCausalLM, pool: LoraPool | None, group: dist.ProcessGroup) -> None:
+def tensor_parallel_(model: DecoderForCausalLM, pool: LoraPool | None, group: dist.ProcessGroup) -> None:
     """Shard a loaded model and its adapter pool in place for this rank of `group`."""
     if pool is not None:
         shard_pool_(pool, group)

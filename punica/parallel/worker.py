@@ -31,13 +31,13 @@ import torch.distributed as dist
 
 from punica.config import EngineConfig
 from punica.engine.worker import ModelWorker, kv_cache_pages
-from punica.models.llama import LlamaForCausalLM
+from punica.models.decoder import DecoderForCausalLM
 from punica.models.loader import DummyWeights, load_weights
 from punica.parallel.launcher import init_rank
 from punica.parallel.tensor_parallel import shard_model_
 
 
-def load_shard(source: str | Path | DummyWeights, dtype: torch.dtype, device: torch.device) -> LlamaForCausalLM:
+def load_shard(source: str | Path | DummyWeights, dtype: torch.dtype, device: torch.device) -> DecoderForCausalLM:
     """This rank's shard of a checkpoint directory's model or of random weights: built on the meta
     device, sharded there, then only its slices are read or generated, straight onto `device`."""
     return load_weights(source, dtype, device, shard=lambda model: shard_model_(model, dist.group.WORLD))

@@ -1,5 +1,5 @@
 """Fixtures of the engine tests: a tiny Llama with three PEFT adapters on disk (`setup`), engines
-over it, a mixed workload, and greedy decoding by transformers + PEFT to compare with."""
+over it and a mixed workload (greedy decoding by transformers + PEFT to compare with: tests/conftest.py)."""
 
 import random
 
@@ -7,7 +7,6 @@ import pytest
 import torch
 
 from punica.config import EngineConfig
-from punica.engine.sampling_params import SamplingParams
 from punica.factory import engine_on_model
 from punica.models.loader import load_hf_dir
 
@@ -41,29 +40,6 @@ def workload(n, seed):
             for i in range(n)]
 
 
-def run_all(engine, requests, params_for):
-    ids = [engine.add_request(prompt, params_for(max_tokens), adapter) for prompt, adapter, max_tokens in requests]
-    outs = {}
-    while engine.has_unfinished():
-        for out in engine.step():
-            if out.finished:
-                outs[out.request_id] = out
-    return [outs[i] for i in ids]
-
-
-def greedy(max_tokens):
-    return SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
-
-
-def hf_greedy(peft_model, prompt, adapter, steps):
-    tokens = list(prompt)
-    with torch.no_grad():
-        for _ in range(steps):
-            logits = peft_model(torch.tensor([tokens]), adapter_names=[adapter or "__base__"]).logits[0, -1]
-            tokens.append(int(logits.argmax()))
-    return tokens[len(prompt):]
-
-
 @pytest.fixture(scope="session", name="make_engine")
 def make_engine_fixture():
     """The function `make_engine(setup, **config) -> Engine`: an fp32 CPU engine of `setup`'s model
@@ -76,23 +52,3 @@ def workload_fixture():
     """The function `workload(n, seed)`: n (prompt, adapter, max_tokens) requests cycling through
     the base model and the adapters "a", "b", "c"."""
     return workload
-
-
-@pytest.fixture(scope="session", name="run_all")
-def run_all_fixture():
-    """The function `run_all(engine, requests, params_for)`: the final output of every
-    (prompt, adapter, max_tokens) request, in order, with SamplingParams `params_for(max_tokens)`."""
-    return run_all
-
-
-@pytest.fixture(scope="session", name="greedy")
-def greedy_fixture():
-    """The function `greedy(max_tokens) -> SamplingParams`: greedy decoding that ignores EOS."""
-    return greedy
-
-
-@pytest.fixture(scope="session", name="hf_greedy")
-def hf_greedy_fixture():
-    """The function `hf_greedy(peft_model, prompt, adapter, steps)`: the tokens transformers + PEFT
-    generate greedily (adapter None: the base model)."""
-    return hf_greedy

@@ -332,3 +332,31 @@ def test_adapter_names_accepted(name):
 def test_adapter_names_rejected(name, rule):
     with pytest.raises(ValueError, match=re.escape(rule)):
         check_adapter_name(name)
+
+
+def test_fused_phi3_modules_split_into_their_projections(tmp_path, tiny_family_model, make_peft_adapter,
+                                                         load_peft_model, punica_config):
+    """A PEFT adapter on Phi-3's qkv_proj and gate_up_proj: each part shares lora_A and takes its rows
+    of lora_B; and the same adapter read for a model without fused modules is refused."""
+    phi3 = tiny_family_model("phi3")
+    path = make_peft_adapter(phi3, tmp_path / "fused", r=4, alpha=8, targets=("q_proj", "gate_proj", "down_proj"))
+    assert set(json.loads((path / "adapter_config.json").read_text())["target_modules"]) == {
+        "qkv_proj", "gate_up_proj", "down_proj"}
+    config = punica_config(phi3)
+    adapter = load_adapter(path, config)
+    assert list(adapter.lora_a) == ["q", "k", "v", "gate", "up", "down"]
+    peft = dict(load_peft_model(phi3, {"x": path}).named_modules())
+    q, kv, inter = config.q_size, config.kv_size, config.intermediate_size
+    for layer in range(config.num_layers):
+        fused = {name: peft[f"base_model.model.model.layers.{layer}.{module}"]
+                 for name, module in (("qkv", "self_attn.qkv_proj"), ("gate_up", "mlp.gate_up_proj"))}
+        for group, parts in (("qkv", {"q": (0, q), "k": (q, q + kv), "v": (q + kv, q + 2 * kv)}),
+                             ("gate_up", {"gate": (0, inter), "up": (inter, 2 * inter)})):
+            a, b = fused[group].lora_A["x"].weight, fused[group].lora_B["x"].weight
+            for proj, (lo, hi) in parts.items():
+                assert torch.equal(adapter.lora_a[proj][layer], a.detach())
+                assert torch.equal(adapter.lora_b[proj][layer], b.detach()[lo:hi])
+    llama_shaped = ModelConfig.from_hf_dict(phi3.config.to_dict() | {
+        "model_type": "llama", "architectures": ["LlamaForCausalLM"], "sliding_window": None})
+    with pytest.raises(AdapterError, match=r"targets the fused qkv_proj, which a llama model does not have"):
+        load_adapter(path, llama_shaped)

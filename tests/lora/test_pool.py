@@ -72,20 +72,20 @@ def test_pack_writes_every_element_of_the_slot(monkeypatch, punica_config, tiny_
 def test_model_adds_lora_once_per_group(monkeypatch, punica_config, tiny_llama):
     """q/k/v, o, gate/up and down: four shrink + expand pairs (8 kernels) per layer, each expand
     on the whole fused output with the pool's slice bounds; none when no token has an adapter."""
-    import punica.models.llama as llama
+    import punica.models.decoder as decoder
     from punica.lora.batch import LoraBatch
     from punica.ops.attention import AttnBatch
 
     hf = tiny_llama(seed=4)
-    model = llama.LlamaForCausalLM(punica_config(hf))
+    model = decoder.DecoderForCausalLM(punica_config(hf))
     pool = LoraPool(model.config, max_loras=1, max_rank=4, dtype=torch.float32, device="cpu")
     pool.write(0, random_adapter(model.config, 4, ("q", "k", "v", "o", "gate", "up", "down"), seed=3))
     model.set_lora(pool)
     calls = []
     shrinks = []
-    real_shrink, real_expand = llama.lora_shrink, llama.lora_expand
-    monkeypatch.setattr(llama, "lora_shrink", lambda x, *args: shrinks.append(x.shape[1]) or real_shrink(x, *args))
-    monkeypatch.setattr(llama, "lora_expand",
+    real_shrink, real_expand = decoder.lora_shrink, decoder.lora_expand
+    monkeypatch.setattr(decoder, "lora_shrink", lambda x, *args: shrinks.append(x.shape[1]) or real_shrink(x, *args))
+    monkeypatch.setattr(decoder, "lora_expand",
                         lambda y, *args: calls.append((y.shape[1], args[-1])) or real_expand(y, *args))
     attn = AttnBatch.build([3], [3], [[0]], 4, 1)
     model(torch.tensor([5, 6, 7]), attn, LoraBatch.build([0], [3]), model.new_kv_cache(2, 4))

@@ -43,16 +43,19 @@ def random_inputs(batch, num_pages, page_size, num_heads, num_kv_heads, head_dim
 
 
 def check_attention(query_lens, context_lens, num_prefills, page_size, num_heads, num_kv_heads,
-                    head_dim, dtype, seed, num_splits=None, pad_pages=0):
+                    head_dim, dtype, seed, num_splits=None, pad_pages=0, window=0, softcap=0.0):
     rng = random.Random(seed)
     gen = torch.Generator().manual_seed(seed)
     batch, num_pages = make_batch(query_lens, context_lens, num_prefills, page_size, rng, pad_pages=pad_pages)
     q, kv = random_inputs(batch, num_pages, page_size, num_heads, num_kv_heads, head_dim, dtype, gen)
     scale = head_dim ** -0.5 * (1 + rng.random())  # sharper than usual: exercises the running max
-    out = kernels.paged_attention_triton(q, kv, batch, scale, num_splits=num_splits)
-    ref = ops.paged_attention_ref(q, kv, batch, scale)
+    out = kernels.paged_attention_triton(q, kv, batch, scale, num_splits=num_splits, window=window, softcap=softcap)
+    ref = ops.paged_attention_ref(q, kv, batch, scale, window, softcap)
     assert out.dtype == q.dtype and out.shape == q.shape
     torch.testing.assert_close(out, ref, rtol=TOL[dtype][0], atol=TOL[dtype][1])
+    if 0 < window < max(context_lens):  # the window leaves out keys: the output is not full attention's
+        full = ops.paged_attention_ref(q, kv, batch, scale)
+        assert not torch.allclose(full, ref, rtol=TOL[dtype][0], atol=TOL[dtype][1])
 
 
 # prefills: a fresh prompt over several query tiles, a prefill behind a cached prefix
@@ -81,6 +84,46 @@ def test_decode_splits_merge_to_the_reference(num_splits):
     """Requests whose context ends before the last partitions, and unused page-table columns."""
     check_attention([1] * 4, [130, 17, 1, 64], 0, page_size=16, num_heads=6, num_kv_heads=2,
                     head_dim=64, dtype=torch.float32, seed=num_splits, num_splits=num_splits, pad_pages=1)
+
+
+@pytest.mark.parametrize("window,num_splits", [(1, None), (7, 2), (24, 3), (40, 1), (200, 2)])
+def test_sliding_window_matches_reference(window, num_splits):
+    """Windows shorter than one key tile (1, 7), than a query tile (24), than the longest prompts
+    (40), and longer than every context (200: full attention); decode splits wholly before the
+    window; prefills behind cached prefixes."""
+    check_attention(**MIXED, page_size=5, num_heads=4, num_kv_heads=2, head_dim=32, dtype=torch.float32,
+                    seed=window, num_splits=num_splits, window=window)
+
+
+@pytest.mark.parametrize("window,dtype", [(0, torch.float32), (7, torch.float32), (0, torch.bfloat16)], ids=str)
+def test_softcapped_scores_match_reference(window, dtype):
+    """Gemma 2's attention-logit softcapping, with and without a sliding window; scores scaled up
+    (q times 8) so that the cap of 2 bites."""
+    rng = random.Random(3)
+    batch, num_pages = make_batch(**MIXED, page_size=5, rng=rng)
+    q, kv = random_inputs(batch, num_pages, 5, 4, 2, 32, dtype, torch.Generator().manual_seed(3))
+    q = q * 8
+    out = kernels.paged_attention_triton(q, kv, batch, 0.2, num_splits=2, window=window, softcap=2.0)
+    ref = ops.paged_attention_ref(q, kv, batch, 0.2, window, softcap=2.0)
+    torch.testing.assert_close(out, ref, rtol=TOL[dtype][0], atol=TOL[dtype][1])
+    uncapped = ops.paged_attention_ref(q, kv, batch, 0.2, window)
+    assert not torch.allclose(uncapped, ref, rtol=TOL[dtype][0], atol=TOL[dtype][1])
+
+
+def test_sliding_window_reference_sees_only_the_window():
+    """The reference's sliding window is transformers': query p sees keys p - window < key <= p.
+    A key outside every window may hold NaN: no output is touched by it."""
+    rng, gen = random.Random(0), torch.Generator().manual_seed(0)
+    batch, num_pages = make_batch([12, 1], [12, 30], 1, 4, rng)
+    q, kv = random_inputs(batch, num_pages, 4, 2, 1, 16, torch.float32, gen)
+    pages = batch.page_table[1].long()
+    kv[pages[0], :, 0] = float("nan")  # position 0 of the decode, outside its window of 5
+    out = ops.paged_attention_ref(q, kv, batch, 0.25, window=5)
+    assert out.isfinite().all()
+    k = kv[pages, 0].reshape(-1, 1, 16)[25:30].float()
+    v = kv[pages, 1].reshape(-1, 1, 16)[25:30].float()
+    expect = torch.softmax(0.25 * q[-1] @ k[:, 0].T, -1) @ v[:, 0]
+    torch.testing.assert_close(out[-1], expect)
 
 
 def test_decode_partition_policy():

@@ -51,8 +51,18 @@ def test_dummy_shard_is_the_slice_of_the_full_random_model(monkeypatch, rank, ch
 
 
 @pytest.mark.parametrize("rank", range(WORLD_SIZE))
-def test_checkpoint_shard_reads_the_slice_of_the_full_model(tmp_path, rank, tiny_llama):
-    tiny_llama(seed=5).save_pretrained(tmp_path)
+def test_dummy_shard_splits_the_qkv_bias(rank, punica_config, tiny_family_model):
+    config = punica_config(tiny_family_model("qwen2"))
+    weights = assert_shard_of(dummy_model(config, torch.float32, seed=3, shard=split_on_meta(rank)),
+                              dummy_model(config, torch.float32, seed=3), rank)
+    bias = weights["layers.0.qkv_proj.bias"]
+    assert bias.shape == (config.q_size + 2 * config.kv_size,) and abs(bias.std().item() - 0.02) < 0.01
+
+
+@pytest.mark.parametrize("rank", range(WORLD_SIZE))
+@pytest.mark.parametrize("shard_family", ["llama", "qwen2", "qwen3", "phi3"])  # biases split, q/k norms replicated
+def test_checkpoint_shard_reads_the_slice_of_the_full_model(tmp_path, rank, tiny_family_model, shard_family):
+    tiny_family_model(shard_family, seed=5).save_pretrained(tmp_path)
     assert_shard_of(load_hf_dir(tmp_path, torch.float32, shard=split_on_meta(rank)),
                     load_hf_dir(tmp_path, torch.float32), rank)
 

@@ -88,15 +88,17 @@ def scenario(group, base_dir, adapter_paths, prompts):
     return {"prefill": prefill, "decode": decode_logits, "tokens": seqs, "kv_heads": kv.shape[-2]}
 
 
-def test_tensor_parallel_2_ranks_match_1(tmp_path, make_peft_adapter, tiny_llama):
-
-    hf_model = tiny_llama(seed=3)  # 4 heads, 2 kv heads, intermediate 96
+# Llama; Qwen2 with its q/k/v bias split with the heads, tied embeddings and a sliding-window layer;
+# Qwen3 with its per-head q/k norms replicated; Gemma 2 with its sandwich norms, softcaps and local layers
+@pytest.mark.parametrize("tp_family", ["llama", "qwen2-sliding", "qwen3", "gemma2"])
+def test_tensor_parallel_2_ranks_match_1(tmp_path, make_peft_adapter, tiny_family_model, tp_family):
+    hf_model = tiny_family_model(tp_family, seed=3)  # 4 heads, 2 kv heads, intermediate 96
     hf_model.save_pretrained(tmp_path / "base")
     paths = {name: make_peft_adapter(hf_model, tmp_path / name, r=r, alpha=alpha, targets=targets,
                                      use_rslora=rs, seed=i + 1)
              for i, (name, (r, alpha, targets, rs)) in enumerate(ADAPTERS.items())}
     rng = random.Random(0)
-    prompts = [[rng.randrange(3, 128) for _ in range(rng.randint(8, 15))] for _ in range(5)]
+    prompts = [[rng.randrange(3, 128) for _ in range(rng.randint(8, 15))] for _ in range(5)]  # past window 8
 
     expect = scenario(None, tmp_path / "base", paths, prompts)
     got = run_parallel(scenario, 2, tmp_path / "base", paths, prompts, backend="gloo", timeout_s=120)

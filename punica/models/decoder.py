@@ -1,4 +1,12 @@
-"""One Llama-family model whose 7 projections per layer add each token's LoRA delta.
+"""The decoder of every family punica serves (punica.families), whose 7 projections per layer
+add each token's LoRA delta. A family is a set of features of the config (ModelConfig): biased
+q/k/v (`qkv_bias`, the LoRA delta adding to the biased projection), an RMSNorm over each head
+of q and k before rotary (`qk_norm`), sliding-window attention on some layers
+(`layer_windows`, with a rope of their own: `local_rope`), and Gemma's: GeGLU (`hidden_act`),
+embeddings times sqrt(hidden) (`embed_scale`), RMSNorms on the attention and MLP outputs
+before their residual adds (`sandwich_norms`), softcapped attention scores and logits, and its
+query scale (`attn_scale`); with none of them it is Llama. (Gemma's (1 + w) norm weights are
+stored with the 1 added, by the loader.)
 
 The forward pass takes one fused batch (prefill tokens first, decode tokens after) with its
 per-step metadata as explicit frozen dataclasses: `AttnBatch` (positions, pages, lengths)
@@ -26,8 +34,8 @@ from torch import nn
 
 from punica.config import ModelConfig, RopeConfig
 from punica.lora.batch import LoraBatch
-from punica.ops.attention import AttnBatch, paged_attention, rope_and_write_kv_
-from punica.ops.layers import rms_norm, silu_and_mul
+from punica.ops.attention import AttnBatch, paged_attention, rope_and_write_kv_, softcap_ref
+from punica.ops.layers import gelu_tanh_and_mul, rms_norm, silu_and_mul
 from punica.ops.lora import lora_expand, lora_shrink
 
 
@@ -82,16 +90,24 @@ def rope_inv_freq(rope: RopeConfig, head_dim: int) -> torch.Tensor:
     return inv_freq
 
 
-class LlamaLayer(nn.Module):
+class DecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, index: int, **factory):
         super().__init__()
         c = config
         self.index = index
         self.num_heads, self.num_kv_heads, self.head_dim = c.num_heads, c.num_kv_heads, c.head_dim
+        self.window, self.rope = c.window(index), c.layer_rope(index)
+        self.scale, self.softcap = c.attn_scale or c.head_dim ** -0.5, c.attn_softcap
+        self.act = gelu_tanh_and_mul if c.hidden_act == "gelu_tanh" else silu_and_mul
         self.input_norm = RMSNorm(c.hidden_size, c.rms_norm_eps, **factory)
-        self.qkv_proj = nn.Linear(c.hidden_size, c.q_size + 2 * c.kv_size, bias=False, **factory)
+        self.qkv_proj = nn.Linear(c.hidden_size, c.q_size + 2 * c.kv_size, bias=c.qkv_bias, **factory)
+        self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps, **factory) if c.qk_norm else None
+        self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps, **factory) if c.qk_norm else None
         self.o_proj = nn.Linear(c.q_size, c.hidden_size, bias=False, **factory)
-        self.post_norm = RMSNorm(c.hidden_size, c.rms_norm_eps, **factory)
+        self.post_norm = RMSNorm(c.hidden_size, c.rms_norm_eps, **factory)  # before the MLP
+        # with sandwich norms: on the attention output and on the MLP output
+        self.attn_out_norm = RMSNorm(c.hidden_size, c.rms_norm_eps, **factory) if c.sandwich_norms else None
+        self.mlp_out_norm = RMSNorm(c.hidden_size, c.rms_norm_eps, **factory) if c.sandwich_norms else None
         self.gate_up_proj = nn.Linear(c.hidden_size, 2 * c.intermediate_size, bias=False, **factory)
         self.down_proj = nn.Linear(c.intermediate_size, c.hidden_size, bias=False, **factory)
         q, kv, inter = c.q_size, c.kv_size, c.intermediate_size
@@ -143,30 +159,39 @@ class LlamaLayer(nn.Module):
         q = qkv[:, :q_end].view(num_tokens, self.num_heads, self.head_dim)
         k = qkv[:, q_end:k_end].view(num_tokens, self.num_kv_heads, self.head_dim)
         v = qkv[:, k_end:].view(num_tokens, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:  # over each head: rows of head_dim
+            q = self.q_norm(q.reshape(-1, self.head_dim)).view(num_tokens, self.num_heads, self.head_dim)
+            k = self.k_norm(k.reshape(-1, self.head_dim)).view(num_tokens, self.num_kv_heads, self.head_dim)
         rope_and_write_kv_(q, k, v, cos, sin, kv_layer, attn.slot_mapping)  # q rotated in place, k into the cache
-        o = paged_attention(q, kv_layer, attn, self.head_dim ** -0.5).reshape(num_tokens, -1)
-        o = self._project(self.o_proj, o, "o", lora, lora_weights)
-        h, residual = self.post_norm(self._all_reduce(o), residual)
+        o = paged_attention(q, kv_layer, attn, self.scale, self.window, self.softcap).reshape(num_tokens, -1)
+        o = self._all_reduce(self._project(self.o_proj, o, "o", lora, lora_weights))
+        if self.attn_out_norm is not None:
+            o = self.attn_out_norm(o)
+        h, residual = self.post_norm(o, residual)
         gate_up = self._project(self.gate_up_proj, h, "gate_up", lora, lora_weights)
-        act = silu_and_mul(gate_up)
-        down = self._project(self.down_proj, act, "down", lora, lora_weights)
-        return self._all_reduce(down), residual
+        down = self._all_reduce(self._project(self.down_proj, self.act(gate_up), "down", lora, lora_weights))
+        if self.mlp_out_norm is not None:
+            down = self.mlp_out_norm(down)
+        return down, residual
 
 
-class LlamaForCausalLM(nn.Module):
+class DecoderForCausalLM(nn.Module):
     def __init__(self, config: ModelConfig, dtype: torch.dtype = torch.float32,
                  device: torch.device | str = "cpu"):
         super().__init__()
         factory = {"dtype": dtype, "device": device}
         self.config = config
         self.embed = nn.Embedding(config.vocab_size, config.hidden_size, **factory)
-        self.layers = nn.ModuleList(LlamaLayer(config, i, **factory) for i in range(config.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(config, i, **factory) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, **factory)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False, **factory)
         self.tie_weights()
         self.requires_grad_(False)
+        # sqrt(hidden) rounded to the dtype, as transformers' Gemma has it
+        scale = torch.tensor(config.hidden_size ** 0.5, dtype=dtype)
+        self.embed_multiplier = float(scale) if config.embed_scale else 1.0
         self.lora_weights: LoraWeights | None = None
-        self._inv_freq: torch.Tensor | None = None
+        self._inv_freqs: dict[RopeConfig, torch.Tensor] = {}
 
     def tie_weights(self) -> None:
         if self.config.tie_word_embeddings:
@@ -181,19 +206,27 @@ class LlamaForCausalLM(nn.Module):
     def set_lora(self, lora_weights: LoraWeights | None) -> None:
         self.lora_weights = lora_weights
 
-    def rope_cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        if self._inv_freq is None or self._inv_freq.device != positions.device:
-            self._inv_freq = rope_inv_freq(self.config.rope, self.config.head_dim).to(positions.device)
-        freqs = positions.float()[:, None] * self._inv_freq[None, :]
+    def rope_cos_sin(self, positions: torch.Tensor, rope: RopeConfig | None = None
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [T, head_dim / 2] of the positions under `rope` (default: the config's)."""
+        rope = rope or self.config.rope
+        inv_freq = self._inv_freqs.get(rope)
+        if inv_freq is None or inv_freq.device != positions.device:
+            inv_freq = self._inv_freqs[rope] = rope_inv_freq(rope, self.config.head_dim).to(positions.device)
+        freqs = positions.float()[:, None] * inv_freq[None, :]
         return freqs.cos(), freqs.sin()
 
     def forward(self, input_ids: torch.Tensor, attn: AttnBatch, lora: LoraBatch,
                 kv_cache: torch.Tensor) -> torch.Tensor:
         """input_ids: [T]; kv_cache: [L, P, 2, page_size, Hkv, D]  ->  logits [num_logits, V] float32."""
         x, residual = self.embed(input_ids), None
-        cos, sin = self.rope_cos_sin(attn.positions)
+        if self.embed_multiplier != 1.0:
+            x = x * self.embed_multiplier
+        tables = {}
         for layer, kv_layer in zip(self.layers, kv_cache):
-            x, residual = layer(x, cos, sin, attn, lora, kv_layer, self.lora_weights, residual)
+            if layer.rope not in tables:
+                tables[layer.rope] = self.rope_cos_sin(attn.positions, layer.rope)
+            x, residual = layer(x, *tables[layer.rope], attn, lora, kv_layer, self.lora_weights, residual)
         rows = attn.logits_indices
         x = self.norm(x[rows]) if residual is None else self.norm(x[rows], residual[rows])[0]
-        return self.lm_head(x).float()
+        return softcap_ref(self.lm_head(x).float(), self.config.final_softcap)

@@ -1,4 +1,6 @@
-"""Model parity with HuggingFace transformers + PEFT on mixed-adapter batches (fp32)."""
+"""Model parity with HuggingFace transformers + PEFT on mixed-adapter batches (fp32), for a tiny
+model of every family (tests/conftest.py TINY_FAMILIES, made by transformers' own class for it):
+the model on its own, and the engine over a mixed batch with preemption."""
 
 import random
 
@@ -6,6 +8,8 @@ import pytest
 import torch
 from transformers import LlamaForCausalLM as HFLlama
 
+from punica.config import EngineConfig
+from punica.factory import engine_on_model
 from punica.lora.adapter import load_adapter
 from punica.lora.batch import LoraBatch
 from punica.lora.pool import LoraPool
@@ -110,14 +114,66 @@ def check_parity(peft_model, model, paths, prompts, logits_tol):
         assert generated[i] == hf_greedy(peft_model, prompt, names[i % len(names)], STEPS), f"request {i}"
 
 
-def test_tiny_gqa_llama_matches_transformers_peft(tmp_path, tiny_llama, load_peft_model, make_adapters):
-    hf_model = tiny_llama(seed=3)
+@pytest.fixture
+def family_setup(tmp_path, family, tiny_family_model, make_adapters, load_peft_model):
+    """(checkpoint directory, adapter name -> path, PeftModel) of the tiny model of `family` saved
+    with save_pretrained, with the adapters of ADAPTERS."""
+    hf_model = tiny_family_model(family, seed=3)
     hf_model.save_pretrained(tmp_path / "base")
     paths = make_adapters(hf_model, tmp_path)
-    model = load_hf_dir(tmp_path / "base", dtype=torch.float32)
+    return tmp_path / "base", paths, load_peft_model(hf_model, paths)
+
+
+def test_tiny_model_matches_transformers_peft(family_setup):
+    """Prompts of 8-19 tokens and 16 generated: past the sliding windows (8) of the families with one."""
+    base, paths, peft_model = family_setup
     rng = random.Random(0)
     prompts = [[rng.randrange(3, 128) for _ in range(rng.randint(8, 19))] for _ in range(6)]
-    check_parity(load_peft_model(hf_model, paths), model, paths, prompts, logits_tol=1e-4)
+    check_parity(peft_model, load_hf_dir(base, dtype=torch.float32), paths, prompts, logits_tol=1e-4)
+
+
+def mixed_requests(n, seed):
+    """n (prompt, adapter, max_tokens) requests cycling through the base model and ADAPTERS, prompts
+    of 1-30 tokens: many longer than the sliding windows, and contexts up to 46 tokens."""
+    rng = random.Random(seed)
+    names = [None, *ADAPTERS]
+    return [([rng.randrange(3, 128) for _ in range(rng.randint(1, 30))], names[i % len(names)], rng.randint(4, 16))
+            for i in range(n)]
+
+
+def check_engine_parity(engine, peft_model, run_all, greedy, hf_greedy, requests):
+    outs = run_all(engine, requests, greedy)
+    for (prompt, adapter, max_tokens), out in zip(requests, outs):
+        assert out.token_ids == hf_greedy(peft_model, prompt, adapter, max_tokens), (adapter, prompt)
+    return [out.token_ids for out in outs]
+
+
+@pytest.mark.slow
+def test_engine_with_preemption_matches_transformers_peft(family_setup, run_all, greedy, hf_greedy):
+    """18 requests over 3 adapter slots and the base model through a KV cache of 96 tokens: requests
+    are preempted and recomputed, and every output is transformers + PEFT's greedy one."""
+    base, paths, peft_model = family_setup
+    config = EngineConfig(max_batch_size=8, page_size=4, kv_cache_tokens=96)
+    engine = engine_on_model(load_hf_dir(base, dtype=torch.float32), config, paths)
+    check_engine_parity(engine, peft_model, run_all, greedy, hf_greedy, mixed_requests(18, seed=1))
+    assert engine.stats().num_preemptions > 0
+
+
+@pytest.mark.cuda
+def test_cuda_graph_engine_matches_eager_and_transformers_peft(family_setup, run_all, greedy, hf_greedy):
+    """On the GPU in fp32 (the Triton attention, rotary, norm and LoRA kernels): an engine replaying
+    CUDA graphs and an eager one both give transformers + PEFT's tokens, with preemption."""
+    base, paths, peft_model = family_setup
+    requests = mixed_requests(20, seed=2)
+    outputs = {}
+    for eager in (True, False):
+        model = load_hf_dir(base, dtype=torch.float32, device="cuda")
+        engine = engine_on_model(model, EngineConfig(max_batch_size=8, page_size=4, kv_cache_tokens=128,
+                                                     enforce_eager=eager), paths)
+        assert engine.executor.worker.uses_cuda_graphs != eager
+        outputs[eager] = check_engine_parity(engine, peft_model, run_all, greedy, hf_greedy, requests)
+        assert engine.stats().num_preemptions > 0
+    assert outputs[False] == outputs[True]
 
 
 @pytest.mark.slow
