@@ -144,6 +144,7 @@ def run_constrained(engine, n: int):
     return [outs[i] for i in ids]
 
 
+@pytest.mark.slow
 def test_constrained_outputs_match_and_are_the_same_with_overlap_and_preemption(grammar_setup):
     """Every constrained output that finished matches its constraint; overlapped steps, and a KV
     cache small enough to preempt, give the same tokens as plain steps with room for all."""
@@ -187,6 +188,7 @@ def test_invalid_grammar_is_rejected_before_queueing(grammar_setup):
     assert engine.stats().num_constrained_requests == 0 and engine.stats().grammar_compile_seconds > 0
 
 
+@pytest.mark.slow
 def test_migrated_request_resumes_its_grammar(grammar_setup):
     """A request added with output tokens it generated elsewhere continues the same constrained
     output; tokens that do not match its constraint are refused."""

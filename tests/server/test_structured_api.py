@@ -71,6 +71,7 @@ def test_invalid_constraints_are_a_400_naming_the_problem(client, extra, fragmen
     assert fragment in e.value.message
 
 
+@pytest.mark.slow
 def test_logit_bias_top_logprobs_and_echo(client, server):
     model = server.state.base_model_name
     biased = client.completions.create(model=model, prompt="Hello", max_tokens=3, temperature=0.8, seed=0,
@@ -136,6 +137,7 @@ def test_required_and_named_tool_choice_always_call_and_stream_the_same(client, 
         assert all(c["id"] and c["id"].startswith("call_") for c in calls)
 
 
+@pytest.mark.slow
 def test_tools_reach_the_prompt_and_auto_answers_text_or_calls(client, server):
     kwargs = dict(model=server.state.base_model_name, messages=ASK, tools=TOOLS, max_tokens=40, temperature=0)
     full = client.chat.completions.create(**kwargs)
