@@ -63,7 +63,7 @@ class GrammarCompiler:
             if spec.choice is not None:
                 return self.compiler.compile_grammar(_choice_grammar(spec.choice))
             return self.compiler.compile_grammar(spec.grammar)
-        except RuntimeError as e:
+        except (RuntimeError, ValueError, TypeError) as e:  # xgrammar's errors derive from RuntimeError
             message = _LOG_PREFIX.sub("", str(e).strip())
             raise GrammarError(f"structured_outputs.{spec.kind} is not accepted by the grammar engine: "
                                f"{message}") from e
