@@ -21,6 +21,20 @@ def parse_adapters(items: list[str]) -> dict[str, str]:
     return adapters
 
 
+def json_schema_constraint(path: str | None):
+    """The StructuredOutputs of --json-schema FILE (None without it); SystemExit naming what is wrong."""
+    if path is None:
+        return None
+    from punica.engine.sampling_params import SamplingParamsError, StructuredOutputs
+
+    try:
+        return StructuredOutputs(json=open(path, encoding="utf-8").read())
+    except OSError as e:
+        raise SystemExit(f"--json-schema: cannot read {path}: {e.strerror}") from e
+    except SamplingParamsError as e:
+        raise SystemExit(f"--json-schema {path}: {e}") from e
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
     from punica.config import EngineArgs, from_arguments
     from punica.engine.sampling_params import SamplingParams
@@ -32,8 +46,12 @@ def cmd_generate(args: argparse.Namespace) -> int:
             served = ", ".join(llm.engine.adapter_paths()) or "none"
             raise SystemExit(f"--use {args.use!r} names no adapter being served (served: {served})")
         prompt = args.prompt if args.raw else llm.chat_prompt(args.prompt)
-        params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed)
-        out = llm.generate(prompt, params, adapter=args.use)[0]
+        params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed,
+                                structured_outputs=json_schema_constraint(args.json_schema))
+        try:
+            out = llm.generate(prompt, params, adapter=args.use)[0]
+        except ValueError as e:  # a schema the grammar engine rejects
+            raise SystemExit(str(e)) from e
     finally:
         llm.close()
     print(out.text)
@@ -94,6 +112,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--temperature", type=float, default=0.0)
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--raw", action="store_true", help="do not apply the chat template")
+    gen.add_argument("--json-schema", default=None, metavar="FILE",
+                     help="constrain the output to JSON valid under the JSON schema in FILE")
     gen.set_defaults(func=cmd_generate)
     srv = sub.add_parser("serve", help="the OpenAI-compatible server (no arguments: the demo)")
     add_engine_args(srv)

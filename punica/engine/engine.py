@@ -12,6 +12,12 @@ which is dropped. An engine does not run ahead when step t+1 depends on step t's
 host: a request with penalties (they read the output tokens), a request certain to finish by
 length (it must leave the batch), or a preemption (the victim is recomputed from its tokens).
 
+A request under a grammar (structured outputs, punica.engine.structured) samples with a mask that
+depends on every token before it. When step t+1 holds one, its forward pass is launched first,
+then step t's tokens are read (advancing the matchers) and the masks built on the host while the
+device runs that forward pass; only then is step t+1 sampled. So no request samples with a
+matcher behind its tokens, and the mask building hides behind the forward pass.
+
 Requests can also move between engines (the cluster's migration): `add_request` with
 `output_token_ids` resumes a request that generated them elsewhere, and `take_preempted` hands
 back the requests this engine preempted instead of recomputing them here.
@@ -34,18 +40,21 @@ from punica.engine.admission import acquire_adapter, adapter_error, checked_prom
 from punica.engine.detokenizer import IncrementalDetokenizer
 from punica.engine.executor import Executor
 from punica.engine.kv_cache import PageAllocator
+from punica.engine.launched import LaunchedStep, to_host
 from punica.engine.outputs import RequestOutput, request_output
 from punica.engine.request import PENDING, Request
-from punica.engine.sampler import sample
+from punica.engine.sampler import Sampled, sample
 from punica.engine.sampling_params import SamplingParams
 from punica.engine.scheduler import ScheduledBatch, Scheduler
 from punica.engine.step_input import StepInput
+from punica.engine.structured import GrammarCompiler, to_device
 from punica.engine.worker import context_limit
 from punica.lora.manager import AdapterManager
 
 log = logging.getLogger(__name__)
 NON_FINITE = ("the model's output for this request is not finite (NaN or inf): its activations overflowed, "
               "e.g. through its adapter's weights")
+GRAMMAR_REJECTED = "the sampled token does not match this request's structured_outputs constraint"
 STALLED_WAIT_S = 0.001  # a step that can run nothing (every queued request waits for an adapter) sleeps this long
 by_slot = attrgetter("slot")
 
@@ -60,6 +69,8 @@ class EngineStats:
     num_adapter_slots_used: int        # holding an adapter
     num_adapter_slots_held: int        # held by requests in the batch
     num_preemptions: int
+    num_constrained_requests: int = 0  # added with structured_outputs, since the engine started
+    grammar_compile_seconds: float = 0.0  # spent compiling (or finding in the cache) their grammars
 
 
 @dataclass(frozen=True)
@@ -68,28 +79,6 @@ class StepShape:
     num_requests: int
     num_context_tokens: int
     num_prefill_tokens: int
-
-
-@dataclass(frozen=True)
-class LaunchedStep:
-    """A step whose sampled tokens are on their way to the host."""
-    requests: list[Request]
-    sampled: torch.Tensor              # [2, N] int64: tokens, and 1 where the row could be sampled (sampler.sample)
-    logprobs: torch.Tensor | None      # [N] float32
-    copied: torch.cuda.Event | None    # set when both are on the host; None when the step ran on the CPU
-
-    def read(self) -> tuple[list[int], list[bool], list[float | None]]:
-        if self.copied is not None:
-            self.copied.synchronize()
-        tokens, ok = self.sampled.tolist()
-        logprobs = self.logprobs.tolist() if self.logprobs is not None else [None] * len(self.requests)
-        return tokens, [bool(v) for v in ok], logprobs
-
-
-def to_host(tensor: torch.Tensor) -> torch.Tensor:
-    """A copy of a CUDA tensor into pinned host memory, queued on the current stream."""
-    host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
-    return host.copy_(tensor, non_blocking=True)
 
 
 class Engine:
@@ -116,6 +105,8 @@ class Engine:
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
         self._ids = itertools.count()
         self._launched: LaunchedStep | None = None
+        self._grammars: GrammarCompiler | None = None  # made at the first constrained request
+        self._num_constrained = 0
         self.last_step: StepShape | None = None  # of the last `step` call, None if it launched nothing
         self._errors_seen, self._preemptions_seen, self._queued_unloadable = 0, 0, False  # see _fail_unloadable
 
@@ -149,8 +140,15 @@ class Engine:
         request_id = request_id or f"req-{next(self._ids)}"
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
+        if any(token >= self.vocab_size for token, _ in params.logit_bias):
+            raise ValueError(f"logit_bias keys must be token ids below {self.vocab_size}")
+        matcher = None
+        if params.structured_outputs is not None:
+            matcher = self.grammars.matcher(params.structured_outputs, list(output_token_ids))
+            self._num_constrained += 1
         request = Request(request_id, token_ids, params, adapter=adapter, prompt=text,
-                          output_token_ids=list(output_token_ids), registration=self.adapters.current.get(adapter))
+                          output_token_ids=list(output_token_ids), registration=self.adapters.current.get(adapter),
+                          matcher=matcher)
         if adapter_error(self.adapters, request):
             self._queued_unloadable = True  # it fails at the next step, as if queued earlier
         self.requests[request_id] = request
@@ -163,6 +161,15 @@ class Engine:
             self._detokenizers[request_id] = detokenizer
         self.scheduler.add(request)
         return request_id
+
+    @property
+    def grammars(self) -> GrammarCompiler:
+        """The compiler of constrained requests' grammars; ValueError for an engine without a tokenizer."""
+        if self._grammars is None:
+            if self.tokenizer is None:
+                raise ValueError("structured_outputs need a tokenizer, and this engine has none")
+            self._grammars = GrammarCompiler(self.tokenizer, self.vocab_size, self.eos_token_ids)
+        return self._grammars
 
     def abort(self, request_id: str) -> RequestOutput | None:
         request = self.requests.get(request_id)
@@ -207,7 +214,8 @@ class Engine:
             num_kv_pages=self.allocator.num_pages, num_kv_pages_used=self.allocator.num_used,
             num_adapter_slots=self.adapters.pool.max_loras, num_adapter_slots_used=len(self.adapters.resident),
             num_adapter_slots_held=len(self.adapters.refs),
-            num_preemptions=self.scheduler.num_preemptions)
+            num_preemptions=self.scheduler.num_preemptions, num_constrained_requests=self._num_constrained,
+            grammar_compile_seconds=self._grammars.compile_seconds if self._grammars is not None else 0.0)
 
     # the step loop ---------------------------------------------------------------------------
     def steps(self) -> Iterator[list[RequestOutput]]:
@@ -230,7 +238,11 @@ class Engine:
         previous, self._launched = self._launched, None
         if batch:
             try:
-                self._launched = self._launch(batch, previous)
+                requests, logits = self._run(batch, previous)
+                if previous is not None and any(r.matcher is not None for r in requests):
+                    outputs += self._resolve(previous)  # while the device runs the forward pass
+                    previous = None
+                self._launched = self._sample(requests, logits)
             except Exception as e:  # noqa: BLE001 - this step's requests fail; the engine serves on
                 log.exception("running a step failed")
                 outputs += [self._fail(r, f"internal error while running this request: {e}") for r in batch.requests]
@@ -256,8 +268,8 @@ class Engine:
         """Whether the request is done once it has `num_out` output tokens (max_tokens or the context)."""
         return num_out >= request.params.max_tokens or len(request.prompt_token_ids) + num_out >= self.max_model_len
 
-    def _launch(self, batch: ScheduledBatch, previous: LaunchedStep | None) -> LaunchedStep:
-        """Run the batch and sample on the device; each request gets a PENDING output token."""
+    def _run(self, batch: ScheduledBatch, previous: LaunchedStep | None) -> tuple[list[Request], torch.Tensor]:
+        """Launch the batch's forward pass: its requests in the order of its rows, and their logits."""
         # requests of one adapter side by side form one LoRA segment
         prefills, decodes = sorted(batch.prefills, key=by_slot), sorted(batch.decodes, key=by_slot)
         fed = None
@@ -266,12 +278,16 @@ class Engine:
             fed = [row_of[r] if r.num_pending else -1 for r in decodes]
         step = StepInput.from_requests(prefills, decodes, self.config.page_size, fed)
         self.last_step = StepShape(step.num_requests, int(step.context_lens.sum()), step.num_prefill_tokens)
-        logits = self.executor.run(step)
-        requests = prefills + decodes
-        tokens, logprobs, ok = sample(logits, requests)
+        return prefills + decodes, self.executor.run(step)
+
+    def _sample(self, requests: list[Request], logits: torch.Tensor) -> LaunchedStep:
+        """Sample the rows on the device, under the grammar masks of constrained requests; each
+        request gets a PENDING output token."""
+        s: Sampled = sample(logits, requests, self._masks(requests, logits.device))
         if self.overlaps_steps:
-            self.executor.keep_sampled(tokens)
-        sampled = torch.stack([tokens, ok.to(torch.int64)])
+            self.executor.keep_sampled(s.tokens)
+        ints = [s.tokens[None], s.ok.to(torch.int64)[None]] + ([s.top_ids.T] if s.top_ids is not None else [])
+        sampled, logprobs = torch.cat(ints), s.logprobs
         copied = None
         if sampled.is_cuda:
             sampled, logprobs = to_host(sampled), logprobs if logprobs is None else to_host(logprobs)
@@ -283,24 +299,36 @@ class Engine:
             request.num_pending += 1
         return LaunchedStep(requests, sampled, logprobs, copied)
 
+    def _masks(self, requests: list[Request], device: torch.device) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(rows, allowed-token bitmask) on `device` of the constrained requests still running, built
+        on the host from matchers that have taken every token before this step."""
+        rows = [row for row, r in enumerate(requests) if r.matcher is not None and not r.finished]
+        if not rows:
+            return None
+        bitmask = self.grammars.fill_bitmasks([requests[row].matcher for row in rows], pin=device.type == "cuda")
+        return to_device(torch.tensor(rows), device), to_device(bitmask, device)
+
     def _resolve(self, launched: LaunchedStep) -> list[RequestOutput]:
         """Wait for a launched step's tokens and hand them to its requests that are still running;
         a request whose row could not be sampled fails alone, and all of them if reading fails."""
         try:
-            tokens, ok, logprobs = launched.read()
+            tokens, ok, logprobs, tops = launched.read()
         except Exception as e:  # noqa: BLE001 - the step failed on the device: its requests fail
             log.exception("reading a step's tokens failed")
             return [self._fail(r, f"internal error while running this request: {e}") for r in launched.requests
                     if not r.finished]
         now = time.monotonic()
         outputs = []
-        for request, token, sampled, logprob in zip(launched.requests, tokens, ok, logprobs):
+        for request, token, sampled, logprob, top in zip(launched.requests, tokens, ok, logprobs, tops):
             if request.finished:
                 continue
             if not sampled:
                 outputs.append(self._fail(request, NON_FINITE))
                 continue
-            outputs.append(self._append(request, token, logprob, now))
+            if request.matcher is not None and not request.matcher.accept_token(token):
+                outputs.append(self._fail(request, GRAMMAR_REJECTED))
+                continue
+            outputs.append(self._append(request, token, logprob, top, now))
         return outputs
 
     def _fail(self, request: Request, error: str) -> RequestOutput:
@@ -329,20 +357,25 @@ class Engine:
                 outputs.append(self._output(request, error=error))
         return outputs
 
-    def _append(self, request: Request, token: int, logprob: float | None, now: float) -> RequestOutput:
+    def _append(self, request: Request, token: int, logprob: float | None, top: list[tuple[int, float]],
+                now: float) -> RequestOutput:
         """Put the value of the request's oldest pending token, then stop it if it should."""
         num_out = len(request.output_token_ids) - request.num_pending + 1
         request.output_token_ids[num_out - 1] = token
         request.num_pending -= 1
-        if request.params.logprobs:
+        p = request.params
+        if p.wants_logprobs:
             request.output_logprobs.append(logprob)
+        if p.top_logprobs:
+            request.output_top_logprobs.append(top[:p.top_logprobs])
         if request.first_token_time is None:
             request.first_token_time = now
-        p = request.params
         detok = self._detokenizers.get(request.request_id)
         stopped_by_string = detok.add_token(token) if detok is not None else False
         reason = None
-        if stopped_by_string or token in p.stop_token_ids or (token in self.eos_token_ids and not p.ignore_eos):
+        completed = request.matcher is not None and request.matcher.is_terminated()
+        if (stopped_by_string or completed or token in p.stop_token_ids
+                or (token in self.eos_token_ids and not p.ignore_eos)):
             reason = "stop"
         elif self._ends_by_length(request, num_out):
             reason = "length"

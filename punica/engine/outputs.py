@@ -17,6 +17,7 @@ class RequestOutput:
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] | None = None
+    top_logprobs: list[list[tuple[int, float]]] | None = None  # per token: (token id, logprob), most likely first
     new_text: str = ""                 # since the previous output of this request
     new_token_ids: list[int] = field(default_factory=list)
     finished: bool = False
@@ -41,7 +42,8 @@ def request_output(request: Request, detokenizer: IncrementalDetokenizer | None,
     return RequestOutput(
         request_id=request.request_id, prompt=request.prompt, prompt_token_ids=request.prompt_token_ids,
         adapter=request.adapter, text=detokenizer.text if detokenizer else "", token_ids=output_token_ids,
-        logprobs=list(request.output_logprobs) if request.params.logprobs else None,
+        logprobs=list(request.output_logprobs) if request.params.wants_logprobs else None,
+        top_logprobs=list(request.output_top_logprobs) if request.params.top_logprobs else None,
         new_text=detokenizer.take_new_text(finished) if detokenizer else "", new_token_ids=list(new_token_ids),
         finished=finished, finish_reason=request.finish_reason, error=error,
         time_to_first_token=ttft, time_per_output_token=tpot, num_preemptions=request.num_preemptions,

@@ -31,6 +31,8 @@ class Request:
     output_token_ids: list[int] = field(default_factory=list)  # the last num_pending are PENDING
     num_pending: int = 0
     output_logprobs: list[float] = field(default_factory=list)
+    output_top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)  # (token, logprob), best first
+    matcher: object = None               # its grammar's xgrammar.GrammarMatcher (structured outputs), or None
     pages: list[int] = field(default_factory=list)
     num_cached: int = 0                  # tokens whose K/V are in the cache
     num_preemptions: int = 0

@@ -1,10 +1,14 @@
-"""Per-request sampling inside one batch: penalties, temperature, top-k/top-p/min-p, seeds."""
+"""Per-request sampling inside one batch: logit bias, grammar masks, penalties, temperature,
+top-k/top-p/min-p, seeds, and the log-probabilities of the chosen and the most likely tokens."""
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 
 from punica.engine.request import Request
+from punica.engine.structured import apply_bitmasks, to_device
 
 SEED_STRIDE = 1_000_003
 SEED_MODULUS = 1 << 64  # torch generators take 64-bit seeds
@@ -44,11 +48,35 @@ def filter_probs(logits: torch.Tensor, temperature: float, top_k: int, top_p: fl
     return probs / probs.sum()
 
 
-def sample(logits: torch.Tensor, requests: list[Request]
-           ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
-    """One token per row of logits [N, V] float32 (int64 [N]), its log-probability under the model
-    (float32 [N]; None when no request asks for logprobs), and whether the row could be sampled
-    (bool [N]): its logits finite and, when it samples, its filtered probabilities a distribution.
+class Sampled(NamedTuple):
+    tokens: torch.Tensor               # [N] int64
+    ok: torch.Tensor                   # [N] bool
+    logprobs: torch.Tensor | None      # [N, 1 + K] float32: of the chosen token, then of the K most likely
+    top_ids: torch.Tensor | None       # [N, K] int64: the K most likely tokens, most likely first
+
+
+def apply_logit_bias(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+    """Each request's logit_bias added to its row, in one op for the batch."""
+    rows, cols, values = [], [], []
+    for row, request in enumerate(requests):
+        for token, bias in request.params.logit_bias:
+            rows.append(row)
+            cols.append(token)
+            values.append(bias)
+    if not rows:
+        return logits
+    index = to_device(torch.tensor([rows, cols]), logits.device)
+    bias = to_device(torch.tensor(values, dtype=logits.dtype), logits.device)
+    return logits.index_put((index[0], index[1]), bias, accumulate=True)
+
+
+def sample(logits: torch.Tensor, requests: list[Request],
+           masks: tuple[torch.Tensor, torch.Tensor] | None = None) -> Sampled:
+    """One token per row of logits [N, V] float32, whether the row could be sampled (its logits
+    finite and, when it samples, its filtered probabilities a distribution), and, when a request
+    asks for them, log-probabilities under the model (its logits before bias, grammar and
+    penalties) of the chosen token and of the K most likely tokens (K: the most any request asks).
+    `masks`: (rows, bitmask) of the rows under a grammar (punica.engine.structured.apply_bitmasks).
 
     A row that fails gets some token, computed as if its logits were zeros, so that nothing of it
     reaches another row (multinomial on NaN would fail the whole batch, on CUDA the whole process);
@@ -56,7 +84,10 @@ def sample(logits: torch.Tensor, requests: list[Request]
     waits for the device, so the engine can schedule its next step while this one runs."""
     ok = torch.isfinite(logits).all(-1)
     logits = torch.where(ok[:, None], logits, 0.0)
-    logprobs_all = logits.log_softmax(-1) if any(r.params.logprobs for r in requests) else None
+    logprobs_all = logits.log_softmax(-1) if any(r.params.wants_logprobs for r in requests) else None
+    logits = apply_logit_bias(logits, requests)
+    if masks is not None:
+        logits = apply_bitmasks(logits, *masks)
     if any(r.params.uses_penalties for r in requests):
         logits = apply_penalties(logits, requests)
     tokens = logits.argmax(-1)
@@ -75,5 +106,10 @@ def sample(logits: torch.Tensor, requests: list[Request]
             generator.manual_seed((p.seed * SEED_STRIDE + len(request.output_token_ids)) % SEED_MODULUS)
         tokens[row] = torch.multinomial(probs, 1, generator=generator)[0]
     if logprobs_all is None:
-        return tokens, None, ok
-    return tokens, logprobs_all.gather(1, tokens[:, None])[:, 0], ok
+        return Sampled(tokens, ok, None, None)
+    chosen = logprobs_all.gather(1, tokens[:, None])
+    k = max(r.params.top_logprobs for r in requests)
+    if not k:
+        return Sampled(tokens, ok, chosen, None)
+    top = logprobs_all.topk(k, dim=-1)
+    return Sampled(tokens, ok, torch.cat([chosen, top.values], 1), top.indices)

@@ -7,6 +7,7 @@ integer overflow in a seed). A bad value raises SamplingParamsError naming the f
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass, field
 
@@ -21,6 +22,11 @@ MAX_ABS_FREQUENCY_PRESENCE = 2.0  # OpenAI's range for frequency_penalty and pre
 MIN_SEED, SEED_MODULUS = -(1 << 63), 1 << 64
 MAX_STOP_STRINGS = MAX_STOP_TOKEN_IDS = 64
 MAX_STOP_STRING_CHARS = 256
+MAX_TOP_LOGPROBS = 20  # OpenAI's bound on top_logprobs
+MAX_LOGIT_BIAS_TOKENS, MAX_ABS_LOGIT_BIAS = 1024, 100.0
+MAX_CONSTRAINT_CHARS = 1 << 16  # a schema (as JSON), regex or grammar
+MAX_CHOICES = 1024
+CONSTRAINT_KINDS = ("json", "json_object", "regex", "choice", "grammar")
 
 
 class SamplingParamsError(ValueError):
@@ -55,6 +61,63 @@ def _check_float(name: str, value, low: float, high: float, low_open: bool = Fal
 
 
 @dataclass(frozen=True)
+class StructuredOutputs:
+    """What a request's output must match (vLLM's StructuredOutputsParams): exactly one of a JSON
+    schema (a dict, or its JSON text; stored as JSON text), any JSON object, a regular
+    expression, one string of `choice`, or an EBNF grammar (GBNF, root rule `root`). Only the shape
+    is checked here; the engine compiles it (punica.engine.structured) and a ValueError names what
+    the grammar engine rejects."""
+    json: str | dict | None = None
+    json_object: bool = False
+    regex: str | None = None
+    choice: tuple[str, ...] | None = None
+    grammar: str | None = None
+
+    def __post_init__(self):
+        given = [k for k in CONSTRAINT_KINDS if getattr(self, k) not in (None, False)]
+        if len(given) != 1:
+            raise SamplingParamsError("structured_outputs", "structured_outputs takes exactly one of "
+                                      f"{', '.join(CONSTRAINT_KINDS)}; got {', '.join(given) or 'none'}")
+        if self.json is not None:
+            object.__setattr__(self, "json", _schema_text(self.json))
+        if not isinstance(self.json_object, bool):
+            raise SamplingParamsError("structured_outputs", "structured_outputs.json_object must be a bool")
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and not (isinstance(value, str) and 0 < len(value) <= MAX_CONSTRAINT_CHARS):
+                raise SamplingParamsError("structured_outputs", f"structured_outputs.{name} must be a non-empty "
+                                          f"string of at most {MAX_CONSTRAINT_CHARS} characters")
+        if self.choice is not None:
+            if not isinstance(self.choice, (list, tuple)) or not 0 < len(self.choice) <= MAX_CHOICES or not all(
+                    isinstance(c, str) and 0 < len(c) <= MAX_STOP_STRING_CHARS for c in self.choice):
+                raise SamplingParamsError("structured_outputs", f"structured_outputs.choice must be 1 to {MAX_CHOICES}"
+                                          f" non-empty strings of at most {MAX_STOP_STRING_CHARS} characters")
+            object.__setattr__(self, "choice", tuple(self.choice))
+
+    @property
+    def kind(self) -> str:
+        return next(k for k in CONSTRAINT_KINDS if getattr(self, k) not in (None, False))
+
+
+def _schema_text(schema) -> str:
+    """A JSON schema (dict or JSON text) as JSON text (its keys in order: properties are generated in
+    the schema's order); the compiled-grammar cache is keyed by it."""
+    if isinstance(schema, str):
+        try:
+            schema = json.loads(schema)
+        except json.JSONDecodeError as e:
+            raise SamplingParamsError("structured_outputs", f"structured_outputs.json is not valid JSON: {e}") from e
+    if not isinstance(schema, (dict, bool)):
+        raise SamplingParamsError("structured_outputs", "structured_outputs.json must be a JSON schema: an object "
+                                  f"(or true/false), got {type(schema).__name__}")
+    text = json.dumps(schema, ensure_ascii=False)
+    if len(text) > MAX_CONSTRAINT_CHARS:
+        raise SamplingParamsError("structured_outputs", f"structured_outputs.json is {len(text)} characters as JSON;"
+                                  f" at most {MAX_CONSTRAINT_CHARS}")
+    return text
+
+
+@dataclass(frozen=True)
 class SamplingParams:
     max_tokens: int = 16
     temperature: float = 1.0       # 0 = greedy
@@ -70,6 +133,9 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     ignore_eos: bool = False
     logprobs: bool = False         # return the log-probability of each chosen token
+    top_logprobs: int = 0          # and of this many most likely tokens at each position
+    logit_bias: tuple[tuple[int, float], ...] = field(default_factory=tuple)  # token id -> added to its logit
+    structured_outputs: StructuredOutputs | None = None
 
     def __post_init__(self):
         # accept lists and a single stop string for convenience; store tuples (frozen, hashable)
@@ -80,6 +146,12 @@ class SamplingParams:
             if value is not None and not isinstance(value, (list, tuple)):
                 raise SamplingParamsError(name, f"{name} must be a list, got {value!r}")
             object.__setattr__(self, name, tuple(value or ()))
+        bias = self.logit_bias
+        if isinstance(bias, dict):
+            bias = sorted(bias.items())
+        if not isinstance(bias, (list, tuple)) or not all(isinstance(b, (list, tuple)) and len(b) == 2 for b in bias):
+            raise SamplingParamsError("logit_bias", "logit_bias must map token ids to numbers")
+        object.__setattr__(self, "logit_bias", tuple((t, b) for t, b in bias))
         self._check()
 
     def _check(self) -> None:
@@ -114,10 +186,27 @@ class SamplingParams:
         for name in ("include_stop_str_in_output", "ignore_eos", "logprobs"):
             if not isinstance(getattr(self, name), bool):
                 raise SamplingParamsError(name, f"{name} must be a bool, got {getattr(self, name)!r}")
+        if not _is_int(self.top_logprobs) or not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
+            raise SamplingParamsError("top_logprobs", f"top_logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}], "
+                                                      f"got {self.top_logprobs!r}")
+        if len(self.logit_bias) > MAX_LOGIT_BIAS_TOKENS:
+            raise SamplingParamsError("logit_bias", f"logit_bias sets at most {MAX_LOGIT_BIAS_TOKENS} tokens, "
+                                                    f"got {len(self.logit_bias)}")
+        for token, bias in self.logit_bias:
+            if not _is_int(token) or token < 0:
+                raise SamplingParamsError("logit_bias", f"logit_bias keys must be token ids (integers >= 0), "
+                                                        f"got {token!r}")
+            _check_float("logit_bias", bias, -MAX_ABS_LOGIT_BIAS, MAX_ABS_LOGIT_BIAS)
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputs):
+            raise SamplingParamsError("structured_outputs", "structured_outputs must be a StructuredOutputs")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+    @property
+    def wants_logprobs(self) -> bool:
+        return self.logprobs or self.top_logprobs > 0
 
     @property
     def uses_penalties(self) -> bool:

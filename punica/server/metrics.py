@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 import time
 from collections import deque
 
@@ -40,7 +41,14 @@ class Metrics:
         self.lora_slots_held = Gauge("punica_lora_slots_held", "GPU adapter slots held by running requests",
                                      registry=r)
         self.step_time = Histogram("punica_step_seconds", "Engine step time", buckets=LATENCY_BUCKETS, registry=r)
+        self.constrained = Counter("punica_constrained_requests", "Requests added with a structured-output "
+                                   "constraint (JSON schema or object, regex, choice, grammar, a required tool call)",
+                                   registry=r)
+        self.grammar_compile = Counter("punica_grammar_compile_seconds", "Time spent compiling the grammars of "
+                                       "constrained requests (compiled-grammar cache hits included)", registry=r)
         self._recent: deque[tuple[float, int]] = deque()
+        self._constrained_seen, self._compile_seen = 0, 0.0  # the engine's totals at the last update
+        self._totals_lock = threading.Lock()  # the engine thread and /metrics both update them
 
     def on_step(self, engine: Engine, outputs: list[RequestOutput], seconds: float) -> None:
         """Called by the engine thread after every step (finished outputs also go to `finished`)."""
@@ -72,3 +80,9 @@ class Metrics:
         self.kv_usage.set(stats.num_kv_pages_used / stats.num_kv_pages)
         self.lora_slots.set(stats.num_adapter_slots_used)
         self.lora_slots_held.set(stats.num_adapter_slots_held)
+        # the engine counts from its start; the counters advance by what is new since the last update
+        with self._totals_lock:
+            self.constrained.inc(max(0, stats.num_constrained_requests - self._constrained_seen))
+            self.grammar_compile.inc(max(0.0, stats.grammar_compile_seconds - self._compile_seen))
+            self._constrained_seen = max(self._constrained_seen, stats.num_constrained_requests)
+            self._compile_seen = max(self._compile_seen, stats.grammar_compile_seconds)

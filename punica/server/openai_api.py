@@ -20,6 +20,7 @@ from punica.engine.sampling_params import SamplingParams
 from punica.server.interrupts import DISCONNECT, Interrupt
 from punica.server.limits import PromptBound
 from punica.server.protocol import ChatCompletionRequest, CompletionRequest, ProtocolError, SamplingFields
+from punica.server.tools import Tools, ToolStream, parse_tools, render_without_template_tools, template_supports_tools
 
 CLIENT_CLOSED_REQUEST = 499
 
@@ -30,6 +31,8 @@ class Choice:
     request_id: str
     prompt_ids: list[int]
     params: SamplingParams
+    tools: Tools | None = None         # chat: the output may hold tool calls (tool_choice other than "none")
+    echo: str = ""                     # completions: the prompt's text, before the completion's
 
 
 class OpenAIHandlers:
@@ -44,7 +47,11 @@ class OpenAIHandlers:
         adapter = await self.state.resolve_model(body.model)
         prompts = await asyncio.to_thread(self._tokenize, body.prompts())  # off the event loop: it can take seconds
         max_tokens = body.max_tokens_or_default()
-        choices = self._choices("cmpl", body, prompts, lambda ids: max_tokens, body.logprobs is not None)
+        choices = self._choices("cmpl", body, prompts, lambda ids: max_tokens, body.logprobs is not None,
+                                body.logprobs or 0, body.constraint())
+        if body.echo:
+            texts = [self._echo_text(p, ids) for p, ids in zip(body.prompts(), prompts)]
+            choices = [dataclasses.replace(c, echo=texts[c.index // body.num_choices]) for c in choices]
         return await self._respond("text_completion", body, adapter, choices, request)
 
     async def chat(self, body: ChatCompletionRequest, request: Request):
@@ -53,12 +60,21 @@ class OpenAIHandlers:
         messages = [m.template_message(f"messages.{i}") for i, m in enumerate(body.messages)]
         if self.state.tokenizer is None or not self.state.tokenizer.chat_template:
             raise ProtocolError("this model has no chat template: use /v1/completions")
-        prompt_ids = await asyncio.to_thread(self._chat_prompt_ids, messages)
+        tools = parse_tools(body.tools, body.tool_choice, body.parallel_tool_calls)
+        constraint = body.constraint()
+        if tools is not None and tools.constraint() is not None:
+            if constraint is not None:
+                raise ProtocolError(f'tool_choice "{tools.choice}" constrains the output, and so does '
+                                    "response_format (or structured_outputs): set one of them", param="tool_choice")
+            constraint = tools.constraint()
+        prompt_ids = await asyncio.to_thread(self._chat_prompt_ids, messages, tools)
         limit = body.completion_limit()
         max_model_len = self.state.max_model_len
         choices = self._choices("chatcmpl", body, [prompt_ids],
                                 lambda ids: limit if limit is not None else max(1, max_model_len - len(ids)),
-                                bool(body.logprobs))
+                                bool(body.logprobs), body.top_logprobs or 0, constraint)
+        if tools is not None and tools.choice != "none":
+            choices = [dataclasses.replace(c, tools=tools) for c in choices]
         return await self._respond("chat.completion", body, adapter, choices, request)
 
     # shared ------------------------------------------------------------------------------
@@ -75,16 +91,23 @@ class OpenAIHandlers:
                 raise ProtocolError(f"prompt token ids must be integers in [0, {vocab_size})", param="prompt")
         return [self.state.tokenizer.encode(p) if isinstance(p, str) else list(p) for p in prompts]
 
-    def _chat_prompt_ids(self, messages: list[dict[str, str]]) -> list[int]:
+    def _echo_text(self, prompt: str | list[int], ids: list[int]) -> str:
+        return prompt if isinstance(prompt, str) else self.state.tokenizer.decode(ids) if self.state.tokenizer else ""
+
+    def _chat_prompt_ids(self, messages: list[dict], tools: Tools | None) -> list[int]:
         # the template only adds text: contents that cannot fit are refused before templating
         self.prompt_bound.check(sum(len(m["content"].encode()) for m in messages), self.state.max_model_len,
                                 "messages")
         tok = self.state.tokenizer
-        text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        if template_supports_tools(tok):
+            kwargs = {"tools": tools.tools} if tools is not None else {}
+        else:
+            messages, kwargs = render_without_template_tools(messages, tools), {}
+        text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, **kwargs)
         return tok.encode(text, add_special_tokens=False)
 
     def _choices(self, prefix: str, body: SamplingFields, prompts: list[list[int]], max_tokens_of,
-                 logprobs: bool) -> list[Choice]:
+                 logprobs: bool, top_logprobs: int, constraint) -> list[Choice]:
         base = f"{prefix}-{uuid.uuid4().hex}"
         choices = []
         for p, ids in enumerate(prompts):
@@ -98,7 +121,8 @@ class OpenAIHandlers:
                     f"completion). Please reduce the prompt or max_tokens.", param="max_tokens")
             for j in range(body.num_choices):
                 index = p * body.num_choices + j
-                choices.append(Choice(index, f"{base}-{index}", ids, body.sampling_params(max_tokens, logprobs, j)))
+                params = body.sampling_params(max_tokens, logprobs, j, top_logprobs, constraint)
+                choices.append(Choice(index, f"{base}-{index}", ids, params))
         return choices
 
     async def _respond(self, kind: str, body: SamplingFields, adapter: str | None, choices: list[Choice],
@@ -171,12 +195,18 @@ class OpenAIHandlers:
         items = []
         for c, out in zip(choices, finals):
             if kind == "chat.completion":
-                items.append({"index": c.index, "message": {"role": "assistant", "content": out.text},
-                              "logprobs": self._chat_logprobs(out, out.token_ids, out.logprobs),
-                              "finish_reason": out.finish_reason})
+                message: dict[str, Any] = {"role": "assistant", "content": out.text}
+                reason = out.finish_reason
+                if c.tools is not None:
+                    message["content"], calls = c.tools.parse(out.text)
+                    if calls:
+                        message["tool_calls"] = calls
+                        reason = "tool_calls" if reason == "stop" else reason
+                items.append({"index": c.index, "message": message, "finish_reason": reason,
+                              "logprobs": self._chat_logprobs(out.token_ids, out.logprobs, out.top_logprobs)})
             else:
-                items.append({"index": c.index, "text": out.text, "finish_reason": out.finish_reason,
-                              "logprobs": self._completion_logprobs(out.token_ids, out.logprobs)})
+                items.append({"index": c.index, "text": c.echo + out.text, "finish_reason": out.finish_reason,
+                              "logprobs": self._completion_logprobs(out.token_ids, out.logprobs, out.top_logprobs)})
         return {**meta, "object": kind, "choices": items, "usage": _usage(choices, finals)}
 
     async def _stream(self, kind: str, meta: dict, choices: list[Choice], gens, head: RequestOutput | None,
@@ -199,6 +229,7 @@ class OpenAIHandlers:
         tasks = [] if interrupt.fired else [asyncio.ensure_future(pump(i, g)) for i, g in enumerate(gens)]
         latest: list[RequestOutput | None] = [None] * len(choices)
         finals: list[RequestOutput | None] = [None] * len(choices)
+        deltas = [_Deltas(c) for c in choices]
         try:
             if kind == "chat.completion":
                 for c in choices:
@@ -212,8 +243,8 @@ class OpenAIHandlers:
                     for j, c in enumerate(choices):  # a shutdown: the unfinished choices end here
                         if finals[j] is None:
                             finals[j] = _aborted(latest[j], c)
-                            yield {**meta, "object": chunk_kind, "choices": [self._chunk_choice(kind, c.index,
-                                                                                                 finals[j])]}
+                            yield {**meta, "object": chunk_kind,
+                                   "choices": [self._chunk_choice(kind, deltas[j], finals[j])]}
                     break
                 if isinstance(out, Exception):
                     yield {"error": error_body(f"internal error: {out}", "server_error")}
@@ -224,41 +255,67 @@ class OpenAIHandlers:
                     if out.finish_reason == "error":
                         yield {"error": error_body(out.error or "request failed", "server_error")}
                         return
-                yield {**meta, "object": chunk_kind, "choices": [self._chunk_choice(kind, choices[i].index, out)]}
+                yield {**meta, "object": chunk_kind, "choices": [self._chunk_choice(kind, deltas[i], out)]}
             if usage_wanted:
                 yield {**meta, "object": chunk_kind, "choices": [], "usage": _usage(choices, finals)}
         finally:
             for t in tasks:
                 t.cancel()
 
-    def _chunk_choice(self, kind: str, index: int, out: RequestOutput) -> dict:
+    def _chunk_choice(self, kind: str, deltas: _Deltas, out: RequestOutput) -> dict:
+        c = deltas.choice
         reason = out.finish_reason if out.finished else None
-        new_logprobs = out.logprobs[-len(out.new_token_ids):] if out.logprobs and out.new_token_ids else None
+        n = len(out.new_token_ids)
+        new_logprobs = out.logprobs[-n:] if out.logprobs and n else None
+        new_tops = out.top_logprobs[-n:] if out.top_logprobs and n else None
         if kind == "chat.completion":
-            return {"index": index, "delta": {"content": out.new_text} if out.new_text else {},
-                    "logprobs": self._chat_logprobs(out, out.new_token_ids, new_logprobs), "finish_reason": reason}
-        return {"index": index, "text": out.new_text, "finish_reason": reason,
-                "logprobs": self._completion_logprobs(out.new_token_ids, new_logprobs)}
+            if deltas.tools is None:
+                delta = {"content": out.new_text} if out.new_text else {}
+            else:
+                delta = deltas.tools.delta(out.text, out.finished)
+                if deltas.tools.calls and reason == "stop":
+                    reason = "tool_calls"
+            return {"index": c.index, "delta": delta, "finish_reason": reason,
+                    "logprobs": self._chat_logprobs(out.new_token_ids, new_logprobs, new_tops)}
+        echo, deltas.echo = deltas.echo, ""
+        return {"index": c.index, "text": echo + out.new_text, "finish_reason": reason,
+                "logprobs": self._completion_logprobs(out.new_token_ids, new_logprobs, new_tops)}
 
     def _token_text(self, token_id: int) -> str:
         """A token's text; "token_id:N" (vLLM's form) for a model without a tokenizer."""
         tokenizer = self.state.tokenizer
         return tokenizer.decode([token_id]) if tokenizer is not None else f"token_id:{token_id}"
 
-    def _completion_logprobs(self, token_ids: list[int], logprobs: list[float] | None) -> dict | None:
+    def _completion_logprobs(self, token_ids: list[int], logprobs: list[float] | None,
+                             tops: list[list[tuple[int, float]]] | None) -> dict | None:
         if logprobs is None:
             return None
         tokens = [self._token_text(t) for t in token_ids]
-        return {"tokens": tokens, "token_logprobs": logprobs, "top_logprobs": None, "text_offset": None}
+        top = None if tops is None else [{self._token_text(t): lp for t, lp in row} for row in tops]
+        return {"tokens": tokens, "token_logprobs": logprobs, "top_logprobs": top, "text_offset": None}
 
-    def _chat_logprobs(self, out: RequestOutput, token_ids: list[int], logprobs: list[float] | None) -> dict | None:
+    def _chat_logprobs(self, token_ids: list[int], logprobs: list[float] | None,
+                       tops: list[list[tuple[int, float]]] | None) -> dict | None:
         if logprobs is None:
             return None
         content = []
-        for t, lp in zip(token_ids, logprobs):
-            text = self._token_text(t)
-            content.append({"token": text, "logprob": lp, "bytes": list(text.encode()), "top_logprobs": []})
+        for i, (t, lp) in enumerate(zip(token_ids, logprobs)):
+            top = [self._logprob_entry(u, ulp) for u, ulp in tops[i]] if tops is not None else []
+            content.append({**self._logprob_entry(t, lp), "top_logprobs": top})
         return {"content": content}
+
+    def _logprob_entry(self, token_id: int, logprob: float) -> dict:
+        text = self._token_text(token_id)
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+
+
+class _Deltas:
+    """What a streamed choice has still to send: its echoed prompt, and its tool calls' state."""
+
+    def __init__(self, choice: Choice):
+        self.choice = choice
+        self.echo = choice.echo
+        self.tools = ToolStream(choice.tools) if choice.tools is not None else None
 
 
 def _usage(choices: list[Choice], finals: list[RequestOutput]) -> dict[str, int]:

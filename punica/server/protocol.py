@@ -2,38 +2,35 @@
 
 Every field of OpenAI's /v1/completions and /v1/chat/completions request schemas is one of:
 implemented; accepted and ignored, because it cannot change the output (`user`, `metadata`,
-`store`, ...); or a 400 naming it when set to anything but its no-op value (`logit_bias`,
-`tools`, ...). vLLM's extra sampling fields that punica implements (`top_k`, `min_p`, ...) are
-accepted. A field neither OpenAI nor punica defines is a 400 naming every such field. Values
+`store`, ...); or a 400 naming it when set to anything but its no-op value (`audio`,
+`functions`, ...). vLLM's extra sampling and structured-output fields that punica implements
+(`top_k`, `min_p`, `structured_outputs`, `guided_json`, ...) are accepted. A field neither
+OpenAI nor punica defines is a 400 naming every such field. Values
 keep their JSON types (no "1" for 1, no true for 1), and a string that is not valid Unicode (a
 lone surrogate, which a JSON "\\ud800" escape can write) is a 400 naming where it is.
 """
 
 from __future__ import annotations
 
+import json
 from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
-from punica.engine.sampling_params import SamplingParams, SamplingParamsError, offset_seed
+from punica.engine.sampling_params import (
+    MAX_TOP_LOGPROBS,
+    SamplingParams,
+    SamplingParamsError,
+    StructuredOutputs,
+    offset_seed,
+)
+from punica.server.protocol_errors import ProtocolError, unsupported
+from punica.server.structured_fields import constraint_spec
 
 STRICT = ConfigDict(extra="forbid", strict=True)
 MAX_ADAPTER_NAME_CHARS = 128  # the engine checks which characters a name may have
 MAX_ADAPTER_PATH_CHARS = 4096
-
-
-class ProtocolError(ValueError):
-    """A request the server understands but cannot serve; becomes an OpenAI error JSON."""
-
-    def __init__(self, message: str, status: int = 400, param: str | None = None,
-                 kind: str = "invalid_request_error", code: str | None = None):
-        super().__init__(message)
-        self.status, self.param, self.kind, self.code = status, param, kind, code
-
-
-def unsupported(field: str, what: str = "is not supported") -> ProtocolError:
-    return ProtocolError(f"{field} {what}", param=field)
 
 
 def _valid_unicode(s: str) -> bool:
@@ -106,6 +103,7 @@ class SamplingFields(RequestBody):
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
+    response_format: dict[str, Any] | None = None
     user: str | None = None  # ignored
     # vLLM's extra sampling fields
     top_k: int | None = None
@@ -114,6 +112,12 @@ class SamplingFields(RequestBody):
     ignore_eos: bool | None = None
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool | None = None
+    # vLLM's structured-output fields (punica.server.structured_fields)
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
     @property
     def num_choices(self) -> int:
@@ -124,10 +128,24 @@ class SamplingFields(RequestBody):
         return self.stream_options is not None and bool(self.stream_options.include_usage)
 
     def check_supported(self) -> None:
-        if self.logit_bias:
-            raise unsupported("logit_bias")
+        self.constraint()
 
-    def sampling_params(self, max_tokens: int, logprobs: bool, choice: int) -> SamplingParams:
+    def constraint(self) -> StructuredOutputs | None:
+        """What the output must match (a 400 naming the field for a malformed one)."""
+        return constraint_spec(self)
+
+    def token_bias(self) -> dict[int, float]:
+        """logit_bias with its keys as token ids; a 400 for a key that is not one."""
+        bias = {}
+        for key, value in (self.logit_bias or {}).items():
+            if not (key.isascii() and key.isdigit()):
+                raise ProtocolError(f"logit_bias keys must be token ids (decimal integers), got {key!r}",
+                                    param="logit_bias")
+            bias[int(key)] = value
+        return bias
+
+    def sampling_params(self, max_tokens: int, logprobs: bool, choice: int, top_logprobs: int = 0,
+                        constraint: StructuredOutputs | None = None) -> SamplingParams:
         """The SamplingParams of choice number `choice` (seeds differ per choice); a 400 naming the
         field for a value out of range."""
         values: dict[str, Any] = {
@@ -139,7 +157,8 @@ class SamplingFields(RequestBody):
             "include_stop_str_in_output": self.include_stop_str_in_output, "ignore_eos": self.ignore_eos,
         }
         try:
-            return SamplingParams(max_tokens=max_tokens, logprobs=logprobs,
+            return SamplingParams(max_tokens=max_tokens, logprobs=logprobs, top_logprobs=top_logprobs,
+                                  logit_bias=self.token_bias(), structured_outputs=constraint,
                                   **{k: v for k, v in values.items() if v is not None})
         except SamplingParamsError as e:
             raise ProtocolError(str(e), param=e.field) from e
@@ -177,14 +196,14 @@ class CompletionRequest(SamplingFields):
 
     def check_supported(self) -> None:
         super().check_supported()
-        if self.echo:
-            raise unsupported("echo")
         if self.suffix:
             raise unsupported("suffix")
         if self.best_of not in (None, 1, self.num_choices):
             raise unsupported("best_of", "other than n is not supported")
-        if self.logprobs not in (None, 0, 1):
-            raise unsupported("logprobs", "must be 0 or 1: only the chosen token's logprob is returned")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
+            raise ProtocolError(f"logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.logprobs}", param="logprobs")
+        if self.echo and self.logprobs is not None:
+            raise unsupported("echo", "with logprobs is not supported (no logprobs of prompt tokens)")
 
     def max_tokens_or_default(self) -> int:
         return completion_limit(self.max_tokens, "max_tokens", 16)
@@ -211,9 +230,17 @@ def _content(value: Any) -> Any:
     raise PydanticCustomError("content_type", "content must be a string, null or a list of content parts")
 
 
+def _parsed(arguments: str) -> Any:
+    try:
+        return json.loads(arguments)
+    except json.JSONDecodeError:
+        return arguments
+
+
 class ChatMessage(BaseModel):
-    """One message, with OpenAI's message fields: used, without effect here (tool_call_id,
-    refusal), or a 400 when set (tool_calls, function_call, audio)."""
+    """One message, with OpenAI's message fields: used (tool_calls of an assistant message,
+    tool_call_id of a tool message: punica.server.tools), without effect here (refusal), or a
+    400 when set (function_call, audio)."""
     model_config = STRICT
 
     role: Literal["system", "user", "assistant", "developer", "tool"]
@@ -226,17 +253,30 @@ class ChatMessage(BaseModel):
     audio: dict[str, Any] | None = None
 
     def check_supported(self, where: str) -> None:
-        if self.tool_calls:
-            raise unsupported(f"{where}.tool_calls", "are not supported (no tools)")
+        if self.tool_calls and self.role != "assistant":
+            raise unsupported(f"{where}.tool_calls", "are for assistant messages only")
+        for i, call in enumerate(self.tool_calls or ()):
+            function = call.get("function")
+            if (call.get("type", "function") != "function" or not isinstance(function, dict)
+                    or not isinstance(function.get("name"), str) or not isinstance(function.get("arguments"), str)):
+                raise ProtocolError(f'{where}.tool_calls.{i} must be {{"id": ..., "type": "function", "function": '
+                                    '{"name": <string>, "arguments": <JSON text>}}', param=f"{where}.tool_calls.{i}")
         for name in ("function_call", "audio"):
             if getattr(self, name) is not None:
                 raise unsupported(f"{where}.{name}")
 
-    def template_message(self, where: str) -> dict[str, str]:
-        """The message as the chat template gets it; a 400 for a content part that is not text."""
-        message = {"role": self.role, "content": self.text(where)}
+    def template_message(self, where: str) -> dict[str, Any]:
+        """The message as the chat template gets it (a tool call's arguments parsed, as templates
+        expect); a 400 for a content part that is not text."""
+        message: dict[str, Any] = {"role": self.role, "content": self.text(where)}
         if self.name is not None:
             message["name"] = self.name
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
+        if self.tool_calls:
+            message["tool_calls"] = [{"id": call.get("id"), "type": "function", "function": {
+                "name": call["function"]["name"], "arguments": _parsed(call["function"]["arguments"])}}
+                for call in self.tool_calls]
         return message
 
     def text(self, where: str) -> str:
@@ -261,11 +301,10 @@ class ChatCompletionRequest(SamplingFields):
     max_completion_tokens: int | None = None
     logprobs: bool | None = None
     top_logprobs: int | None = None
-    response_format: dict[str, Any] | None = None
-    # tools and other outputs than text: a 400 unless set to what means "none"
-    tools: list[dict[str, Any]] | None = None
+    tools: list[dict[str, Any]] | None = None   # punica.server.tools
     tool_choice: Any = None
-    parallel_tool_calls: bool | None = None  # ignored: tools are never accepted
+    parallel_tool_calls: bool | None = None     # false: tool_choice "required" makes exactly one call
+    # other outputs than text: a 400 unless set to what means "none"
     functions: list[dict[str, Any]] | None = None
     function_call: Any = None
     modalities: list[str] | None = None
@@ -288,20 +327,18 @@ class ChatCompletionRequest(SamplingFields):
         super().check_supported()
         for i, message in enumerate(self.messages):
             message.check_supported(f"messages.{i}")
-        if self.tools:
-            raise unsupported("tools", "are not supported")
-        if self.tool_choice not in (None, "none"):
-            raise unsupported("tool_choice", 'is not supported other than "none" (no tools)')
         if self.functions:
             raise unsupported("functions", "are not supported")
         if self.function_call not in (None, "none"):
             raise unsupported("function_call", 'is not supported other than "none" (no functions)')
         if self.modalities not in (None, ["text"]):
             raise unsupported("modalities", 'is not supported other than ["text"]')
-        if self.top_logprobs:
-            raise unsupported("top_logprobs", "is not supported (only the chosen token's logprob)")
-        if self.response_format is not None and self.response_format != {"type": "text"}:
-            raise unsupported("response_format", 'is not supported other than {"type": "text"}')
+        if self.top_logprobs is not None:
+            if not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
+                raise ProtocolError(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.top_logprobs}",
+                                    param="top_logprobs")
+            if self.top_logprobs and not self.logprobs:
+                raise ProtocolError("top_logprobs needs logprobs: true", param="top_logprobs")
         for name in ("audio", "reasoning_effort", "verbosity", "web_search_options", "moderation"):
             if getattr(self, name) is not None:
                 raise unsupported(name)

@@ -65,7 +65,7 @@ def test_accepted_extremes_sample_in_one_batch(kwargs):
                 Request("plain", [4, 5], SamplingParams(max_tokens=4, temperature=0.8, logprobs=True))]
     for r in requests:
         r.output_token_ids = [3, 7, 7]
-    tokens, logprobs, ok = sample(logits, requests)
+    tokens, ok, logprobs, _ = sample(logits, requests)
     assert tokens.shape == (2,) and all(0 <= t < vocab for t in tokens.tolist())
     assert torch.isfinite(logprobs).all() and ok.all()
 
@@ -73,7 +73,7 @@ def test_accepted_extremes_sample_in_one_batch(kwargs):
 @pytest.mark.parametrize("seed", [-(1 << 63), (1 << 64) - 1, 1 << 45])
 def test_every_accepted_seed_samples(seed):
     logits = torch.randn(1, 16)
-    tokens, _, ok = sample(logits, [Request("r", [1], SamplingParams(seed=seed))])
+    tokens, ok, _, _ = sample(logits, [Request("r", [1], SamplingParams(seed=seed))])
     assert 0 <= tokens.item() < 16 and ok.item()
 
 

@@ -122,8 +122,11 @@ def still_serving(http: httpx.Client, server):
     ({"model": "tenant-0", "prompt": "x", "max_tokens": 0}, 400, "max_tokens"),
     ({"model": "tenant-0", "prompt": "x", "top_p": 7}, 400, "top_p"),
     ({"model": "tenant-0", "prompt": "x", "n": "many"}, 400, "n"),
-    ({"model": "tenant-0", "prompt": "x", "echo": True}, 400, "echo"),
-    ({"model": "tenant-0", "prompt": "x", "logit_bias": {"1": 2}}, 400, "logit_bias"),
+    ({"model": "tenant-0", "prompt": "x", "echo": True, "logprobs": 1}, 400, "echo"),
+    ({"model": "tenant-0", "prompt": "x", "logit_bias": {"1": 200}}, 400, "logit_bias"),
+    ({"model": "tenant-0", "prompt": "x", "guided_regex": "("}, 400, "parenthesis"),
+    ({"model": "tenant-0", "prompt": "x", "response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "objectx"}}}}, 400, "objectx"),
     ({"model": "tenant-0", "prompt": [], "max_tokens": 1}, 400, "empty"),
     ({"model": "tenant-0", "prompt": [10**9]}, 400, "token ids"),
     ({"model": "tenant-0", "prompt": "word " * 9000}, 400, "maximum context length"),

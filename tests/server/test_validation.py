@@ -151,18 +151,23 @@ def test_ignored_completion_fields_do_not_change_the_output(http):
 
 
 @pytest.mark.parametrize("field, value", [
-    ("tools", [{"type": "function", "function": {"name": "f"}}]), ("tool_choice", "auto"),
+    ("tools", [{"type": "function", "function": {"name": "f", "colour": 1}}]), ("tool_choice", "auto"),
     ("tool_choice", {"type": "function", "function": {"name": "f"}}), ("functions", [{"name": "f"}]),
     ("function_call", "auto"), ("modalities", ["text", "audio"]), ("audio", {"voice": "alloy", "format": "wav"}),
-    ("response_format", {"type": "json_object"}), ("top_logprobs", 2), ("logit_bias", {"1": 5}),
+    ("response_format", {"type": "json_object", "x": 1}), ("top_logprobs", 2), ("top_logprobs", 21),
+    ("logit_bias", {"x": 5}), ("logit_bias", {"1": 101}), ("guided_regex", ""), ("structured_outputs", {"json": 1}),
     ("reasoning_effort", "low"), ("verbosity", "low"), ("web_search_options", {}), ("moderation", {}),
 ])
 def test_unsupported_chat_field_is_a_400_naming_it(http, field, value):
-    assert_error(http.post("/v1/chat/completions", json=chat(**{field: value})), 400, field, field)
+    r = http.post("/v1/chat/completions", json=chat(**{field: value}))
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"].startswith(field) and field in error["message"], error
 
 
 @pytest.mark.parametrize("message, param", [
-    ({"role": "assistant", "content": None, "tool_calls": [{"id": "1", "type": "function"}]}, "messages.0.tool_calls"),
+    ({"role": "assistant", "content": None, "tool_calls": [{"id": "1", "type": "function"}]},
+     "messages.0.tool_calls.0"),
     ({"role": "assistant", "content": "x", "function_call": {"name": "f", "arguments": "{}"}},
      "messages.0.function_call"),
     ({"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://x"}}]},
@@ -175,8 +180,8 @@ def test_unsupported_message_field_is_a_400_naming_it(http, message, param):
     assert_error(http.post("/v1/chat/completions", json=chat(messages=[message])), 400, param, param)
 
 
-@pytest.mark.parametrize("field, value", [("echo", True), ("suffix", "end"), ("best_of", 3), ("logprobs", 3),
-                                          ("logit_bias", {"1": 5})])
+@pytest.mark.parametrize("field, value", [("suffix", "end"), ("best_of", 3), ("logprobs", 21),
+                                          ("logit_bias", {"-1": 5}), ("guided_choice", [])])
 def test_unsupported_completion_field_is_a_400_naming_it(http, field, value):
     assert_error(http.post("/v1/completions", json=completion(**{field: value})), 400, field, field)
 
