@@ -70,7 +70,9 @@ def hostile(adapter_dirs, tmp_path_factory):
 @pytest.fixture(scope="module")
 def fuzz_server(adapter_dirs, hostile, start_server):
     served, _ = adapter_dirs
-    state = build_state(EngineArgs(max_batch_size=16, max_loras=3), adapters=served)
+    # a context of 512 tokens bounds what a drawn request that happens to be valid costs (a chat with
+    # max_completion_tokens 3,736 would take minutes on a CPU); over it, a request is a 400
+    state = build_state(EngineArgs(max_batch_size=16, max_loras=3, max_model_len=512), adapters=served)
     state.adapter_dirs = [hostile[0]]
     running = start_server(state, max_request_bytes=MAX_BODY)
     yield running
