@@ -38,7 +38,7 @@ def test_each_family_turns_on_its_features(punica_config, tiny_family_model):
 def test_gemma_features(punica_config, tiny_family_model):
     g2, g3 = (punica_config(tiny_family_model(f)) for f in ("gemma2", "gemma3"))
     assert (g2.hidden_act, g2.norm_offset, g2.embed_scale, g2.sandwich_norms) == ("gelu_tanh", 1.0, True, True)
-    assert (g2.attn_softcap, g2.final_softcap, g2.attn_scale, g2.local_rope) == (1.0, 1.0, 24 ** -0.5, None)
+    assert (g2.attn_softcap, g2.final_softcap, g2.attn_scale, g2.local_rope) == (1.0, 5.0, 24 ** -0.5, None)
     assert (g3.attn_softcap, g3.final_softcap) == (0.0, 0.0)
     assert (g3.rope.rope_type, g3.rope.factor, g3.rope.theta, g3.local_rope.theta) == ("linear", 4.0, 1e6, 1e4)
     assert g3.layer_rope(0) == g3.local_rope and g3.layer_rope(1) == g3.rope
