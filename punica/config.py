@@ -164,7 +164,12 @@ class EngineConfig:
     kv_cache_bytes: int | None = described(
         None, "KV-cache size in bytes (default: --kv-cache-memory-fraction of free GPU memory; 1 GiB on CPU)")
     kv_cache_memory_fraction: float = described(0.85, "fraction of free GPU memory the KV cache takes")
-    max_prefill_tokens: int = described(4096, "prompt tokens admitted per step (one longer prompt runs alone)")
+    max_num_batched_tokens: int = described(
+        512, "tokens a step computes at most: running decodes first, then prompt chunks (without chunked "
+             "prefill: prompt tokens admitted per step, one longer prompt runs alone)")
+    chunked_prefill: bool = described(True, "prefill a long prompt over several steps, beside the running decodes")
+    prefix_caching: bool = described(True, "reuse the KV pages of prompt prefixes computed before under the "
+                                           "same adapter (or base model)")
     max_model_len: int | None = described(None, "longest prompt + output (default: the model's context)")
     max_loras: int = described(8, "adapters on the GPU at once (slots of the adapter pool)")
     max_lora_rank: int = described(16, "rank of every GPU adapter slot (raised to the largest adapter given at "
@@ -175,7 +180,7 @@ class EngineConfig:
     overlap_steps: bool = described(True, "schedule step t+1 before step t's tokens reach the host")
 
     def __post_init__(self):
-        for name in ("max_batch_size", "page_size", "max_prefill_tokens", "max_loras", "max_lora_rank",
+        for name in ("max_batch_size", "page_size", "max_num_batched_tokens", "max_loras", "max_lora_rank",
                      "lora_host_bytes"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -183,6 +188,10 @@ class EngineConfig:
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"{name} must be >= 1, got {value}")
+        if self.chunked_prefill and self.max_num_batched_tokens <= self.max_batch_size:
+            raise ValueError(f"with chunked prefill, max_num_batched_tokens ({self.max_num_batched_tokens}) must "
+                             f"exceed max_batch_size ({self.max_batch_size}): a full batch of decodes leaves "
+                             f"prompts no tokens otherwise")
         if not 0 < self.kv_cache_memory_fraction <= 1:
             raise ValueError(f"kv_cache_memory_fraction must be in (0, 1], got {self.kv_cache_memory_fraction}")
 

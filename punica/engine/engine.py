@@ -29,7 +29,7 @@ import itertools
 import logging
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from functools import partial
 from operator import attrgetter
 
@@ -45,7 +45,7 @@ from punica.engine.outputs import RequestOutput, request_output
 from punica.engine.request import PENDING, Request
 from punica.engine.sampler import Sampled, sample
 from punica.engine.sampling_params import SamplingParams
-from punica.engine.scheduler import ScheduledBatch, Scheduler
+from punica.engine.scheduler import PrefixCacheCounts, ScheduledBatch, Scheduler
 from punica.engine.step_input import StepInput
 from punica.engine.structured import GrammarCompiler, to_device
 from punica.engine.worker import context_limit
@@ -71,6 +71,9 @@ class EngineStats:
     num_preemptions: int
     num_constrained_requests: int = 0  # added with structured_outputs, since the engine started
     grammar_compile_seconds: float = 0.0  # spent compiling (or finding in the cache) their grammars
+    num_kv_pages_cached: int = 0       # in the prefix cache (held by requests or idle)
+    num_chunked_steps: int = 0         # steps that ran a prompt chunk short of its prompt's end
+    prefix_cache: dict[str | None, PrefixCacheCounts] = field(default_factory=dict)  # per adapter (None: base)
 
 
 @dataclass(frozen=True)
@@ -87,7 +90,7 @@ class Engine:
         self.executor, self.tokenizer, self.config = executor, tokenizer, config
         model_config = executor.model_config
         self.vocab_size = model_config.vocab_size
-        self.allocator = PageAllocator(executor.num_pages, config.page_size)
+        self.allocator = PageAllocator(executor.num_pages, config.page_size, config.prefix_caching)
         self.max_model_len = context_limit(model_config, config, executor.num_pages)
         self.eos_token_ids = set(eos_token_ids) | set(model_config.eos_token_ids)
         if tokenizer is not None and tokenizer.eos_token_id is not None:
@@ -98,7 +101,8 @@ class Engine:
             self.adapters.register(name, path)
         # bound to the manager, not to self: no reference cycle keeps a dropped engine's KV
         # cache alive until the garbage collector runs
-        self.scheduler = Scheduler(self.allocator, config.max_batch_size, config.max_prefill_tokens,
+        self.scheduler = Scheduler(self.allocator, config.max_batch_size, config.max_num_batched_tokens,
+                                   config.chunked_prefill,
                                    acquire=partial(acquire_adapter, self.adapters),
                                    release=partial(release_adapter, self.adapters))
         self.requests: dict[str, Request] = {}
@@ -215,7 +219,9 @@ class Engine:
             num_adapter_slots=self.adapters.pool.max_loras, num_adapter_slots_used=len(self.adapters.resident),
             num_adapter_slots_held=len(self.adapters.refs),
             num_preemptions=self.scheduler.num_preemptions, num_constrained_requests=self._num_constrained,
-            grammar_compile_seconds=self._grammars.compile_seconds if self._grammars is not None else 0.0)
+            grammar_compile_seconds=self._grammars.compile_seconds if self._grammars is not None else 0.0,
+            num_kv_pages_cached=self.allocator.num_cached, num_chunked_steps=self.scheduler.num_chunked_steps,
+            prefix_cache={name: replace(counts) for name, counts in self.scheduler.prefix_cache.items()})
 
     # the step loop ---------------------------------------------------------------------------
     def steps(self) -> Iterator[list[RequestOutput]]:
@@ -242,7 +248,8 @@ class Engine:
                 if previous is not None and any(r.matcher is not None for r in requests):
                     outputs += self._resolve(previous)  # while the device runs the forward pass
                     previous = None
-                self._launched = self._sample(requests, logits)
+                if requests:
+                    self._launched = self._sample(requests, logits)
             except Exception as e:  # noqa: BLE001 - this step's requests fail; the engine serves on
                 log.exception("running a step failed")
                 outputs += [self._fail(r, f"internal error while running this request: {e}") for r in batch.requests]
@@ -269,7 +276,8 @@ class Engine:
         return num_out >= request.params.max_tokens or len(request.prompt_token_ids) + num_out >= self.max_model_len
 
     def _run(self, batch: ScheduledBatch, previous: LaunchedStep | None) -> tuple[list[Request], torch.Tensor]:
-        """Launch the batch's forward pass: its requests in the order of its rows, and their logits."""
+        """Launch the batch's forward pass; the requests that reached the end of their tokens (a
+        prompt chunk short of its prompt's end samples nothing), and the logits of their rows."""
         # requests of one adapter side by side form one LoRA segment
         prefills, decodes = sorted(batch.prefills, key=by_slot), sorted(batch.decodes, key=by_slot)
         fed = None
@@ -278,7 +286,15 @@ class Engine:
             fed = [row_of[r] if r.num_pending else -1 for r in decodes]
         step = StepInput.from_requests(prefills, decodes, self.config.page_size, fed)
         self.last_step = StepShape(step.num_requests, int(step.context_lens.sum()), step.num_prefill_tokens)
-        return prefills + decodes, self.executor.run(step)
+        logits = self.executor.run(step)
+        requests = prefills + decodes
+        for request in requests:
+            request.num_cached += request.num_scheduled
+        rows = [row for row, r in enumerate(requests) if r.num_cached == r.num_tokens]
+        if len(rows) < len(requests):
+            requests = [requests[row] for row in rows]
+            logits = logits[torch.tensor(rows, dtype=torch.int64, device=logits.device)]
+        return requests, logits
 
     def _sample(self, requests: list[Request], logits: torch.Tensor) -> LaunchedStep:
         """Sample the rows on the device, under the grammar masks of constrained requests; each
@@ -294,7 +310,6 @@ class Engine:
             copied = torch.cuda.Event()
             copied.record()
         for request in requests:
-            request.num_cached = request.num_tokens
             request.output_token_ids.append(PENDING)
             request.num_pending += 1
         return LaunchedStep(requests, sampled, logprobs, copied)

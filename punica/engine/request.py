@@ -35,6 +35,10 @@ class Request:
     matcher: object = None               # its grammar's xgrammar.GrammarMatcher (structured outputs), or None
     pages: list[int] = field(default_factory=list)
     num_cached: int = 0                  # tokens whose K/V are in the cache
+    num_scheduled: int = 0               # tokens the scheduled step computes (a prompt chunk, or 1 to decode)
+    page_digests: list[bytes] = field(default_factory=list)  # prefix-cache names of its full pages (kv_cache)
+    num_pages_cached: int = 0            # its first pages that are in the prefix cache
+    num_cached_prompt_tokens: int = 0    # prompt tokens the prefix cache held when it was first admitted
     num_preemptions: int = 0
     finish_reason: str | None = None
     first_token_time: float | None = None

@@ -110,10 +110,11 @@ class StepInput:
     @classmethod
     def from_requests(cls, prefills: list, decodes: list, page_size: int, fed_rows: list[int] | None = None
                       ) -> StepInput:
-        """The step of these requests (punica.engine.request.Request): each prefill runs its uncached
-        tokens, each decode its last token."""
+        """The step of these requests (punica.engine.request.Request): each prefill runs the
+        num_scheduled tokens after its cached ones, each decode its last token."""
         requests = prefills + decodes
-        new_tokens = [r.token_ids[r.num_cached:] for r in prefills] + [[r.last_token_id] for r in decodes]
+        new_tokens = [r.token_ids[r.num_cached:r.num_cached + r.num_scheduled] for r in prefills]
+        new_tokens += [[r.last_token_id] for r in decodes]
         cached = [r.num_cached for r in prefills] + [r.num_tokens - 1 for r in decodes]
         return cls.build(new_tokens, cached, [r.pages for r in requests], [r.slot for r in requests],
                          len(prefills), page_size, fed_rows)

@@ -24,7 +24,7 @@ def test_decode_batch_sizes():
 
 def prefill(num_tokens: int, num_cached: int = 0) -> Request:
     request = Request("r", list(range(num_tokens)), SamplingParams())
-    request.num_cached = num_cached
+    request.num_cached, request.num_scheduled = num_cached, num_tokens - num_cached
     return request
 
 

@@ -11,12 +11,13 @@ def request(i, prompt_len=4):
 def run_step(sched, batch):
     """What the engine does after the model ran: every scheduled request gains one token."""
     for r in batch.requests:
-        r.num_cached = r.num_tokens
-        r.output_token_ids.append(7)
+        r.num_cached += r.num_scheduled
+        if r.num_cached == r.num_tokens:
+            r.output_token_ids.append(7)
 
 
 def test_fcfs_admission_and_batch_limit():
-    sched = Scheduler(PageAllocator(100, 4), max_batch_size=3, max_prefill_tokens=1000)
+    sched = Scheduler(PageAllocator(100, 4), max_batch_size=3, max_num_batched_tokens=1000)
     reqs = [request(i) for i in range(5)]
     for r in reqs:
         sched.add(r)
@@ -31,13 +32,13 @@ def test_fcfs_admission_and_batch_limit():
     assert batch.prefills == [reqs[3]] and batch.decodes == [reqs[0], reqs[2]]
 
 
-def test_prefill_budget_bounds_tokens_per_step_but_admits_one_long_prompt():
-    sched = Scheduler(PageAllocator(100, 4), max_batch_size=8, max_prefill_tokens=10)
+def test_unchunked_prefill_budget_bounds_tokens_per_step_but_admits_one_long_prompt():
+    sched = Scheduler(PageAllocator(100, 4), max_batch_size=8, max_num_batched_tokens=10, chunked_prefill=False)
     long, short = request(0, prompt_len=30), request(1, prompt_len=4)
     sched.add(long)
     sched.add(short)
     assert sched.schedule().prefills == [long]  # over budget, but alone: runs
-    sched2 = Scheduler(PageAllocator(100, 4), max_batch_size=8, max_prefill_tokens=10)
+    sched2 = Scheduler(PageAllocator(100, 4), max_batch_size=8, max_num_batched_tokens=10, chunked_prefill=False)
     a, b, c = request(2, 4), request(3, 4), request(4, 4)
     for r in (a, b, c):
         sched2.add(r)
@@ -46,7 +47,7 @@ def test_prefill_budget_bounds_tokens_per_step_but_admits_one_long_prompt():
 
 def test_newest_request_is_preempted_first_and_requeued_at_head():
     alloc = PageAllocator(4, 4)  # 16 tokens
-    sched = Scheduler(alloc, max_batch_size=8, max_prefill_tokens=1000)
+    sched = Scheduler(alloc, max_batch_size=8, max_num_batched_tokens=1000)
     old, new, waiting = request(0, 4), request(1, 4), request(2, 4)
     for r in (old, new):
         sched.add(r)
@@ -66,7 +67,7 @@ def test_newest_request_is_preempted_first_and_requeued_at_head():
 
 def test_no_starvation_head_of_queue_is_never_skipped():
     alloc = PageAllocator(6, 4)
-    sched = Scheduler(alloc, max_batch_size=8, max_prefill_tokens=1000)
+    sched = Scheduler(alloc, max_batch_size=8, max_num_batched_tokens=1000)
     small = request(0, 4)
     sched.add(small)
     run_step(sched, sched.schedule())
@@ -82,7 +83,7 @@ def test_no_starvation_head_of_queue_is_never_skipped():
 
 def test_finish_frees_pages_everywhere():
     alloc = PageAllocator(10, 4)
-    sched = Scheduler(alloc, max_batch_size=1, max_prefill_tokens=1000)
+    sched = Scheduler(alloc, max_batch_size=1, max_num_batched_tokens=1000)
     a, b = request(0, 9), request(1, 3)
     sched.add(a)
     sched.add(b)

@@ -72,7 +72,7 @@ def graph_batch(prefills, decodes, page_size, max_pages, rng):
 
     def request(i, context_len, num_cached):
         r = Request(f"r{i}", [rng.randrange(100) for _ in range(context_len)], SamplingParams())
-        r.pages, r.num_cached = pages[i], num_cached
+        r.pages, r.num_cached, r.num_scheduled = pages[i], num_cached, context_len - num_cached
         return r
 
     prefill_requests = [request(i, c, c - q) for i, (q, c) in enumerate(prefills)]
