@@ -46,8 +46,16 @@ class Metrics:
                                    registry=r)
         self.grammar_compile = Counter("punica_grammar_compile_seconds", "Time spent compiling the grammars of "
                                        "constrained requests (compiled-grammar cache hits included)", registry=r)
+        self.prefix_queries = Counter("punica_prefix_cache_queried_tokens", "Prompt tokens of finished requests "
+                                      "looked up in the prefix cache when first admitted", ["adapter"], registry=r)
+        self.prefix_hits = Counter("punica_prefix_cache_hit_tokens", "Of them, the tokens found there (computed "
+                                   "before under the same adapter)", ["adapter"], registry=r)
+        self.cached_pages = Gauge("punica_prefix_cache_pages", "KV-cache pages in the prefix cache", registry=r)
+        self.chunked_steps = Counter("punica_chunked_prefill_steps", "Steps that ran a prompt chunk short of its "
+                                     "prompt's end", registry=r)
         self._recent: deque[tuple[float, int]] = deque()
         self._constrained_seen, self._compile_seen = 0, 0.0  # the engine's totals at the last update
+        self._chunked_seen = 0
         self._totals_lock = threading.Lock()  # the engine thread and /metrics both update them
 
     def on_step(self, engine: Engine, outputs: list[RequestOutput], seconds: float) -> None:
@@ -67,6 +75,8 @@ class Metrics:
         adapter = out.adapter or ""
         self.requests.labels(adapter, out.finish_reason or "").inc()
         self.prompt_tokens.inc(len(out.prompt_token_ids))
+        self.prefix_queries.labels(adapter).inc(len(out.prompt_token_ids))
+        self.prefix_hits.labels(adapter).inc(out.num_cached_tokens)
         if out.time_to_first_token is not None:
             self.ttft.labels(adapter).observe(out.time_to_first_token)
             if out.finish_reason in ("stop", "length"):  # an aborted or failed request has no last token
@@ -80,9 +90,12 @@ class Metrics:
         self.kv_usage.set(stats.num_kv_pages_used / stats.num_kv_pages)
         self.lora_slots.set(stats.num_adapter_slots_used)
         self.lora_slots_held.set(stats.num_adapter_slots_held)
+        self.cached_pages.set(stats.num_kv_pages_cached)
         # the engine counts from its start; the counters advance by what is new since the last update
         with self._totals_lock:
             self.constrained.inc(max(0, stats.num_constrained_requests - self._constrained_seen))
             self.grammar_compile.inc(max(0.0, stats.grammar_compile_seconds - self._compile_seen))
             self._constrained_seen = max(self._constrained_seen, stats.num_constrained_requests)
             self._compile_seen = max(self._compile_seen, stats.grammar_compile_seconds)
+            self.chunked_steps.inc(max(0, stats.num_chunked_steps - self._chunked_seen))
+            self._chunked_seen = max(self._chunked_seen, stats.num_chunked_steps)

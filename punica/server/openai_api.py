@@ -318,14 +318,17 @@ class _Deltas:
         self.tools = ToolStream(choice.tools) if choice.tools is not None else None
 
 
-def _usage(choices: list[Choice], finals: list[RequestOutput]) -> dict[str, int]:
-    seen, prompt = set(), 0
-    for c in choices:
+def _usage(choices: list[Choice], finals: list[RequestOutput]) -> dict:
+    """OpenAI's usage; a prompt shared by n choices counts once, with the cached tokens of its first choice."""
+    seen, prompt, cached = set(), 0, 0
+    for c, final in zip(choices, finals):
         if id(c.prompt_ids) not in seen:
             seen.add(id(c.prompt_ids))
             prompt += len(c.prompt_ids)
+            cached += final.num_cached_tokens
     completion = sum(len(f.token_ids) for f in finals)
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": cached}}
 
 
 def _raise_if_failed(out: RequestOutput) -> None:
