@@ -1,0 +1,167 @@
+"""Long-prompt interference: --decodes requests decode, each on its own adapter, while prompts of
+--prompts tokens arrive one at a time (on one more adapter); the running decodes' inter-token
+latency with chunked prefill (each of --budgets as max_num_batched_tokens) and without it.
+
+    python -m benchmarks.long_prompt [--preset llama-2-7b] [--decodes 31] [--prompts 2048 4096 8192 16384]
+        [--budgets 256 512 1024 2048] [--out results/long_prompt]
+
+One engine (random weights, CUDA graphs, overlapped steps, rank-16 adapters on all 7 projections)
+runs every mode in turn; a mode sets the scheduler's budget and chunking, which change no graph.
+Per mode: the decodes start on 64-token prompts and run until every one has a token; then, for
+each long prompt in turn, 20 steps measure the steady inter-token latency (ITL), the prompt is
+added, and steps run until it has its first token and 3 steps more. Reported per prompt: the
+running decodes' ITL p50/p99/max over their tokens between the prompt's arrival and its first
+token, the steady ITL p50 before it, their ratio, and the prompt's time to first token.
+
+The first mode is the first long-prompt traffic after start-up (graph capture, then one short
+request per adapter to make the adapters resident): run the command with TRITON_CACHE_DIR set
+to an empty directory and its first prompt is the fresh-machine case. Writes long_prompt.json
+and long_prompt.png under --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import random
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from benchmarks.common import format_table, save_figure, style_axes, warm_up, write_results
+from punica.config import EngineConfig, preset_config
+from punica.engine.sampling_params import SamplingParams
+from punica.factory import engine_on_model
+from punica.lora.dummy import save_random_adapter
+from punica.models.loader import dummy_model
+
+STEADY_STEPS = 20
+AFTER_STEPS = 3
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+class Clock:
+    """Steps the engine, stamping every new token of every request with the time its step returned."""
+
+    def __init__(self, engine):
+        self.engine = engine
+        self.stamps: dict[str, list[float]] = {}
+
+    def step(self) -> None:
+        outputs = self.engine.step()
+        now = time.perf_counter()
+        for out in outputs:
+            self.stamps.setdefault(out.request_id, []).extend([now] * len(out.new_token_ids))
+
+    def gaps(self, request_ids: list[str], start: float, end: float) -> list[float]:
+        """Inter-token gaps (ms) of these requests' tokens stamped in (start, end]."""
+        gaps = []
+        for rid in request_ids:
+            times = self.stamps.get(rid, [])
+            gaps += [1e3 * (b - a) for a, b in zip(times, times[1:]) if start < b <= end]
+        return gaps
+
+
+def run_mode(engine, name: str, prompt_lens: list[int], decodes: int, vocab: int, rng: random.Random) -> list[dict]:
+    clock = Clock(engine)
+    params = SamplingParams(max_tokens=100_000, temperature=0, ignore_eos=True)
+    ids = [engine.add_request([rng.randrange(3, vocab) for _ in range(64)], params, f"lora{i}") for i in range(decodes)]
+    while any(len(clock.stamps.get(rid, [])) == 0 for rid in ids):
+        clock.step()
+    rows = []
+    for length in prompt_lens:
+        steady_start = time.perf_counter()
+        for _ in range(STEADY_STEPS):
+            clock.step()
+        arrival = time.perf_counter()
+        steady = clock.gaps(ids, steady_start, arrival)
+        long_id = engine.add_request([rng.randrange(3, vocab) for _ in range(length)],
+                                     SamplingParams(max_tokens=AFTER_STEPS + 2, temperature=0, ignore_eos=True),
+                                     f"lora{decodes}")
+        steps = 0
+        while not clock.stamps.get(long_id):
+            clock.step()
+            steps += 1
+        first = clock.stamps[long_id][0]
+        for _ in range(AFTER_STEPS):
+            clock.step()
+        during = clock.gaps(ids, arrival, first)
+        row = {"mode": name, "prompt_tokens": length, "steady_itl_p50_ms": statistics.median(steady),
+               "itl_p50_ms": statistics.median(during), "itl_p99_ms": percentile(during, 0.99),
+               "itl_max_ms": max(during), "ttft_ms": 1e3 * (first - arrival), "steps": steps}
+        row["p99_over_steady"] = row["itl_p99_ms"] / row["steady_itl_p50_ms"]
+        rows.append(row)
+        print(f"{name} {length}: ITL p99 {row['itl_p99_ms']:.1f} ms ({row['p99_over_steady']:.2f}x steady "
+              f"{row['steady_itl_p50_ms']:.1f}), max {row['itl_max_ms']:.1f}, TTFT {row['ttft_ms']:.0f} ms", flush=True)
+    for rid in ids:
+        engine.abort(rid)
+    while engine.has_unfinished():
+        engine.step()
+    assert engine.allocator.num_used == 0
+    return rows
+
+
+def plot(rows: list[dict], path: Path, title: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for mode in dict.fromkeys(r["mode"] for r in rows):
+        mine = [r for r in rows if r["mode"] == mode]
+        ax.plot([r["prompt_tokens"] for r in mine], [r["p99_over_steady"] for r in mine], marker="o", label=mode)
+    ax.axhline(2.0, color="gray", linestyle="--", linewidth=1)
+    style_axes(ax, "running decodes' ITL p99 / steady ITL while a long prompt prefills", "prompt tokens",
+               "ITL p99 / steady", log_y=True)
+    ax.legend(fontsize=7)
+    save_figure(fig, path, title)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--preset", default="llama-2-7b")
+    parser.add_argument("--decodes", type=int, default=31)
+    parser.add_argument("--prompts", type=int, nargs="+", default=[2048, 4096, 8192, 16384])
+    parser.add_argument("--budgets", type=int, nargs="+", default=[256, 512, 1024, 2048])
+    parser.add_argument("--out", type=Path, default=Path("results/long_prompt"))
+    args = parser.parse_args()
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    longest = max(args.prompts) + 2048
+    config = dataclasses.replace(preset_config(args.preset), max_position_embeddings=longest)
+    model = dummy_model(config, dtype, device)
+    engine_config = EngineConfig(max_batch_size=args.decodes + 1, max_loras=args.decodes + 1, max_model_len=longest,
+                                 kv_cache_tokens=max(args.prompts) + args.decodes * 1024,
+                                 max_num_batched_tokens=args.budgets[0])
+    rng = random.Random(0)
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        names = {f"lora{i}": str(save_random_adapter(Path(tmp) / f"a{i}", config, 16, seed=i))
+                 for i in range(args.decodes + 1)}
+        start = time.perf_counter()
+        engine = engine_on_model(model, engine_config, names)
+        warm_up(engine, list(names))
+        print(f"start-up (graphs, adapters) {time.perf_counter() - start:.1f} s", flush=True)
+        modes = [(f"chunked {b}", True, b) for b in args.budgets] + [("unchunked", False, max(args.prompts))]
+        for name, chunked, budget in modes:
+            engine.scheduler.chunked_prefill, engine.scheduler.max_num_batched_tokens = chunked, budget
+            rows += run_mode(engine, name, args.prompts, args.decodes, config.vocab_size, rng)
+    columns = ["mode", "prompt_tokens", "steady_itl_p50_ms", "itl_p50_ms", "itl_p99_ms", "itl_max_ms",
+               "p99_over_steady", "ttft_ms", "steps"]
+    print(format_table(rows, columns))
+    device_name = torch.cuda.get_device_name() if device == "cuda" else "cpu"
+    meta = {"device": device_name, "preset": args.preset, "decodes": args.decodes, "date": time.strftime("%Y-%m-%d"),
+            "first_mode_is_first_traffic": True}
+    path = write_results(args.out, "long_prompt", rows, meta)
+    plot(rows, path.with_suffix(".png"), f"{args.preset}, {args.decodes} decodes on distinct adapters, {device_name}")
+
+
+if __name__ == "__main__":
+    main()
