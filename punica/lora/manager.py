@@ -21,6 +21,9 @@ Registration, the key of the host tier, the slots, the loads and the failures. S
 unregister(name) + register(name, new_path), requests admitted before keep the old adapter's
 slot until they leave, new ones load and get the new adapter, and a read or copy of the old one
 still in flight is thrown away when it finishes.
+
+Each registration has its counters (punica.lora.residency): loads and evictions per tier, load
+time, hits and misses; `snapshot` hands them out with where each adapter is, as plain data.
 """
 
 from __future__ import annotations

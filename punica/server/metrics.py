@@ -10,6 +10,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from punica.engine.engine import Engine
 from punica.engine.outputs import RequestOutput
+from punica.server.residency import ResidencyCollector
 
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 TOKENS_PER_S_WINDOW_S = 10.0
@@ -46,6 +47,8 @@ class Metrics:
                                    registry=r)
         self.grammar_compile = Counter("punica_grammar_compile_seconds", "Time spent compiling the grammars of "
                                        "constrained requests (compiled-grammar cache hits included)", registry=r)
+        self.adapter_residency = ResidencyCollector()  # punica_adapter_* per adapter, set before each scrape
+        r.register(self.adapter_residency)
         self._recent: deque[tuple[float, int]] = deque()
         self._constrained_seen, self._compile_seen = 0, 0.0  # the engine's totals at the last update
         self._totals_lock = threading.Lock()  # the engine thread and /metrics both update them
