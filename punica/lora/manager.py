@@ -206,8 +206,8 @@ class AdapterManager:
         return None
 
     def residency(self, name: str | None) -> int | None:
-        """Which stay on the GPU the adapter is in (the count of its copies to the GPU, which grows
-        only after an eviction), or None when it is not on the GPU (or None: the base model)."""
+        """A number for the adapter's current stay on the GPU (its count of copies to the GPU so far,
+        which grows only after it left), or None when it is not on the GPU (or `name` is None)."""
         registration = self.current.get(name)
         if registration is None or registration not in self.resident:
             return None

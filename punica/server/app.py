@@ -256,7 +256,9 @@ def build_app(state: ServerState, max_request_bytes: int = DEFAULT_MAX_REQUEST_B
             state.metrics.adapter_residency.update(listing)
         except TimeoutError:
             log.warning("/metrics: the engine did not report its adapters within %g s", RESIDENCY_WAIT_S)
-        return Response(generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+        # off the event loop: a scrape of many adapters' series takes a while
+        text = await asyncio.to_thread(generate_latest, state.metrics.registry)
+        return Response(text, media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/", response_class=HTMLResponse)
     async def playground():

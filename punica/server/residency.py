@@ -42,7 +42,9 @@ class ResidencyCollector:
     """The Prometheus series of the last listing `update` was given (the /metrics handler gives it a
     fresh one before each scrape): per adapter (label `adapter`, and `worker` on a cluster) its
     residency tier, loads, evictions, load seconds, hits and misses; per engine its host tier's bytes.
-    A name unloaded and loaded again counts from 0 (a counter reset)."""
+    An adapter never read (tier disk, nothing loading, no loads) has no series, so the series grow
+    with the adapters in use, not with those registered. A name unloaded and loaded again counts
+    from 0 (a counter reset)."""
 
     def __init__(self):
         self.listing: dict = {"data": []}
@@ -51,7 +53,8 @@ class ResidencyCollector:
         self.listing = listing
 
     def collect(self):
-        cluster = "workers" in self.listing
+        listing = self.listing  # one listing for the whole scrape, whatever `update` does meanwhile
+        cluster = "workers" in listing
         names = ["adapter", "worker"] if cluster else ["adapter"]
         tier = GaugeMetricFamily("punica_adapter_tier", "1 for the tier the adapter is in (gpu: a GPU slot, "
                                  "host: the host tier, disk: neither), 0 for the others", labels=[*names, "tier"])
@@ -65,7 +68,7 @@ class ResidencyCollector:
                                    "they were queued on", labels=names)
         misses = CounterMetricFamily("punica_adapter_misses", "Requests admitted after a load of their adapter",
                                      labels=names)
-        for labels, fields in self._adapters(cluster):
+        for labels, fields in _adapters_in_use(listing, cluster):
             for t in RESIDENCY_TIERS:
                 tier.add_metric([*labels, t], float(fields["tier"] == t))
             for t, count in fields["loads"].items():
@@ -75,24 +78,26 @@ class ResidencyCollector:
             hits.add_metric(labels, fields["hits"])
             misses.add_metric(labels, fields["misses"])
         yield from (tier, loads, evictions, seconds, hits, misses)
-        yield from self._host_tier(cluster)
+        yield from _host_tier(listing, cluster)
 
-    def _adapters(self, cluster: bool):
-        for entry in self.listing["data"]:
-            if not cluster:
-                yield [entry["id"]], entry
-                continue
-            for fields in entry["workers"]:
-                yield [entry["id"], str(fields["worker"])], fields
 
-    def _host_tier(self, cluster: bool):
-        engines = ([([str(w["worker"])], w["host_tier"]) for w in self.listing["workers"] if "host_tier" in w]
-                   if cluster else [([], self.listing["host_tier"])] if "host_tier" in self.listing else [])
-        names = ["worker"] if cluster else []
-        used = GaugeMetricFamily("punica_lora_host_tier_bytes_used", "Bytes of the host tier holding adapters "
-                                 "(or being read into)", labels=names)
-        limit = GaugeMetricFamily("punica_lora_host_tier_bytes_limit", "Bytes of the host tier", labels=names)
-        for labels, host in engines:
-            used.add_metric(labels, host["bytes_used"])
-            limit.add_metric(labels, host["bytes_limit"])
-        yield from (used, limit)
+def _adapters_in_use(listing: dict, cluster: bool):
+    """(label values, residency fields) of each adapter (on each worker) that has left the disk."""
+    for entry in listing["data"]:
+        for labels, fields in ([([entry["id"], str(w["worker"])], w) for w in entry["workers"]] if cluster
+                               else [([entry["id"]], entry)]):
+            if fields["tier"] != "disk" or fields["loading"] is not None or any(fields["loads"].values()):
+                yield labels, fields
+
+
+def _host_tier(listing: dict, cluster: bool):
+    engines = ([([str(w["worker"])], w["host_tier"]) for w in listing["workers"] if "host_tier" in w]
+               if cluster else [([], listing["host_tier"])] if "host_tier" in listing else [])
+    names = ["worker"] if cluster else []
+    used = GaugeMetricFamily("punica_lora_host_tier_bytes_used", "Bytes of the host tier holding adapters "
+                             "(or being read into)", labels=names)
+    limit = GaugeMetricFamily("punica_lora_host_tier_bytes_limit", "Bytes of the host tier", labels=names)
+    for labels, host in engines:
+        used.add_metric(labels, host["bytes_used"])
+        limit.add_metric(labels, host["bytes_limit"])
+    yield from (used, limit)
