@@ -3,6 +3,9 @@
 import pytest
 import torch
 
+from punica.engine.admission import acquire_adapter, release_adapter
+from punica.engine.request import Request
+from punica.engine.sampling_params import SamplingParams
 from punica.lora.dummy import save_random_adapter
 from punica.lora.manager import AdapterManager
 from punica.lora.pool import LoraPool
@@ -106,3 +109,23 @@ def test_a_new_registration_of_a_name_counts_from_zero(manager, adapter_paths):
     manager.register("t0", adapter_paths[1]["t0"], pinned=True)
     t0 = manager.snapshot()["adapters"]["t0"]
     assert (t0["tier"], t0["pinned"], t0["loads"], t0["misses"]) == ("disk", True, {"host": 0, "gpu": 0}, 0)
+
+
+def test_a_request_sent_back_to_the_queue_is_a_hit_again_unless_its_adapter_left(manager):
+    """The engine's side: a request notes the residency when queued and when it leaves the batch."""
+    def request(name):
+        return Request("r", [1], SamplingParams(), adapter=name, registration=manager.current[name],
+                       queued_residency=manager.residency(name))
+
+    def run(r):
+        while not acquire_adapter(manager, r):
+            step(manager, [r.adapter])
+        release_adapter(manager, r)  # as a preemption does: back to the queue
+
+    r = request("t0")
+    run(r)
+    run(r)                                      # still on the GPU: a hit
+    admit(manager, "t1")
+    admit(manager, "t2")                        # evicts t0 (least recently used) from its slot
+    run(r)                                      # reloaded: a miss
+    assert counts(manager, "t0")[3:] == (1, 2)
