@@ -55,6 +55,10 @@ class EngineWorker:
         """The adapters this worker serves: name -> directory."""
         return self.engine.adapter_paths()
 
+    def adapter_residency(self) -> dict:
+        """Where this worker's adapters are and their load counters (AdapterManager.snapshot)."""
+        return self.engine.adapters.snapshot()
+
     def set_adapters(self, adapters: dict[str, str]) -> None:
         """Make the served adapters equal `adapters` (name -> directory): unload the others (as
         Engine.unload_adapter: running requests finish, queued ones fail), register the missing

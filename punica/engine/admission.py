@@ -43,7 +43,7 @@ def acquire_adapter(adapters: AdapterManager, request: Request) -> bool:
         return True
     if adapters.current.get(request.adapter) is not request.registration:
         return False
-    slot = adapters.acquire(request.adapter)
+    slot = adapters.acquire(request.adapter, request.queued_residency)
     if slot is None:
         return False
     request.slot = slot
@@ -51,7 +51,10 @@ def acquire_adapter(adapters: AdapterManager, request: Request) -> bool:
 
 
 def release_adapter(adapters: AdapterManager, request: Request) -> None:
-    """Let go of the slot the request holds (it is that of the registration it was admitted on)."""
+    """Let go of the slot the request holds (it is that of the registration it was admitted on). A
+    preempted request goes back to the queue on the residency it held (its next admission is a hit
+    unless the adapter leaves the GPU meanwhile)."""
     if request.slot >= 0:
+        request.queued_residency = adapters.residency(request.adapter)
         adapters.release(request.slot)
         request.slot = -1

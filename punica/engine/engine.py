@@ -152,7 +152,7 @@ class Engine:
             self._num_constrained += 1
         request = Request(request_id, token_ids, params, adapter=adapter, prompt=text,
                           output_token_ids=list(output_token_ids), registration=self.adapters.current.get(adapter),
-                          matcher=matcher)
+                          queued_residency=self.adapters.residency(adapter), matcher=matcher)
         if adapter_error(self.adapters, request):
             self._queued_unloadable = True  # it fails at the next step, as if queued earlier
         self.requests[request_id] = request

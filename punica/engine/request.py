@@ -24,6 +24,7 @@ class Request:
     params: SamplingParams
     adapter: str | None = None
     registration: object = None          # the adapter's registration it was queued for (AdapterManager.current)
+    queued_residency: int | None = None  # AdapterManager.residency of its adapter when queued or sent back to the queue
     prompt: str | None = None
     arrival_time: float = field(default_factory=time.monotonic)
     slot: int = -1                       # GPU adapter-pool slot while admitted (-1: base model)

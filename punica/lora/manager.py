@@ -21,12 +21,16 @@ Registration, the key of the host tier, the slots, the loads and the failures. S
 unregister(name) + register(name, new_path), requests admitted before keep the old adapter's
 slot until they leave, new ones load and get the new adapter, and a read or copy of the old one
 still in flight is thrown away when it finishes.
+
+Each registration has its counters (punica.lora.residency): loads and evictions per tier, load
+time, hits and misses; `snapshot` hands them out with where each adapter is, as plain data.
 """
 
 from __future__ import annotations
 
 import itertools
 import math
+import time
 import weakref
 from collections import Counter, OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -38,6 +42,7 @@ import torch
 from punica.config import ModelConfig
 from punica.lora.adapter import adapter_rank, check_adapter_name, read_adapter
 from punica.lora.pool import LoraPool
+from punica.lora.residency import AdapterCounters
 
 
 def _cuda_check(error: int, call: str) -> None:
@@ -68,6 +73,10 @@ class HostArena:
 
     def take(self) -> int | None:
         return self._free.pop() if self._free else None
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
 
     def give_back(self, row: int) -> None:
         self._free.append(row)
@@ -103,7 +112,7 @@ class AdapterManager:
     def __init__(self, config: ModelConfig, pool: LoraPool, host_capacity_bytes: int, io_threads: int = 2):
         self.config, self.pool = config, pool
         self.dtype, self.device = pool.buffer.dtype, pool.buffer.device
-        row_bytes = math.prod(pool.packed_shape) * pool.buffer.element_size()
+        self.row_bytes = row_bytes = math.prod(pool.packed_shape) * pool.buffer.element_size()
         self.arena = HostArena(max(1, host_capacity_bytes // row_bytes), pool.packed_shape, self.dtype,
                                pin=self.device.type == "cuda")
         self.registry: dict[str, Path] = {}                           # name -> directory
@@ -121,6 +130,8 @@ class AdapterManager:
         self.reads: dict[Registration, tuple[Future, int]] = {}       # the read and its arena row
         self.copies: dict[Registration, _Copy] = {}
         self.failed: dict[Registration, str] = {}
+        self.counters: dict[Registration, AdapterCounters] = {}       # of the current registrations
+        self.load_started: dict[Registration, float] = {}             # perf_counter of each read or copy in flight
         self.num_errors = 0  # failed reads and unloads so far: when `error` may have changed
         self.num_load_failures = 0  # reads that failed (a broken adapter directory)
         self.executor = ThreadPoolExecutor(io_threads, thread_name_prefix="punica-lora-io")
@@ -143,6 +154,7 @@ class AdapterManager:
                              f"{self.pool.max_rank} (start it with max_lora_rank / --max-lora-rank >= {rank})")
         registration = Registration(name, path, next(self._versions))
         self.registry[name], self.current[name] = path, registration
+        self.counters[registration] = AdapterCounters()
         if pinned:
             self.pinned.add(registration)
 
@@ -157,6 +169,7 @@ class AdapterManager:
         self.wanted.pop(registration, None)
         self.demand.discard(registration)
         self.failed.pop(registration, None)
+        del self.counters[registration]
         if registration in self.host and registration not in self.copies:  # else freed after the copy
             self.arena.give_back(self.host.pop(registration).row)
         slot = self.resident.pop(registration, None)
@@ -173,9 +186,11 @@ class AdapterManager:
         return self.failed.get(self.current[name])
 
     # admission ---------------------------------------------------------------------------
-    def acquire(self, name: str) -> int | None:
+    def acquire(self, name: str, queued_residency: int | None = None) -> int | None:
         """The slot of the adapter's current registration, held for one more request until
-        `release(slot)`, or None while it is being loaded (or unknown, or failed: see `error`)."""
+        `release(slot)`, or None while it is being loaded (or unknown, or failed: see `error`).
+        A slot returned admits a request: a hit if `queued_residency` (`residency(name)` when the
+        request was queued) is the GPU residency it finds, else a miss."""
         registration = self.current.get(name)
         if registration is None:
             return None
@@ -183,11 +198,20 @@ class AdapterManager:
         if slot is not None:
             self.resident.move_to_end(registration)
             self.refs[slot] += 1
+            self.counters[registration].admitted(queued_residency)
             return slot
         if registration not in self.failed:
             self.wanted[registration] = None
             self._advance(registration)
         return None
+
+    def residency(self, name: str | None) -> int | None:
+        """A number for the adapter's current stay on the GPU (its count of copies to the GPU so far,
+        which grows only after it left), or None when it is not on the GPU (or `name` is None)."""
+        registration = self.current.get(name)
+        if registration is None or registration not in self.resident:
+            return None
+        return self.counters[registration].loads["gpu"]
 
     def release(self, slot: int) -> None:
         """Let go of a slot `acquire` returned; an unregistered adapter's slot is freed with its last holder."""
@@ -221,8 +245,10 @@ class AdapterManager:
         for registration, copy in list(self.copies.items()):
             if copy.event is None or copy.event.query():
                 del self.copies[registration]
+                started = self.load_started.pop(registration)
                 if self._is_current(registration):
                     self.resident[registration] = copy.slot
+                    self.counters[registration].loaded("gpu", time.perf_counter() - started)
                 else:
                     self.free_slots.append(copy.slot)
                     self.arena.give_back(self.host.pop(registration).row)
@@ -238,6 +264,27 @@ class AdapterManager:
             elif registration not in self.reads:
                 self._start_read(registration)
             spare -= 1
+
+    def snapshot(self) -> dict:
+        """Where every registered adapter is and what it has counted, as plain data (JSON-ready):
+        {"gpu_slots": {"total", "used" (holding an adapter), "held" (by admitted requests)},
+         "host_tier": {"adapters", "bytes_used", "bytes_limit"},
+         "adapters": {name: {"path", "tier" ("gpu", "host" or "disk"), "slot" (its GPU slot or None),
+                             "loading" (the tier a read or copy in flight goes to, or None), "pinned",
+                             "error" (why it cannot load, or None), and AdapterCounters.as_dict()}}}"""
+        adapters = {}
+        for name, registration in self.current.items():
+            slot = self.resident.get(registration)
+            tier = "gpu" if slot is not None else "host" if registration in self.host else "disk"
+            loading = "gpu" if registration in self.copies else "host" if registration in self.reads else None
+            adapters[name] = {"path": str(registration.path), "tier": tier, "slot": slot, "loading": loading,
+                              "pinned": registration in self.pinned, "error": self.failed.get(registration),
+                              **self.counters[registration].as_dict()}
+        rows = self.arena.rows.shape[0]
+        return {"gpu_slots": {"total": self.pool.max_loras, "used": len(self.resident), "held": len(self.refs)},
+                "host_tier": {"adapters": len(self.host), "bytes_used": (rows - self.arena.num_free) * self.row_bytes,
+                              "bytes_limit": rows * self.row_bytes},
+                "adapters": adapters}
 
     def held(self) -> list[str]:
         """Names of the adapters on the GPU or on their way there: resident (least recently used
@@ -270,6 +317,8 @@ class AdapterManager:
             if victim is None:
                 return
             row = self.host.pop(victim).row
+            self.counters[victim].evictions["host"] += 1
+        self.load_started[registration] = time.perf_counter()
         self.reads[registration] = (self.executor.submit(self._read, registration, row), row)
 
     def _read(self, registration: Registration, row: int) -> _HostAdapter:
@@ -281,6 +330,7 @@ class AdapterManager:
         return _HostAdapter(row, adapter.scale)
 
     def _read_done(self, registration: Registration, future: Future, row: int) -> None:
+        started = self.load_started.pop(registration)
         try:
             adapter = future.result()
         except Exception as e:  # noqa: BLE001 - any failure fails this adapter's requests only
@@ -296,12 +346,14 @@ class AdapterManager:
             return
         self.host[registration] = adapter
         self.num_loads += 1
+        self.counters[registration].loaded("host", time.perf_counter() - started)
 
     def _free_slot(self) -> int | None:
         if self.free_slots:
             return self.free_slots.pop()
         for registration, slot in self.resident.items():  # least recently used first
             if self.refs[slot] == 0 and registration not in self.pinned and registration not in self.demand:
+                self.counters[registration].evictions["gpu"] += 1
                 return self.resident.pop(registration)
         return None
 
@@ -310,6 +362,7 @@ class AdapterManager:
         copy that cannot start (a tensor-parallel rank that died, say) fails this adapter alone."""
         adapter = self.host[registration]
         packed = self.arena.rows[adapter.row]
+        self.load_started[registration] = time.perf_counter()
         try:
             if self.copy_stream is None:
                 self.pool.write_packed(slot, packed, adapter.scale)
@@ -322,6 +375,7 @@ class AdapterManager:
                 event = torch.cuda.Event()
                 event.record(self.copy_stream)
         except Exception as e:  # noqa: BLE001 - this adapter's requests fail; the others go on
+            del self.load_started[registration]
             self.free_slots.append(slot)
             self.failed[registration] = f"adapter {registration.name!r} could not be copied to its GPU slot: {e}"
             self.num_errors += 1

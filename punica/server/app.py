@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from contextlib import asynccontextmanager
@@ -29,10 +30,12 @@ from punica.server.protocol import (
     ProtocolError,
     UnloadLoraRequest,
 )
+from punica.server.residency import LISTING_KEYS
 
 log = logging.getLogger("punica.server")
 PLAYGROUND = Path(__file__).parent / "playground.html"
 RETRY_AFTER_S = 1
+RESIDENCY_WAIT_S = 2.0  # /metrics waits this long for the adapters' residency
 
 
 @dataclass
@@ -195,13 +198,18 @@ def build_app(state: ServerState, max_request_bytes: int = DEFAULT_MAX_REQUEST_B
 
     @app.get("/v1/models", dependencies=v1)
     async def models():
-        registry = await state.backend.adapter_paths()
+        adapters = (await state.backend.adapter_residency())["data"]
         created = int(time.time())
         data = [{"id": state.base_model_name, "object": "model", "created": created, "owned_by": "punica",
                  "root": state.base_model_name, "parent": None}]
-        data += [{"id": name, "object": "model", "created": created, "owned_by": "punica", "root": str(path),
-                  "parent": state.base_model_name} for name, path in sorted(registry.items())]
+        data += [{"id": a["id"], "object": "model", "created": created, "owned_by": "punica", "root": a["path"],
+                  "parent": state.base_model_name, **{k: v for k, v in a.items() if k not in LISTING_KEYS}}
+                 for a in adapters]
         return {"object": "list", "data": data}
+
+    @app.get("/v1/adapters", dependencies=v1)
+    async def adapters():
+        return await state.backend.adapter_residency()
 
     @app.post("/v1/load_lora_adapter", dependencies=v1)
     async def load_lora(body: LoadLoraRequest):
@@ -243,7 +251,14 @@ def build_app(state: ServerState, max_request_bytes: int = DEFAULT_MAX_REQUEST_B
     @app.get("/metrics")
     async def metrics():
         state.backend.update_gauges(state.metrics)
-        return Response(generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+        try:  # the engine answers between steps; one that does not (a hung step) leaves the last listing
+            listing = await asyncio.wait_for(state.backend.adapter_residency(), RESIDENCY_WAIT_S)
+            state.metrics.adapter_residency.update(listing)
+        except TimeoutError:
+            log.warning("/metrics: the engine did not report its adapters within %g s", RESIDENCY_WAIT_S)
+        # off the event loop: a scrape of many adapters' series takes a while
+        text = await asyncio.to_thread(generate_latest, state.metrics.registry)
+        return Response(text, media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/", response_class=HTMLResponse)
     async def playground():

@@ -23,6 +23,7 @@ from typing import Any
 from punica.engine.engine import Engine, RequestOutput
 from punica.engine.sampling_params import SamplingParams
 from punica.lora.adapter import load_adapter
+from punica.server.residency import engine_listing
 
 log = logging.getLogger("punica.server")
 IDLE_WAIT_S = 0.05
@@ -88,8 +89,8 @@ class AsyncEngine:
     def has_adapter(self, name: str) -> bool:
         return self.engine.has_adapter(name)
 
-    async def adapter_paths(self) -> dict[str, str]:
-        return await self.call(self.engine.adapter_paths)
+    async def adapter_residency(self) -> dict:
+        return engine_listing(await self.call(self.engine.adapters.snapshot))
 
     def num_waiting(self) -> int:
         return self.engine.stats().num_waiting

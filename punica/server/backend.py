@@ -32,8 +32,9 @@ class Backend(Protocol):
 
     def has_adapter(self, name: str) -> bool: ...
 
-    async def adapter_paths(self) -> dict[str, str]:
-        """Every served adapter: name -> directory."""
+    async def adapter_residency(self) -> dict:
+        """The body of GET /v1/adapters: where each adapter is and its load counters
+        (punica.server.residency)."""
 
     async def load_adapter(self, name: str, path: str) -> None:
         """Serve a new adapter; ValueError (a 400) for a broken adapter or a name in use."""

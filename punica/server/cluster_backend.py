@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 from collections.abc import AsyncIterator, Callable
 
 from punica.cluster.ray_backend import ClusterEngine
 from punica.engine.outputs import RequestOutput
 from punica.engine.sampling_params import SamplingParams
+from punica.server.residency import cluster_listing
 
 
 class ClusterBackend:
@@ -56,8 +58,12 @@ class ClusterBackend:
     def has_adapter(self, name: str) -> bool:
         return name in self.cluster.adapters
 
-    async def adapter_paths(self) -> dict[str, str]:
-        return dict(self.cluster.adapters)
+    async def adapter_residency(self) -> dict:
+        """Per worker: each places and evicts adapters on its own (one call to each, answered between its steps)."""
+        workers = list(self.cluster.workers.items())
+        snapshots = await asyncio.gather(*(actor.adapter_residency.remote() for _, actor in workers),
+                                         return_exceptions=True)
+        return cluster_listing(dict(self.cluster.adapters), {gpu_id: s for (gpu_id, _), s in zip(workers, snapshots)})
 
     def num_waiting(self) -> int:
         return self.cluster.policy.num_waiting

@@ -10,6 +10,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from punica.engine.engine import Engine
 from punica.engine.outputs import RequestOutput
+from punica.server.residency import ResidencyCollector
 
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 TOKENS_PER_S_WINDOW_S = 10.0
@@ -53,6 +54,8 @@ class Metrics:
         self.cached_pages = Gauge("punica_prefix_cache_pages", "KV-cache pages in the prefix cache", registry=r)
         self.chunked_steps = Counter("punica_chunked_prefill_steps", "Steps that ran a prompt chunk short of its "
                                      "prompt's end", registry=r)
+        self.adapter_residency = ResidencyCollector()  # punica_adapter_* per adapter, set before each scrape
+        r.register(self.adapter_residency)
         self._recent: deque[tuple[float, int]] = deque()
         self._constrained_seen, self._compile_seen = 0, 0.0  # the engine's totals at the last update
         self._chunked_seen = 0

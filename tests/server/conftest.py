@@ -121,8 +121,10 @@ class StubBackend:
     def has_adapter(self, name: str) -> bool:
         return name in self.adapters
 
-    async def adapter_paths(self) -> dict[str, str]:
-        return dict(self.adapters)
+    async def adapter_residency(self) -> dict:
+        """Adapters that never left the disk."""
+        return {"object": "list", "data": [{"id": name, "object": "adapter", "path": path, "tier": "disk"}
+                                           for name, path in sorted(self.adapters.items())]}
 
     def num_waiting(self) -> int:
         return 0

@@ -115,3 +115,30 @@ def test_metrics_count_the_cluster_requests_by_finish_reason(cluster_server):
             assert time.monotonic() < deadline, "the abort was never counted"
             time.sleep(0.05)
         assert (total("length"), total("abort")) == (before[0] + 2, before[1] + 1)
+
+
+def test_adapters_listing_reports_each_worker(cluster_server):
+    """Each worker places and evicts adapters on its own: GET /v1/adapters gives its residency per worker."""
+    with httpx.Client(base_url=cluster_server.url, timeout=120) as http:
+        def admissions() -> int:
+            entry = next(a for a in http.get("/v1/adapters").json()["data"] if a["id"] == "tenant-2")
+            return sum(w["hits"] + w["misses"] for w in entry["workers"])
+
+        before = admissions()
+        for _ in range(3):
+            assert http.post("/v1/completions", json={"model": "tenant-2", "prompt": "Hi",
+                                                      "max_tokens": 1}).status_code == 200
+        listing = http.get("/v1/adapters").json()
+        assert admissions() == before + 3
+        workers = sorted(cluster_server.state.backend.cluster.workers)
+        assert [w["worker"] for w in listing["workers"]] == workers
+        assert all(w["gpu_slots"]["total"] == 8 for w in listing["workers"])
+        entry = next(a for a in listing["data"] if a["id"] == "tenant-2")
+        assert [w["worker"] for w in entry["workers"]] == workers
+        assert any(w["tier"] == "gpu" and w["loads"]["gpu"] >= 1 for w in entry["workers"])
+        model = next(m for m in http.get("/v1/models").json()["data"] if m["id"] == "tenant-2")
+        assert [w["worker"] for w in model["workers"]] == workers
+        samples = [s for f in text_string_to_metric_families(http.get("/metrics").text) for s in f.samples
+                   if s.name == "punica_adapter_misses_total" and s.labels["adapter"] == "tenant-2"]
+        read = [w["worker"] for w in entry["workers"] if w["tier"] != "disk" or w["loads"]["host"]]
+        assert sorted(s.labels["worker"] for s in samples) == [str(w) for w in read]  # a worker that read it
