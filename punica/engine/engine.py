@@ -29,7 +29,7 @@ import itertools
 import logging
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from functools import partial
 from operator import attrgetter
 
@@ -45,7 +45,8 @@ from punica.engine.outputs import RequestOutput, request_output
 from punica.engine.request import PENDING, Request
 from punica.engine.sampler import Sampled, sample
 from punica.engine.sampling_params import SamplingParams
-from punica.engine.scheduler import PrefixCacheCounts, ScheduledBatch, Scheduler
+from punica.engine.scheduler import ScheduledBatch, Scheduler
+from punica.engine.stats import EngineStats, StepShape
 from punica.engine.step_input import StepInput
 from punica.engine.structured import GrammarCompiler, to_device
 from punica.engine.worker import context_limit
@@ -57,31 +58,6 @@ NON_FINITE = ("the model's output for this request is not finite (NaN or inf): i
 GRAMMAR_REJECTED = "the sampled token does not match this request's structured_outputs constraint"
 STALLED_WAIT_S = 0.001  # a step that can run nothing (every queued request waits for an adapter) sleeps this long
 by_slot = attrgetter("slot")
-
-
-@dataclass(frozen=True)
-class EngineStats:
-    num_running: int
-    num_waiting: int
-    num_kv_pages: int
-    num_kv_pages_used: int
-    num_adapter_slots: int
-    num_adapter_slots_used: int        # holding an adapter
-    num_adapter_slots_held: int        # held by requests in the batch
-    num_preemptions: int
-    num_constrained_requests: int = 0  # added with structured_outputs, since the engine started
-    grammar_compile_seconds: float = 0.0  # spent compiling (or finding in the cache) their grammars
-    num_kv_pages_cached: int = 0       # in the prefix cache (held by requests or idle)
-    num_chunked_steps: int = 0         # steps that ran a prompt chunk short of its prompt's end
-    prefix_cache: dict[str | None, PrefixCacheCounts] = field(default_factory=dict)  # per adapter (None: base)
-
-
-@dataclass(frozen=True)
-class StepShape:
-    """What a step ran: its requests, the tokens they attend to in all, and the prompt tokens it computed."""
-    num_requests: int
-    num_context_tokens: int
-    num_prefill_tokens: int
 
 
 class Engine:
