@@ -165,6 +165,24 @@ def test_metrics(http, server):
     assert 'punica_requests_total{adapter="tenant-1",finish_reason="length"}' in text
 
 
+def test_usage_and_metrics_report_prefix_cache_hits_per_adapter(http):
+    prompt = "A prompt of its own, long enough for a few full pages of the KV cache: " * 4
+
+    def cached(model):
+        r = http.post("/v1/completions", json={"model": model, "prompt": prompt, "max_tokens": 1})
+        assert r.status_code == 200, r.text
+        return r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+    assert cached("tenant-2") == 0
+    hit = cached("tenant-2")
+    assert hit >= 32 and hit % 16 == 0
+    assert cached("tenant-0") == 0, "another adapter never reads this KV"
+    text = http.get("/metrics").text
+    series = 'punica_prefix_cache_hit_tokens_total{adapter="tenant-2"}'
+    line = next(x for x in text.splitlines() if x.startswith(series))
+    assert float(line.split()[-1]) >= hit
+
+
 def test_client_disconnect_aborts_and_frees_pages(server):
     with httpx.Client(base_url=server.url, timeout=60) as http:
         with http.stream("POST", "/v1/completions", json={"model": "tenant-0", "prompt": "Count:", "max_tokens": 2000,
