@@ -18,9 +18,8 @@ release their pages last page first, so a chain's tail leaves the cache before i
 from __future__ import annotations
 
 import hashlib
+from array import array
 from collections import OrderedDict
-
-import numpy as np
 
 from punica.config import ceil_div
 from punica.engine.request import PENDING, Request
@@ -106,11 +105,11 @@ class PageAllocator:
         size = self.page_size
         num_pages = min(num_pages, (request.num_tokens - request.num_pending) // size)
         if len(digests) < num_pages:
-            tokens = np.asarray(request.token_ids[len(digests) * size:num_pages * size], dtype=np.int64)
-            assert not (tokens == PENDING).any()
+            tokens = request.token_ids[len(digests) * size:num_pages * size]
+            assert PENDING not in tokens
             parent = digests[-1] if digests else namespace(request)
             for i in range(len(tokens) // size):
-                parent = hashlib.sha256(parent + tokens[i * size:(i + 1) * size].tobytes()).digest()
+                parent = hashlib.sha256(parent + array("q", tokens[i * size:(i + 1) * size]).tobytes()).digest()
                 digests.append(parent)
         return digests[:num_pages]
 
