@@ -4,6 +4,7 @@ runs (the scheduler's acquire and release)."""
 from __future__ import annotations
 
 from punica.engine.request import Request
+from punica.engine.sampling_params import SamplingParams, SamplingParamsError
 from punica.lora.manager import AdapterManager
 
 
@@ -24,6 +25,14 @@ def checked_prompt(prompt: str | list[int], tokenizer, max_model_len: int | None
         raise ValueError(f"the prompt has {len(token_ids)} tokens; this model's context is "
                          f"{max_model_len} tokens, including at least one generated token")
     return text, token_ids
+
+
+def check_lora_scale(params: SamplingParams, adapter: str | None, adapters: AdapterManager) -> None:
+    """A SamplingParamsError naming lora_scale when it is not 1 on a request without an adapter (it
+    scales an adapter's delta, and a strength the request asked for is never dropped silently)."""
+    if params.lora_scale != 1 and adapter is None:
+        raise SamplingParamsError("lora_scale", f"lora_scale {params.lora_scale!r} needs an adapter: it scales the "
+                                  "adapter's delta, and this request runs on the base model")
 
 
 def adapter_error(adapters: AdapterManager, request: Request) -> str | None:
