@@ -29,10 +29,17 @@ def checked_prompt(prompt: str | list[int], tokenizer, max_model_len: int | None
 
 def check_lora_scale(params: SamplingParams, adapter: str | None, adapters: AdapterManager) -> None:
     """A SamplingParamsError naming lora_scale when it is not 1 on a request without an adapter (it
-    scales an adapter's delta, and a strength the request asked for is never dropped silently)."""
-    if params.lora_scale != 1 and adapter is None:
+    scales an adapter's delta, and a strength the request asked for is never dropped silently) or on
+    a DoRA adapter (whose weight norms, computed once per slot, depend on the scale)."""
+    if params.lora_scale == 1:
+        return
+    if adapter is None:
         raise SamplingParamsError("lora_scale", f"lora_scale {params.lora_scale!r} needs an adapter: it scales the "
                                   "adapter's delta, and this request runs on the base model")
+    registration = adapters.current.get(adapter)
+    if registration is not None and registration.dora:
+        raise SamplingParamsError("lora_scale", f"lora_scale {params.lora_scale!r} is not supported on the DoRA "
+                                  f"adapter {adapter!r} (only 1: its weight norms are computed for its own scale)")
 
 
 def adapter_error(adapters: AdapterManager, request: Request) -> str | None:
