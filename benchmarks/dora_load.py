@@ -6,8 +6,9 @@ python -m benchmarks.dora_load [--preset llama-2-7b] [--rank 16] [--repeats 7]
 
 A random DoRA adapter on all 7 projections (punica.lora.dummy) is packed once into page-locked
 host memory. Each repeat, after one warm-up, times on the host (synchronized before and after):
-the slot write of a plain adapter (its A and B: the copy alone), the DoRA write (A, B and the
-magnitudes, then the norms), and the norms alone; medians. Bandwidth = copied bytes / copy time.
+the slot write of a plain adapter (the copy alone: A, B and the unused magnitude rows, one slot),
+the DoRA write (the copy, then the norms), and the norms alone; medians. Bandwidth = copied bytes /
+time.
 Writes JSON and a PNG bar plot.
 """
 
@@ -59,9 +60,9 @@ def main() -> None:
     packed = pool.pack(adapter).pin_memory()
     item = packed.element_size()
     rows = [
-        {"what": "copy, plain LoRA (A, B)", "bytes": pool.lora_numel * item,
+        {"what": "copy, plain LoRA (the whole slot)", "bytes": pool.slot_numel * item,
          "ms": timed(lambda: pool.write_packed(0, packed, adapter.scale, non_blocking=True), args.repeats)},
-        {"what": "copy + norms, DoRA (A, B, m)", "bytes": pool.slot_numel * item,
+        {"what": "copy + norms, DoRA", "bytes": pool.slot_numel * item,
          "ms": timed(lambda: pool.write_packed(0, packed, adapter.scale, non_blocking=True, dora=True),
                      args.repeats)},
         {"what": "norms alone", "bytes": 0,

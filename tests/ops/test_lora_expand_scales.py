@@ -1,6 +1,7 @@
 """The expand's per-token scales (a request's lora_scale) and DoRA out_scales: the Triton kernels
 against the references of punica.ops.lora (helpers: test_lora_triton, beside this file)."""
 
+import pytest
 import torch
 from test_lora_triton import DEVICE, Y_TOL, check_all_kernels, make_group_pool
 
@@ -9,6 +10,7 @@ from punica.ops import lora as ops
 from punica.ops import lora_triton as kernels
 
 
+@pytest.mark.slow
 def test_token_scales_and_dora_match_reference(slice_bounds=(0, 23, 30, 41)):
     """Per-token scales (requests of one adapter at different strengths in one segment, 0 among
     them) and DoRA slots (outputs times out_scales) beside plain ones: every kernel equals the
