@@ -4,7 +4,7 @@ against HuggingFace transformers + PEFT.
 
 python -m benchmarks.textgen [--preset llama-2-7b] [--requests 64] [--max-total 2048]
     [--workloads backbone distinct ...] [--hf-requests 32] [--hf-max-total 256] [--skip-hf]
-    [--tensor-parallel-size 1] [--enforce-eager] [--no-overlap-steps]
+    [--tensor-parallel-size 1] [--enforce-eager] [--no-overlap-steps] [--dora]
 
 Requests follow the paper's generator (prompt ~ lognorm(0.8, -1, 18), total ~ uniform up to
 --max-total, fixed seed), FCFS, max batch 32, greedy with ignore_eos so every request runs its
@@ -14,6 +14,10 @@ adapter per request); the adapters' values come from --files files (values do no
 work; each name still gets its own GPU slot and copy). The engines have one GPU slot per request,
 and every adapter of the workload is loaded before the clock starts (on-demand loading is
 benchmarks/adapter_load.py's question).
+
+--dora: every adapter workload runs twice on the same model, with plain LoRA adapters and then
+with DoRA adapters of the same A and B plus random magnitudes (punica.lora.dummy); rows say which
+(`adapters`). The HF+PEFT baseline is plain LoRA.
 
 --tensor-parallel-size N > 1: the engine under test is the tensor-parallel one
 (punica.parallel.executor, N processes, rank r on cuda:r; gloo on CPU), each rank generating only
@@ -176,10 +180,13 @@ def plot(rows: list[dict], path: Path, title: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    workloads = list(dict.fromkeys(r["workload"] for r in rows))
+    def label(row: dict) -> str:
+        return row["workload"] + (" (DoRA)" if row.get("adapters") == "dora" else "")
+
+    workloads = list(dict.fromkeys(label(r) for r in rows))
     fig, ax = plt.subplots(figsize=(7, 4))
     for k, system in enumerate(("punica", "hf+peft")):
-        value = {r["workload"]: r["tokens_per_s"] for r in rows if r["system"] == system}
+        value = {label(r): r["tokens_per_s"] for r in rows if r["system"] == system}
         ax.bar([i + 0.4 * k for i in range(len(workloads))], [value.get(w, 0) for w in workloads], 0.4,
                label=system)
     ax.set_xticks([i + 0.2 for i in range(len(workloads))], workloads)
@@ -203,6 +210,7 @@ def main() -> None:
     parser.add_argument("--hf-requests", type=int, default=32)
     parser.add_argument("--hf-max-total", type=int, default=256)
     parser.add_argument("--skip-hf", action="store_true")
+    parser.add_argument("--dora", action="store_true", help="also run every adapter workload on DoRA adapters")
     add_arguments(parser, EngineArgs, only=("enforce_eager", "overlap_steps", "tensor_parallel_size"))
     parser.add_argument("--out", type=Path, default=Path("results/textgen"))
     args = parser.parse_args()
@@ -219,25 +227,32 @@ def main() -> None:
                                  kv_cache_tokens=EngineConfig.max_batch_size * args.max_total + 1024)
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        files = [save_random_adapter(Path(tmp) / f"f{i}", config, args.rank, seed=i) for i in range(args.files)]
-        names = {f"lora{i}": str(files[i % len(files)]) for i in range(args.requests)}
+        kinds = ("lora", "dora") if args.dora else ("lora",)
+        names = {}
+        for kind in kinds:
+            files = [save_random_adapter(Path(tmp) / f"{kind}{i}", config, args.rank, seed=i, dora=kind == "dora")
+                     for i in range(args.files)]
+            names[kind] = {f"{kind}{i}": str(files[i % len(files)]) for i in range(args.requests)}
         if tp > 1:
-            parallel_engine = build_engine(engine_args, names)
+            parallel_engine = build_engine(engine_args, names["lora"])
         try:
-            for workload in [w for w in ("backbone", *WORKLOADS) if w in args.workloads]:
+            runs = [(w, kind) for w in ("backbone", *WORKLOADS) if w in args.workloads
+                    for kind in (("lora",) if w == "backbone" else kinds)]
+            for workload, kind in runs:
                 if tp > 1:
                     engine = parallel_engine
                 else:
                     engine = engine_on_model(model, engine_args.engine_config(),
-                                             None if workload == "backbone" else names)
+                                             None if workload == "backbone" else names[kind])
                 if workload == "backbone":
                     adapters = [None] * args.requests
                 else:
-                    adapters = [f"lora{i}" for i in adapter_ids(workload, args.requests, random.Random(1))]
+                    adapters = [f"{kind}{i}" for i in adapter_ids(workload, args.requests, random.Random(1))]
                 warm_up(engine, list(dict.fromkeys(adapters)) if workload != "backbone" else [None] * 32)
-                rows.append({"system": "punica", "workload": workload,
+                rows.append({"system": "punica", "workload": workload, "adapters": kind if adapters[0] else "none",
                              **run(engine, [(p, o, a) for p, (_, o), a in zip(prompts, lengths, adapters)])})
-                print(f"punica {workload}: {rows[-1]['tokens_per_s']:.1f} tokens/s", flush=True)
+                print(f"punica {workload} ({rows[-1]['adapters']}): {rows[-1]['tokens_per_s']:.1f} tokens/s",
+                      flush=True)
                 del engine
                 if device == "cuda":
                     torch.cuda.empty_cache()
@@ -263,11 +278,16 @@ def main() -> None:
     engine_rows = [r for r in rows if r["system"] == "punica"]
     hf_rows = [r for r in rows if r["system"] == "hf+peft"]
     if engine_rows:
-        print(format_table(engine_rows, ["workload", "requests", "tokens", "seconds", "tokens_per_s", "ttft_mean_ms",
-                                         "ttft_p99_ms", "tpot_mean_ms", "tpot_p99_ms"]))
+        print(format_table(engine_rows, ["workload", "adapters", "requests", "tokens", "seconds", "tokens_per_s",
+                                         "ttft_mean_ms", "ttft_p99_ms", "tpot_mean_ms", "tpot_p99_ms"]))
     if hf_rows:
         print(format_table(hf_rows, ["system", "workload", "requests", "tokens", "seconds", "tokens_per_s"]))
-    distinct = {r["system"]: r["tokens_per_s"] for r in rows if r["workload"] == "distinct"}
+    distinct = {r["system"]: r["tokens_per_s"] for r in rows
+                if r["workload"] == "distinct" and r.get("adapters", "lora") == "lora"}
+    dora = {r["workload"]: r["tokens_per_s"] for r in engine_rows if r["adapters"] == "dora"}
+    for workload, tokens_per_s in dora.items():
+        lora = next(r["tokens_per_s"] for r in engine_rows if r["workload"] == workload and r["adapters"] == "lora")
+        print(f"{workload}: DoRA / LoRA = {tokens_per_s / lora:.3f} tokens/s")
     if len(distinct) == 2:
         print(f"distinct: punica / HF+PEFT = {distinct['punica'] / distinct['hf+peft']:.1f}x tokens/s")
 

@@ -4,6 +4,7 @@ runs (the scheduler's acquire and release)."""
 from __future__ import annotations
 
 from punica.engine.request import Request
+from punica.engine.sampling_params import SamplingParams, SamplingParamsError
 from punica.lora.manager import AdapterManager
 
 
@@ -24,6 +25,21 @@ def checked_prompt(prompt: str | list[int], tokenizer, max_model_len: int | None
         raise ValueError(f"the prompt has {len(token_ids)} tokens; this model's context is "
                          f"{max_model_len} tokens, including at least one generated token")
     return text, token_ids
+
+
+def check_lora_scale(params: SamplingParams, adapter: str | None, adapters: AdapterManager) -> None:
+    """A SamplingParamsError naming lora_scale when it is not 1 on a request without an adapter (it
+    scales an adapter's delta, and a strength the request asked for is never dropped silently) or on
+    a DoRA adapter (whose weight norms, computed once per slot, depend on the scale)."""
+    if params.lora_scale == 1:
+        return
+    if adapter is None:
+        raise SamplingParamsError("lora_scale", f"lora_scale {params.lora_scale!r} needs an adapter: it scales the "
+                                  "adapter's delta, and this request runs on the base model")
+    registration = adapters.current.get(adapter)
+    if registration is not None and registration.dora:
+        raise SamplingParamsError("lora_scale", f"lora_scale {params.lora_scale!r} is not supported on the DoRA "
+                                  f"adapter {adapter!r} (only 1: its weight norms are computed for its own scale)")
 
 
 def adapter_error(adapters: AdapterManager, request: Request) -> str | None:

@@ -18,6 +18,8 @@ max_batch_size), plus one for padding. A step's inputs live in one int64 device 
     [token ids | fed rows | positions | KV slots | adapter slots]  (one each per token)
     [query starts (requests + 1) | context lengths | adapter slots | page table (requests x max_pages)]
 
+and one float32 buffer of each token's lora_scale (padding rows: 0, with slot -1 they add nothing).
+
 A smaller batch is padded to its bucket: padded decode rows, and one padded prefill request
 that takes every spare prefill token, read and write only the scratch page (a page of the KV
 cache the allocator never hands out) and use no adapter (slot -1). The LoRA ops run per token
@@ -103,6 +105,8 @@ class StaticBatch:
         self.sizes = (t, t, t, t, t, b + 1, b, b, b * max_pages)
         self.host = torch.empty(sum(self.sizes), dtype=torch.int64, pin_memory=device.type == "cuda")
         self.inputs = torch.empty_like(self.host, device=device)
+        self.host_scales = torch.empty(t, dtype=torch.float32, pin_memory=device.type == "cuda")
+        self.token_scales = torch.empty_like(self.host_scales, device=device)
         # every token its own LoRA segment, so the SGMV view of the batch agrees with the BGMV one
         self.token_indptr = torch.arange(t + 1, dtype=torch.int32, device=device)
         self.copied = torch.cuda.Event() if device.type == "cuda" else None
@@ -117,6 +121,8 @@ class StaticBatch:
         ids, sources, positions, kv_slots, adapters, starts, context, request_slots, table = np.split(
             self.host.numpy(), np.cumsum(self.sizes)[:-1])
         table = table.reshape(bucket.num_requests, self.max_pages)
+        scales = self.host_scales.numpy()
+        scales[:] = 0
         ids[:], sources[:], positions[:], adapters[:], context[:], request_slots[:] = 0, -1, 0, -1, 1, -1
         kv_slots[:] = scratch * page_size
         table[:] = scratch
@@ -136,6 +142,7 @@ class StaticBatch:
                 positions[token_rows] = step.positions[step_tokens]
                 kv_slots[token_rows] = step.kv_slots[step_tokens]
                 adapters[token_rows] = step.token_slots[step_tokens]
+                scales[token_rows] = step.token_scales[step_tokens]
                 context[request_rows] = step.context_lens[step_requests]
                 request_slots[request_rows] = step.request_slots[step_requests]
                 table[request_rows, :width] = step.page_table[step_requests]
@@ -148,6 +155,7 @@ class StaticBatch:
             context[first:last + 1] = starts[first + 1:last + 2] - starts[first:last + 1]
             positions[starts[last]:bucket.prefill_tokens] = np.arange(bucket.prefill_tokens - starts[last])
         self.inputs.copy_(self.host, non_blocking=True)
+        self.token_scales.copy_(self.host_scales, non_blocking=True)
         if self.copied is not None:
             self.copied.record()
 
@@ -168,10 +176,11 @@ class StaticBatch:
         )
         if prefer_bgmv(bucket.num_tokens, bucket.num_requests):
             lora = LoraBatch(seg_indptr=self.token_indptr, seg_slots=token_slots, token_slots=token_slots,
-                             use_bgmv=True, any_lora=with_lora)
+                             token_scales=self.token_scales, use_bgmv=True, any_lora=with_lora)
         else:
             lora = LoraBatch(seg_indptr=query_start, seg_slots=request_slots.to(torch.int32),
-                             token_slots=token_slots, use_bgmv=False, any_lora=with_lora)
+                             token_slots=token_slots, token_scales=self.token_scales, use_bgmv=False,
+                             any_lora=with_lora)
         return model(ids, attn, lora, kv_cache)
 
 

@@ -36,7 +36,7 @@ from operator import attrgetter
 import torch
 
 from punica.config import EngineConfig
-from punica.engine.admission import acquire_adapter, adapter_error, checked_prompt, release_adapter
+from punica.engine.admission import acquire_adapter, adapter_error, check_lora_scale, checked_prompt, release_adapter
 from punica.engine.detokenizer import IncrementalDetokenizer
 from punica.engine.executor import Executor
 from punica.engine.kv_cache import PageAllocator
@@ -117,6 +117,7 @@ class Engine:
         text, token_ids = checked_prompt(prompt, self.tokenizer, self.max_model_len, self.vocab_size)
         if adapter is not None and adapter not in self.adapters.registry:
             raise ValueError(f"unknown adapter {adapter!r} ({len(self.adapters.registry)} adapters are registered)")
+        check_lora_scale(params, adapter, self.adapters)
         request_id = request_id or f"req-{next(self._ids)}"
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")

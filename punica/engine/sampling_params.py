@@ -26,6 +26,9 @@ MAX_TOP_LOGPROBS = 20  # OpenAI's bound on top_logprobs
 MAX_LOGIT_BIAS_TOKENS, MAX_ABS_LOGIT_BIAS = 1024, 100.0
 MAX_CONSTRAINT_CHARS = 1 << 16  # a schema (as JSON), regex or grammar
 MAX_CHOICES = 1024
+# a request's lora_scale multiplies its adapter's delta, and so the gain punica.lora.adapter bounds
+# (MAX_LORA_GAIN); 10x an adapter's trained strength still leaves that bound's margin
+MAX_REQUEST_LORA_SCALE = 10.0
 CONSTRAINT_KINDS = ("json", "json_object", "regex", "choice", "grammar")
 
 
@@ -136,6 +139,9 @@ class SamplingParams:
     top_logprobs: int = 0          # and of this many most likely tokens at each position
     logit_bias: tuple[tuple[int, float], ...] = field(default_factory=tuple)  # token id -> added to its logit
     structured_outputs: StructuredOutputs | None = None
+    # the strength of the request's adapter: its delta times this (0 = the base model, 1 = as trained);
+    # a request without an adapter must leave it at 1 (Engine.add_request refuses another value)
+    lora_scale: float = 1.0
 
     def __post_init__(self):
         # accept lists and a single stop string for convenience; store tuples (frozen, hashable)
@@ -197,6 +203,7 @@ class SamplingParams:
                 raise SamplingParamsError("logit_bias", f"logit_bias keys must be token ids (integers >= 0), "
                                                         f"got {token!r}")
             _check_float("logit_bias", bias, -MAX_ABS_LOGIT_BIAS, MAX_ABS_LOGIT_BIAS)
+        _check_float("lora_scale", self.lora_scale, 0, MAX_REQUEST_LORA_SCALE)
         if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputs):
             raise SamplingParamsError("structured_outputs", "structured_outputs must be a StructuredOutputs")
 

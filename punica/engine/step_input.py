@@ -12,10 +12,12 @@ Per token (T = num_tokens, prefill tokens first, then one per decode):
     positions    int64  its position in its sequence
     kv_slots     int64  page * page_size + offset where its key and value are written
     token_slots  int64  its adapter slot (-1: no adapter)
+    token_scales float32 its request's lora_scale (the strength of its adapter's delta)
 Per request (B = num_requests):
     query_start   int64 [B + 1]  token offset of each request's queries
     context_lens  int64 [B]      tokens in its KV cache after this step
     request_slots int64 [B]      its adapter slot
+    request_scales float32 [B]   its lora_scale
     page_table    int64 [B, W]   its pages in order (W = the most pages any request holds; the rest 0)
 """
 
@@ -37,9 +39,11 @@ class StepInput:
     positions: np.ndarray
     kv_slots: np.ndarray
     token_slots: np.ndarray
+    token_scales: np.ndarray
     query_start: np.ndarray
     context_lens: np.ndarray
     request_slots: np.ndarray
+    request_scales: np.ndarray
     page_table: np.ndarray
     num_prefills: int
 
@@ -73,10 +77,12 @@ class StepInput:
 
     @classmethod
     def build(cls, new_token_ids: list[list[int]], num_cached: list[int], pages: list[list[int]],
-              slots: list[int], num_prefills: int, page_size: int, fed_rows: list[int] | None = None) -> StepInput:
+              slots: list[int], num_prefills: int, page_size: int, fed_rows: list[int] | None = None,
+              scales: list[float] | None = None) -> StepInput:
         """From each request's tokens to run this step (a prefill's uncached tokens; a decode's one
         token), how many of its tokens are cached before it, its pages and its adapter slot.
-        `fed_rows`: one per decode, as the field (None: every token is on the host)."""
+        `fed_rows`: one per decode, as the field (None: every token is on the host); `scales`: each
+        request's lora_scale (None: 1 for all)."""
         num_requests = len(new_token_ids)
         assert len(num_cached) == len(pages) == len(slots) == num_requests and 0 <= num_prefills <= num_requests
         query_lens = np.fromiter(map(len, new_token_ids), dtype=np.int64, count=num_requests)
@@ -98,14 +104,18 @@ class StepInput:
         positions = np.arange(num_tokens, dtype=np.int64) - query_start[owner] + cached[owner]
         kv_slots = page_table[owner, positions // page_size] * page_size + positions % page_size
         request_slots = np.asarray(slots, dtype=np.int64)
+        request_scales = (np.asarray(scales, dtype=np.float32) if scales is not None
+                          else np.ones(num_requests, dtype=np.float32))
+        assert request_scales.shape == (num_requests,)
         fed = np.full(num_tokens, -1, dtype=np.int64)
         if fed_rows is not None:
             assert len(fed_rows) == num_requests - num_prefills
             fed[query_start[num_prefills]:] = fed_rows
         token_ids = np.fromiter((t for ids in new_token_ids for t in ids), dtype=np.int64, count=num_tokens)
         return cls(token_ids=token_ids, fed_rows=fed, positions=positions, kv_slots=kv_slots,
-                   token_slots=request_slots[owner], query_start=query_start, context_lens=context_lens,
-                   request_slots=request_slots, page_table=page_table, num_prefills=num_prefills)
+                   token_slots=request_slots[owner], token_scales=request_scales[owner], query_start=query_start,
+                   context_lens=context_lens, request_slots=request_slots, request_scales=request_scales,
+                   page_table=page_table, num_prefills=num_prefills)
 
     @classmethod
     def from_requests(cls, prefills: list, decodes: list, page_size: int, fed_rows: list[int] | None = None
@@ -117,7 +127,7 @@ class StepInput:
         new_tokens += [[r.last_token_id] for r in decodes]
         cached = [r.num_cached for r in prefills] + [r.num_tokens - 1 for r in decodes]
         return cls.build(new_tokens, cached, [r.pages for r in requests], [r.slot for r in requests],
-                         len(prefills), page_size, fed_rows)
+                         len(prefills), page_size, fed_rows, [r.params.lora_scale for r in requests])
 
     # device views --------------------------------------------------------------------------
     def attn_batch(self, device: torch.device | str) -> AttnBatch:
@@ -136,4 +146,5 @@ class StepInput:
         )
 
     def lora_batch(self, device: torch.device | str, use_bgmv: bool | None = None) -> LoraBatch:
-        return LoraBatch.build(self.request_slots.tolist(), self.query_lens.tolist(), device, use_bgmv)
+        return LoraBatch.build(self.request_slots.tolist(), self.query_lens.tolist(), device, use_bgmv,
+                               self.request_scales.tolist())

@@ -45,6 +45,7 @@ class ModelWorker:
         weight = model.embed.weight
         self.device = weight.device
         self.pool = LoraPool(model.config, config.max_loras, config.max_lora_rank, weight.dtype, weight.device)
+        self.pool.base_weight = model.group_weight  # DoRA's norms
         model.set_lora(self.pool)  # before the runner captures CUDA graphs that read the pool
         self.runner = ModelRunner(model, num_pages, config.page_size, config.max_batch_size,
                                   context_limit(model.config, config, num_pages), eager=config.enforce_eager)

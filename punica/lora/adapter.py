@@ -4,6 +4,12 @@
     lora_b[proj] : [num_layers, h_out, rank]   (PEFT's lora_B.weight)
     delta_y      = scale * (x @ lora_a[proj][layer].T) @ lora_b[proj][layer].T
 
+    magnitude[proj]: [num_layers, h_out]       (DoRA, `use_dora`: PEFT's lora_magnitude_vector)
+
+DoRA's projection output is (m / ||W + scale * B @ A||) * (x @ W.T + delta_y), the norm of each
+output feature's row (PEFT's DoraLinearLayer); the norms need the base weight W, so the pool
+computes them where W lives, when the adapter is copied into its slot (punica.lora.pool).
+
 Only targeted projections are keys; layers the adapter does not touch are zeros. Phi-3's fused
 modules (qkv_proj, gate_up_proj), in checkpoints and adapters of models with `fused_projections`,
 split exactly: one lora_A shared by q, k and v (gate and up), lora_B split by output rows, so
@@ -19,7 +25,7 @@ import json
 import math
 import re
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -41,13 +47,14 @@ SUFFIXES = {module.split(".")[1]: proj for module, proj in MODULES.items()}  # "
 FUSED_SUFFIXES = {module.split(".")[1]: parts for module, parts in FUSED_MODULES.items()}
 FUSED_NAMES = {module: module.split(".")[1].removesuffix("_proj") for module in FUSED_MODULES}  # -> "qkv"
 FUSED_PROJECTIONS = {FUSED_NAMES[module]: parts for module, parts in FUSED_MODULES.items()}
-# base_model.model.model.layers.3.self_attn.q_proj.lora_A[.adapter_name].weight
+# base_model.model.model.layers.3.self_attn.q_proj.lora_A[.adapter_name].weight, and DoRA's
+# ....q_proj.lora_magnitude_vector[.adapter_name][.weight]
 TENSOR_NAME = re.compile(
-    r"^(?:base_model\.model\.)?(?:model\.)?layers\.(\d+)\.(\w+\.\w+)\.lora_([AB])(?:\.[^.]+)?\.weight$"
+    r"^(?:base_model\.model\.)?(?:model\.)?layers\.(\d+)\.(\w+\.\w+)\."
+    r"(?:lora_([AB])(?:\.[^.]+)?\.weight|lora_(magnitude)_vector(?:\.[^.]+)?(?:\.weight)?)$"
 )
 # config options that change the math in ways the canonical layout cannot express
 UNSUPPORTED_OPTIONS = {
-    "use_dora": "DoRA (use_dora)",
     "lora_bias": "a bias on lora_B (lora_bias)",
     "use_qalora": "QA-LoRA (use_qalora)",
     "alora_invocation_tokens": "activated LoRA (alora_invocation_tokens)",
@@ -74,24 +81,6 @@ MAX_LORA_GAIN = 1e3
 # |lora_alpha / r| (or / sqrt(r)): float32 (the pool's scales) holds it with room to spare; real
 # adapters use ~0.1-100, so a larger scale means a broken config (e.g. lora_alpha 1e300).
 MAX_LORA_SCALE = 1e6
-# adapter names: letters/digits first, then letters, digits, '.', '_', '-'; optionally an org
-# prefix and one '/'; nothing that reads as a path ("..", leading '.') or needs quoting
-ADAPTER_NAME = re.compile(r"(?:[A-Za-z0-9][A-Za-z0-9._-]*/)?[A-Za-z0-9][A-Za-z0-9._-]*")
-MAX_ADAPTER_NAME_LEN = 128
-
-
-def check_adapter_name(name: str) -> str:
-    """`name`, if it is a valid adapter name; else a ValueError naming the rule it breaks."""
-    if len(name) > MAX_ADAPTER_NAME_LEN:
-        raise ValueError(f"adapter name {name[:32]!r}... has {len(name)} characters, over the "
-                         f"limit of {MAX_ADAPTER_NAME_LEN}")
-    if not ADAPTER_NAME.fullmatch(name):
-        raise ValueError(f"adapter name {name!r} is invalid: it must start with an ASCII letter or digit and hold "
-                         "only ASCII letters, digits, '.', '_' and '-', optionally after an org prefix of the same "
-                         "form and one '/' (e.g. 'tenant-a', 'org/adapter_v1.2')")
-    return name
-
-
 class AdapterError(ValueError):
     """An adapter directory that cannot be served; the message names the path and the problem."""
 
@@ -106,9 +95,12 @@ class LoraAdapter:
     scale: float                       # lora_alpha / r, or lora_alpha / sqrt(r) with use_rslora
     lora_a: dict[str, torch.Tensor]    # projection -> [num_layers, rank, h_in]
     lora_b: dict[str, torch.Tensor]    # projection -> [num_layers, h_out, rank]
+    # DoRA: projection -> [num_layers, h_out], NaN in layers without it; empty for plain LoRA
+    magnitude: dict[str, torch.Tensor] = field(default_factory=dict)
 
     def __post_init__(self):
         assert self.lora_a.keys() == self.lora_b.keys() <= set(PROJECTIONS)
+        assert self.magnitude.keys() <= self.lora_a.keys()
         for proj, a in self.lora_a.items():
             b = self.lora_b[proj]
             assert a.shape[:2] == (b.shape[0], self.rank) and b.shape[2] == self.rank, proj
@@ -118,11 +110,22 @@ class LoraAdapter:
         tensors = [*self.lora_a.values(), *self.lora_b.values()]
         return sum(t.numel() * t.element_size() for t in tensors)
 
+    @property
+    def dora(self) -> bool:
+        return bool(self.magnitude)
+
     def tensors(self) -> Iterator[tuple[str, int, torch.Tensor, torch.Tensor]]:
         """(projection, layer, A [rank, h_in], B [h_out, rank]) of every layer of every projection."""
         for proj, a in self.lora_a.items():
             for layer in range(a.shape[0]):
                 yield proj, layer, a[layer], self.lora_b[proj][layer]
+
+    def magnitudes(self) -> Iterator[tuple[str, int, torch.Tensor]]:
+        """(projection, layer, m [h_out]) of every DoRA projection and layer it has."""
+        for proj, m in self.magnitude.items():
+            for layer in range(m.shape[0]):
+                if not m[layer].isnan().any():
+                    yield proj, layer, m[layer]
 
 
 @dataclass(frozen=True)
@@ -133,10 +136,19 @@ class AdapterWeights:
     rank: int
     scale: float
     pairs: dict[tuple[str, int], tuple[torch.Tensor, torch.Tensor]]  # (proj, layer) -> (A, B)
+    magnitude: dict[tuple[str, int], torch.Tensor] = field(default_factory=dict)  # DoRA: (proj, layer) -> m
+
+    @property
+    def dora(self) -> bool:
+        return bool(self.magnitude)
 
     def tensors(self) -> Iterator[tuple[str, int, torch.Tensor, torch.Tensor]]:
         for (proj, layer), (a, b) in self.pairs.items():
             yield proj, layer, a, b
+
+    def magnitudes(self) -> Iterator[tuple[str, int, torch.Tensor]]:
+        for (proj, layer), m in self.magnitude.items():
+            yield proj, layer, m
 
     def stacked(self, num_layers: int) -> LoraAdapter:
         """[num_layers, ...] tensors per projection, zero for the layers it has no tensors for."""
@@ -152,7 +164,13 @@ class AdapterWeights:
             missing = [layer for layer in range(num_layers) if (proj, layer) not in self.pairs]
             lora_a[proj][missing] = 0
             lora_b[proj][missing] = 0
-        return LoraAdapter(name=self.name, rank=self.rank, scale=self.scale, lora_a=lora_a, lora_b=lora_b)
+        magnitude: dict[str, torch.Tensor] = {}
+        for (proj, layer), m in self.magnitude.items():
+            if proj not in magnitude:
+                magnitude[proj] = torch.full((num_layers, m.shape[0]), float("nan"), dtype=m.dtype)
+            magnitude[proj][layer] = m
+        return LoraAdapter(name=self.name, rank=self.rank, scale=self.scale, lora_a=lora_a, lora_b=lora_b,
+                           magnitude=magnitude)
 
 
 def load_adapter(path: str | Path, config: ModelConfig, name: str | None = None,
@@ -171,10 +189,11 @@ def read_adapter(path: str | Path, config: ModelConfig, name: str | None = None,
 
     cfg = _read_config(path, fail)
     rank, scale = _check_config(cfg, fail)
+    dora = bool(cfg.get("use_dora"))
     pairs = _pair_tensors(_read_weights(path, fail), config.num_layers,
-                          cfg.get("layers_to_transform"), fail)
+                          cfg.get("layers_to_transform"), dora, fail)
     shapes = config.projection_shapes()
-    checked = {}
+    checked, magnitude = {}, {}
     def first_projection(item) -> int:  # in PROJECTIONS order, a fused module at its first part
         return PROJECTIONS.index(FUSED_PROJECTIONS.get(item[0][0], item[0])[0])
 
@@ -189,6 +208,10 @@ def read_adapter(path: str | Path, config: ModelConfig, name: str | None = None,
             bounds.append(bounds[-1] + shapes[part][1])
         a = _checked(*sides["A"], (rank, h_in), 0, proj, dtype, fail)
         b = _checked(*sides["B"], (bounds[-1], rank), 1, proj, dtype, fail)
+        if dora and config.qkv_bias and any(part in ("q", "k", "v") for part in parts):
+            raise fail(f"DoRA on the biased {proj} projection of a {config.family} model is not supported "
+                       f"(tensor {sides['magnitude'][0]}): DoRA scales the projection's output without its bias")
+        m = _checked(*sides["magnitude"], (bounds[-1],), None, proj, dtype, fail) if dora else None
         gain = lora_gain(a, b, scale)
         if not gain <= MAX_LORA_GAIN:
             raise fail(f"layer {layer} {proj} projection ({sides['A'][0]}, {sides['B'][0]}): the delta's gain "
@@ -198,6 +221,8 @@ def read_adapter(path: str | Path, config: ModelConfig, name: str | None = None,
             if (part, layer) in checked:
                 raise fail(f"layer {layer} has tensors for the {part} projection both fused and on its own")
             checked[part, layer] = (a, b[lo:hi] if len(parts) > 1 else b)
+            if m is not None:
+                magnitude[part, layer] = m[lo:hi]
     if not checked:
         raise fail("the weights file holds no LoRA tensors")
     targets = cfg.get("target_modules")
@@ -207,7 +232,8 @@ def read_adapter(path: str | Path, config: ModelConfig, name: str | None = None,
         for proj in FUSED_SUFFIXES.get(suffix, (SUFFIXES.get(suffix),)):
             if proj is not None and proj not in projections:
                 raise fail(f"target_modules names {target} but the weights have no {proj} tensors")
-    return AdapterWeights(name=name or path.resolve().name, rank=rank, scale=scale, pairs=checked)
+    return AdapterWeights(name=name or path.resolve().name, rank=rank, scale=scale, pairs=checked,
+                          magnitude=magnitude)
 
 
 def adapter_rank(path: str | Path) -> int:
@@ -218,6 +244,11 @@ def adapter_rank(path: str | Path) -> int:
         return AdapterError(f"LoRA adapter {path}: {problem}")
 
     return _check_config(_read_config(path, fail), fail)[0]
+
+
+def adapter_uses_dora(path: str | Path) -> bool:
+    """Whether an adapter directory's config sets use_dora (after `adapter_rank` has checked it)."""
+    return bool(json.loads((Path(path) / "adapter_config.json").read_text()).get("use_dora"))
 
 
 def lora_gain(a: torch.Tensor, b: torch.Tensor, scale: float) -> float:
@@ -235,22 +266,25 @@ def lora_gain(a: torch.Tensor, b: torch.Tensor, scale: float) -> float:
 
 
 def _pair_tensors(weights: dict[str, torch.Tensor], num_layers: int,
-                  layers_to_transform: int | list[int] | None, fail: Fail,
+                  layers_to_transform: int | list[int] | None, dora: bool, fail: Fail,
                   ) -> dict[tuple[str, int], dict[str, tuple[str, torch.Tensor]]]:
-    """(projection, layer) -> {"A": (name, tensor), "B": (name, tensor)}; every name must parse."""
+    """(projection, layer) -> {"A": (name, tensor), "B": (name, tensor)} and, with DoRA,
+    "magnitude": (name, tensor); every name must parse."""
     if isinstance(layers_to_transform, int):
         layers_to_transform = [layers_to_transform]
     pairs: dict[tuple[str, int], dict[str, tuple[str, torch.Tensor]]] = {}
     for key, tensor in weights.items():
         if "lora_embedding_" in key:
-            raise fail(f"LoRA on embeddings is not supported (tensor {key})")
+            raise fail(f"{'DoRA' if dora else 'LoRA'} on embeddings is not supported (tensor {key})")
         match = TENSOR_NAME.match(key)
         if match is None or match[2] not in MODULES | FUSED_NAMES:
             if "lm_head" in key or "embed_tokens" in key:
                 raise fail(f"LoRA on lm_head/embed_tokens is not supported (tensor {key})")
             raise fail(f"unrecognized tensor {key} (punica adapts only q/k/v/o/gate/up/down "
                        "projections of decoder layers)")
-        layer, proj, side = int(match[1]), (MODULES | FUSED_NAMES)[match[2]], match[3]
+        layer, proj, side = int(match[1]), (MODULES | FUSED_NAMES)[match[2]], match[3] or match[4]
+        if side == "magnitude" and not dora:
+            raise fail(f"tensor {key} is a DoRA magnitude, but adapter_config.json does not set use_dora")
         if layer >= num_layers:
             raise fail(f"tensor {key} is for layer {layer}, but the base model has {num_layers} layers")
         if layers_to_transform is not None and layer not in layers_to_transform:
@@ -261,11 +295,16 @@ def _pair_tensors(weights: dict[str, torch.Tensor], num_layers: int,
                        f"of layer {layer} {proj}")
         pairs[proj, layer][side] = (key, tensor)
     for (proj, layer), sides in pairs.items():
-        for side, other in (("A", "B"), ("B", "A")):
+        for side in ("A", "B", "magnitude") if dora else ("A", "B"):
             if side not in sides:
-                raise fail(f"layer {layer} {proj} projection has lora_{other} "
-                           f"({sides[other][0]}) but no lora_{side}")
+                present = next(s for s in ("A", "B", "magnitude") if s in sides)
+                raise fail(f"layer {layer} {proj} projection has {_label(present)} ({sides[present][0]}) but no "
+                           f"{_label(side)}")
     return pairs
+
+
+def _label(side: str) -> str:
+    return "lora_magnitude_vector" if side == "magnitude" else f"lora_{side}"
 
 
 def _read_config(path: Path, fail: Fail) -> dict[str, Any]:
@@ -335,14 +374,14 @@ def _read_weights(path: Path, fail: Fail) -> dict[str, torch.Tensor]:
     return weights
 
 
-def _checked(key: str, tensor: torch.Tensor, expected: tuple[int, int], rank_dim: int, proj: str,
+def _checked(key: str, tensor: torch.Tensor, expected: tuple[int, ...], rank_dim: int | None, proj: str,
              dtype: torch.dtype, fail: Fail) -> torch.Tensor:
     """The tensor in `dtype`, after checking its rank, its shape against the base model and
     that its values are finite. PEFT stores lora_A as [r, h_in] and lora_B as [h_out, r]
     whatever fan_in_fan_out says (that flag describes the base layer's layout, not LoRA's)."""
     if not tensor.is_floating_point():
         raise fail(f"tensor {key} has dtype {tensor.dtype}, not a floating-point type")
-    if tensor.dim() == 2 and tensor.shape[rank_dim] != expected[rank_dim]:
+    if rank_dim is not None and tensor.dim() == 2 and tensor.shape[rank_dim] != expected[rank_dim]:
         raise fail(f"tensor {key} has rank {tensor.shape[rank_dim]}, "
                    f"but adapter_config.json says r={expected[rank_dim]}")
     if tuple(tensor.shape) != expected:

@@ -15,8 +15,10 @@ from punica.lora.adapter import MODULES, PROJECTIONS
 
 def save_random_adapter(path: str | Path, config: ModelConfig, rank: int, seed: int,
                         alpha: float | None = None, projections: tuple[str, ...] = PROJECTIONS,
-                        dtype: torch.dtype = torch.bfloat16) -> Path:
-    """Write adapter_config.json + adapter_model.safetensors with random A and B to `path`."""
+                        dtype: torch.dtype = torch.bfloat16, dora: bool = False) -> Path:
+    """Write adapter_config.json + adapter_model.safetensors with random A and B to `path`; with
+    `dora`, a DoRA adapter (use_dora) whose magnitudes are uniform in [0.5, 1.5] (around the
+    row norms of dummy weights, ~1 for N(0, 0.02) rows of 4,096)."""
     gen = torch.Generator().manual_seed(seed)
     module_of = {proj: module for module, proj in MODULES.items()}
     shapes = config.projection_shapes()
@@ -27,10 +29,12 @@ def save_random_adapter(path: str | Path, config: ModelConfig, rank: int, seed: 
             prefix = f"base_model.model.model.layers.{layer}.{module_of[proj]}"
             tensors[f"{prefix}.lora_A.weight"] = (torch.randn(rank, h_in, generator=gen) / math.sqrt(h_in)).to(dtype)
             tensors[f"{prefix}.lora_B.weight"] = (torch.randn(h_out, rank, generator=gen) * 0.05).to(dtype)
+            if dora:
+                tensors[f"{prefix}.lora_magnitude_vector"] = (torch.rand(h_out, generator=gen) + 0.5).to(dtype)
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(path / "adapter_model.safetensors"))
     (path / "adapter_config.json").write_text(json.dumps({
-        "peft_type": "LORA", "r": rank, "lora_alpha": alpha or 2 * rank, "bias": "none",
+        "peft_type": "LORA", "r": rank, "lora_alpha": alpha or 2 * rank, "bias": "none", "use_dora": dora,
         "target_modules": [module_of[p].split(".")[1] for p in projections]}))
     return path

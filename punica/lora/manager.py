@@ -40,7 +40,8 @@ from pathlib import Path
 import torch
 
 from punica.config import ModelConfig
-from punica.lora.adapter import adapter_rank, check_adapter_name, read_adapter
+from punica.lora.adapter import adapter_rank, adapter_uses_dora, read_adapter
+from punica.lora.names import check_adapter_name
 from punica.lora.pool import LoraPool
 from punica.lora.residency import AdapterCounters
 
@@ -94,12 +95,14 @@ class Registration:
     name: str
     path: Path
     version: int                       # registrations made by the manager before this one
+    dora: bool = False                 # its config sets use_dora
 
 
 @dataclass
 class _HostAdapter:
     row: int                           # of the arena: the slot's contents
     scale: float
+    dora: bool
 
 
 @dataclass
@@ -152,7 +155,7 @@ class AdapterManager:
         if rank > self.pool.max_rank:
             raise ValueError(f"adapter {name!r} has rank {rank}, over this engine's max_lora_rank "
                              f"{self.pool.max_rank} (start it with max_lora_rank / --max-lora-rank >= {rank})")
-        registration = Registration(name, path, next(self._versions))
+        registration = Registration(name, path, next(self._versions), adapter_uses_dora(path))
         self.registry[name], self.current[name] = path, registration
         self.counters[registration] = AdapterCounters()
         if pinned:
@@ -327,7 +330,7 @@ class AdapterManager:
         pack refuses a rank over the pool's)."""
         adapter = read_adapter(registration.path, self.config, name=registration.name, dtype=self.dtype)
         self.pool.pack(adapter, out=self.arena.rows[row])
-        return _HostAdapter(row, adapter.scale)
+        return _HostAdapter(row, adapter.scale, adapter.dora)
 
     def _read_done(self, registration: Registration, future: Future, row: int) -> None:
         started = self.load_started.pop(registration)
@@ -365,13 +368,13 @@ class AdapterManager:
         self.load_started[registration] = time.perf_counter()
         try:
             if self.copy_stream is None:
-                self.pool.write_packed(slot, packed, adapter.scale)
+                self.pool.write_packed(slot, packed, adapter.scale, dora=adapter.dora)
                 self.copies[registration] = _Copy(slot, None)
                 return
             # the slot may still be read by kernels queued earlier on the compute stream
             self.copy_stream.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(self.copy_stream):
-                self.pool.write_packed(slot, packed, adapter.scale, non_blocking=True)
+                self.pool.write_packed(slot, packed, adapter.scale, non_blocking=True, dora=adapter.dora)
                 event = torch.cuda.Event()
                 event.record(self.copy_stream)
         except Exception as e:  # noqa: BLE001 - this adapter's requests fail; the others go on

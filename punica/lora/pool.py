@@ -13,6 +13,16 @@ serve the whole group (punica.ops.lora.add_lora with slice_bounds):
     b[projection]:  [num_layers, max_loras, h_out, max_rank]     for code that reads or writes
                                                                  one projection
     scales:         [max_loras] float32
+    group_m[group]: [num_layers, max_loras, sum h_out]          DoRA magnitudes m as packed (NaN
+                                                                 where the adapter has none)
+    out_scales[group]: [num_layers, max_loras, sum h_out] fp32  DoRA: m / ||W + scale * B @ A||
+                                                                 per output feature, 1 where no m
+    dora_slots:     [max_loras] int32                           1 where the slot holds a DoRA adapter
+
+The expand multiplies a DoRA slot's tokens' projection outputs by its out_scales row
+(punica.ops.lora). Its norms need the base weights, so they are computed in `write_packed`,
+on the device that holds both, in float32, from `base_weight(layer, group)` [sum h_out, h_in]
+(the model's fused projection weight, set by the worker that owns both).
 
 Indexing a layer gives the [S, R, h] tensors the operators take, without a copy. An adapter's
 rows beyond its rank, and projections it does not target, are zero in its slot, so a group's
@@ -21,6 +31,8 @@ fused delta is exact for adapters that target only some of its projections.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from punica.config import ModelConfig
@@ -28,6 +40,7 @@ from punica.lora.adapter import AdapterWeights, LoraAdapter
 
 # groups of projections that share their input, in the column order of the model's fused GEMMs
 GROUPS = {"qkv": ("q", "k", "v"), "o": ("o",), "gate_up": ("gate", "up"), "down": ("down",)}
+NORM_ROWS = 4096  # rows of W + scale * B @ A formed at once (float32) while computing DoRA's norms
 
 
 class LoraPool:
@@ -37,6 +50,8 @@ class LoraPool:
             raise ValueError(f"max_loras and max_rank must be positive, got {max_loras} and {max_rank}")
         self.max_loras, self.max_rank = max_loras, max_rank
         self.scales = torch.zeros(max_loras, dtype=torch.float32, device=device)
+        self.dora_slots = torch.zeros(max_loras, dtype=torch.int32, device=device)
+        self.base_weight: Callable[[int, str], torch.Tensor] | None = None
         self.allocate(config, dtype, torch.device(device))
 
     def allocate(self, config: ModelConfig, dtype: torch.dtype, device: torch.device) -> None:
@@ -44,10 +59,15 @@ class LoraPool:
         self.config = config
         L, R = config.num_layers, self.max_rank
         shapes = config.projection_shapes()
-        self.slot_numel = sum(L * R * (h_in + h_out) for h_in, h_out in shapes.values())
+        self.lora_numel = sum(L * R * (h_in + h_out) for h_in, h_out in shapes.values())
+        magnitude_numel = L * sum(h_out for _, h_out in shapes.values())
+        self.slot_numel = self.lora_numel + magnitude_numel
         self.buffer = torch.zeros(self.max_loras, self.slot_numel, dtype=dtype, device=device)
         self.group_a, self.group_b = self._group_views(self.buffer)
+        self.group_m = self._magnitude_views(self.buffer[:, self.lora_numel:])
         self.a, self.b = self._projection_views(self.group_a, self.group_b)
+        self.out_scales = self._magnitude_views(
+            torch.ones(self.max_loras, magnitude_numel, dtype=torch.float32, device=device))
         self.slice_bounds = {g: self._slice_bounds(g) for g in GROUPS}
 
     def _slice_bounds(self, group: str) -> tuple[int, ...]:
@@ -70,8 +90,19 @@ class LoraPool:
             offset += L * rows * h_in
             b[group] = flat[:, offset:offset + L * h_out * R].view(S, L, h_out, R).transpose(0, 1)
             offset += L * h_out * R
-        assert offset == flat.shape[1], (offset, flat.shape)
+        assert offset == self.lora_numel, (offset, flat.shape)
         return a, b
+
+    def _magnitude_views(self, flat: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Per-group [L, S, sum h_out] views of flat [S, L * sum of every h_out]."""
+        L, S, shapes = self.config.num_layers, flat.shape[0], self.config.projection_shapes()
+        views, offset = {}, 0
+        for group, projections in GROUPS.items():
+            h_out = sum(shapes[p][1] for p in projections)
+            views[group] = flat[:, offset:offset + L * h_out].view(S, L, h_out).transpose(0, 1)
+            offset += L * h_out
+        assert offset == flat.shape[1], (offset, flat.shape)
+        return views
 
     def _projection_views(self, group_a: dict[str, torch.Tensor], group_b: dict[str, torch.Tensor]
                           ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
@@ -91,6 +122,10 @@ class LoraPool:
         """(lora_a [S, n*R, h_in], lora_b [S, sum h_out, R], slice_bounds) of one layer's group."""
         return self.group_a[group][layer], self.group_b[group][layer], self.slice_bounds[group]
 
+    def dora(self, layer: int, group: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """(out_scales [S, sum h_out] float32, dora_slots [S] int32) of one layer's group."""
+        return self.out_scales[group][layer], self.dora_slots
+
     @property
     def packed_shape(self) -> tuple[int, ...]:
         """The shape of a packed adapter (`pack`)."""
@@ -107,6 +142,14 @@ class LoraPool:
         assert out.shape == self.packed_shape and out.dtype == self.buffer.dtype, (out.shape, out.dtype)
         packed = out.view(1, self.slot_numel)
         a, b = self._projection_views(*self._group_views(packed))
+        magnitudes = self._magnitude_views(packed[:, self.lora_numel:])
+        for m in magnitudes.values():  # NaN: no magnitude (out_scales 1); a plain adapter's are never read
+            m.fill_(float("nan") if adapter.dora else 0.0)
+        columns = {p: (group, sum(self.config.projection_shapes()[q][1] for q in GROUPS[group][:i]))
+                   for group, projections in GROUPS.items() for i, p in enumerate(projections)}
+        for p, layer, m in adapter.magnitudes():
+            group, col = columns[p]
+            magnitudes[group][layer, 0, col:col + m.shape[0]].copy_(m)
         r, num_layers = adapter.rank, self.config.num_layers
         written: dict[str, set[int]] = {p: set() for p in a}
         for p, layer, lora_a, lora_b in adapter.tensors():
@@ -123,13 +166,38 @@ class LoraPool:
                 b[p][missing, 0] = 0
         return packed[0]
 
-    def write_packed(self, slot: int, packed: torch.Tensor, scale: float, non_blocking: bool = False) -> None:
-        """Copy a packed adapter into a slot: one copy (asynchronous from pinned memory if asked)."""
+    def write_packed(self, slot: int, packed: torch.Tensor, scale: float, non_blocking: bool = False,
+                     dora: bool = False) -> None:
+        """Copy a packed adapter into a slot: one copy (asynchronous from pinned memory if asked); with
+        `dora`, its out_scales are then computed from the copied weights on the pool's device."""
         if not 0 <= slot < self.max_loras:
             raise ValueError(f"slot {slot} is outside the pool of {self.max_loras}")
         self.buffer[slot].copy_(packed, non_blocking=non_blocking)
         self.scales[slot] = scale
+        if dora:
+            self._compute_out_scales(slot, scale)
+        self.dora_slots[slot] = int(dora)
+
+    def _compute_out_scales(self, slot: int, scale: float) -> None:
+        """out_scales of a slot: m / ||W + scale * B @ A|| per output row (PEFT's DoRA weight norm),
+        in float32 from the base weights, NORM_ROWS rows at a time; 1 where the adapter has no m."""
+        if self.base_weight is None:
+            raise RuntimeError("this adapter pool has no base weights (base_weight), which DoRA's norms need")
+        R = self.max_rank
+        for layer in range(self.config.num_layers):
+            for group in GROUPS:
+                w, bounds = self.base_weight(layer, group), self.slice_bounds[group]
+                a, b = self.group_a[group][layer, slot], self.group_b[group][layer, slot]
+                m, out = self.group_m[group][layer, slot], self.out_scales[group][layer, slot]
+                for i, (lo, hi) in enumerate(zip(bounds, bounds[1:])):
+                    a_i = a[i * R:(i + 1) * R].float()
+                    for start in range(lo, hi, NORM_ROWS):
+                        rows = slice(start, min(start + NORM_ROWS, hi))
+                        norm = torch.linalg.vector_norm(torch.addmm(w[rows].float(), b[rows].float(), a_i, alpha=scale),
+                                                        dim=1)
+                        magnitude = m[rows].float()
+                        out[rows] = torch.where(magnitude.isnan(), 1.0, magnitude / norm)
 
     def write(self, slot: int, adapter: LoraAdapter) -> None:
         """Copy an adapter into a slot (zeroing what it does not cover)."""
-        self.write_packed(slot, self.pack(adapter), adapter.scale)
+        self.write_packed(slot, self.pack(adapter), adapter.scale, dora=adapter.dora)

@@ -49,6 +49,10 @@ class LoraWeights(Protocol):
         """(lora_a [S, n*R, h_in], lora_b [S, h_out, R], slice_bounds) of one layer's projection
         group ("qkv", "o", "gate_up", "down"; see punica.ops.lora.add_lora), or None."""
 
+    def dora(self, layer: int, group: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """(out_scales [S, h_out] float32, dora_slots [S] int32) of the group: DoRA slots' tokens'
+        outputs are multiplied by their slot's out_scales row (punica.ops.lora.lora_expand)."""
+
 
 _side_streams: dict[torch.device, torch.cuda.Stream] = {}
 
@@ -137,7 +141,7 @@ class DecoderLayer(nn.Module):
                 v = lora_shrink(x, lora_a, lora)
             y = linear(x)
             main.wait_stream(stream)
-        lora_expand(y, v, lora_b, lora_weights.scales, lora, slice_bounds)
+        lora_expand(y, v, lora_b, lora_weights.scales, lora, slice_bounds, lora_weights.dora(self.index, group))
         return y
 
     def _all_reduce(self, y: torch.Tensor) -> torch.Tensor:
@@ -205,6 +209,10 @@ class DecoderForCausalLM(nn.Module):
 
     def set_lora(self, lora_weights: LoraWeights | None) -> None:
         self.lora_weights = lora_weights
+
+    def group_weight(self, layer: int, group: str) -> torch.Tensor:
+        """The base weight [h_out, h_in] of one layer's projection group ("qkv", "o", "gate_up", "down")."""
+        return getattr(self.layers[layer], f"{group}_proj").weight
 
     def rope_cos_sin(self, positions: torch.Tensor, rope: RopeConfig | None = None
                      ) -> tuple[torch.Tensor, torch.Tensor]:

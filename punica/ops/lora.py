@@ -6,6 +6,15 @@ Canonical weight layout (one per projection of one layer, shared by every op her
     lora_b : [num_slots, h_out, max_rank]   expand weights, columns >= its rank are zero
     scales : [num_slots] float32            lora_alpha / r (or / sqrt(r) with rsLoRA)
 
+The expand also takes `token_scales` [num_tokens] float32, each token's own strength of its
+adapter (a request's lora_scale: 0 = the base model, 1 = as trained), multiplied into the delta
+with the slot's scale; None means 1 for every token.
+
+DoRA: the expand may also take `dora` = (out_scales [num_slots, h_out] float32, dora_slots
+[num_slots] int32). A token whose slot s has dora_slots[s] != 0 leaves the expand with its whole
+output row multiplied by out_scales[s] (m / ||W + scale * B @ A||, see punica.lora.pool): its
+base projection output plus its delta; tokens of other slots and of slot -1 are untouched.
+
 A slot is an index into the GPU adapter pool; slot -1 means "no LoRA" and its rows are left
 untouched (shrink writes zeros for them).
 
@@ -34,6 +43,7 @@ class LoraIndices(Protocol):
     seg_indptr: torch.Tensor   # [num_segments + 1] int32, token offsets of the segments
     seg_slots: torch.Tensor    # [num_segments] int32, slot of each segment (-1: no LoRA)
     token_slots: torch.Tensor  # [num_tokens] int32, slot of each token (-1: no LoRA)
+    token_scales: torch.Tensor  # [num_tokens] float32, each token's lora_scale
     use_bgmv: bool             # which kernel family this batch runs
 
 
@@ -48,25 +58,42 @@ def sgmv_shrink_ref(x, lora_a, seg_indptr, seg_slots):
     return v
 
 
-def _expand_sliced_ref(expand, y, v, lora_b, slice_bounds):
-    """Run a one-slice expand reference on every slice: its columns of y and B, its ranks of v."""
+def _token_scaled(delta, slot_scale, token_scales, rows):
+    """delta [n, h] times its slot's scale and, if given, each of its rows' token scale."""
+    if token_scales is None:
+        return delta * slot_scale.float()
+    return delta * (slot_scale.float() * token_scales[rows].float())[:, None]
+
+
+def _expand_sliced_ref(expand, y, v, lora_b, slice_bounds, dora):
+    """Run a one-slice expand reference on every slice: its columns of y, B and DoRA's out_scales,
+    its ranks of v."""
     bounds, max_rank = check_slice_bounds(slice_bounds, y.shape[1]), lora_b.shape[2]
     assert v.shape == (y.shape[0], (len(bounds) - 1) * max_rank), (v.shape, bounds, max_rank)
     for i, (lo, hi) in enumerate(zip(bounds, bounds[1:])):
-        expand(y[:, lo:hi], v[:, i * max_rank:(i + 1) * max_rank], lora_b[:, lo:hi])
+        expand(y[:, lo:hi], v[:, i * max_rank:(i + 1) * max_rank], lora_b[:, lo:hi],
+               None if dora is None else (dora[0][:, lo:hi], dora[1]))
 
 
-def sgmv_expand_ref(y, v, lora_b, seg_indptr, seg_slots, scales, slice_bounds=None):
+def _dora_scaled(out, slot, dora):
+    """out [n, h] (y + delta, float32) times the slot's DoRA out_scales row, if it is a DoRA slot."""
+    if dora is not None and int(dora[1][slot]) != 0:
+        return out * dora[0][slot].float()
+    return out
+
+
+def sgmv_expand_ref(y, v, lora_b, seg_indptr, seg_slots, scales, slice_bounds=None, token_scales=None,
+                    dora=None):
     if slice_bounds is not None:
-        return _expand_sliced_ref(lambda y_i, v_i, b_i: sgmv_expand_ref(y_i, v_i, b_i, seg_indptr,
-                                                                         seg_slots, scales),
-                                  y, v, lora_b, slice_bounds)
+        return _expand_sliced_ref(lambda y_i, v_i, b_i, d_i: sgmv_expand_ref(y_i, v_i, b_i, seg_indptr, seg_slots,
+                                                                              scales, None, token_scales, d_i),
+                                  y, v, lora_b, slice_bounds, dora)
     bounds = seg_indptr.tolist()
     for i, slot in enumerate(seg_slots.tolist()):
         if slot >= 0:
             lo, hi = bounds[i], bounds[i + 1]
-            delta = (v[lo:hi] @ lora_b[slot].float().T) * scales[slot].float()
-            y[lo:hi] = (y[lo:hi].float() + delta).to(y.dtype)
+            delta = _token_scaled(v[lo:hi] @ lora_b[slot].float().T, scales[slot], token_scales, slice(lo, hi))
+            y[lo:hi] = _dora_scaled(y[lo:hi].float() + delta, slot, dora).to(y.dtype)
 
 
 def bgmv_shrink_ref(x, lora_a, token_slots):
@@ -78,15 +105,16 @@ def bgmv_shrink_ref(x, lora_a, token_slots):
     return v
 
 
-def bgmv_expand_ref(y, v, lora_b, token_slots, scales, slice_bounds=None):
+def bgmv_expand_ref(y, v, lora_b, token_slots, scales, slice_bounds=None, token_scales=None, dora=None):
     if slice_bounds is not None:
-        return _expand_sliced_ref(lambda y_i, v_i, b_i: bgmv_expand_ref(y_i, v_i, b_i, token_slots, scales),
-                                  y, v, lora_b, slice_bounds)
+        return _expand_sliced_ref(lambda y_i, v_i, b_i, d_i: bgmv_expand_ref(y_i, v_i, b_i, token_slots, scales, None,
+                                                                              token_scales, d_i),
+                                  y, v, lora_b, slice_bounds, dora)
     for slot in torch.unique(token_slots).tolist():
         if slot >= 0:
             rows = (token_slots == slot).nonzero().squeeze(1)
-            delta = (v[rows] @ lora_b[slot].float().T) * scales[slot].float()
-            y[rows] = (y[rows].float() + delta).to(y.dtype)
+            delta = _token_scaled(v[rows] @ lora_b[slot].float().T, scales[slot], token_scales, rows)
+            y[rows] = _dora_scaled(y[rows].float() + delta, slot, dora).to(y.dtype)
 
 
 def sgmv_shrink(x: torch.Tensor, lora_a: torch.Tensor, seg_indptr: torch.Tensor,
@@ -106,21 +134,26 @@ def sgmv_shrink(x: torch.Tensor, lora_a: torch.Tensor, seg_indptr: torch.Tensor,
 
 def sgmv_expand(y: torch.Tensor, v: torch.Tensor, lora_b: torch.Tensor, seg_indptr: torch.Tensor,
                 seg_slots: torch.Tensor, scales: torch.Tensor,
-                slice_bounds: tuple[int, ...] | None = None) -> None:
+                slice_bounds: tuple[int, ...] | None = None, token_scales: torch.Tensor | None = None,
+                dora: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
     """Segmented expand, accumulating into y in place (y may be a column slice of a wider tensor).
 
         y: [T, h_out], v: [T, n*R] fp32, lora_b: [S, h_out, R], scales: [S],
-        slice_bounds: (b_0 = 0, b_1, ..., b_n = h_out), default (0, h_out)
+        slice_bounds: (b_0 = 0, b_1, ..., b_n = h_out), default (0, h_out),
+        token_scales: [T] float32, default 1
         for i in range(num_segments):
             s = seg_slots[i]; rows = seg_indptr[i] : seg_indptr[i+1]
             for j in range(n):                            # slice j: its columns, its ranks of v
                 cols = b_j : b_{j+1}
-                y[rows, cols] += scales[s] * v[rows, j*R : (j+1)*R] @ lora_b[s, cols].T   if s >= 0
+                y[rows, cols] += (scales[s] * token_scales[rows]) * v[rows, j*R : (j+1)*R] @ lora_b[s, cols].T
+                                 if s >= 0
+            y[rows] *= out_scales[s]   if s >= 0 and dora is given and dora_slots[s] != 0
     """
     if y.is_cuda:
         from punica.ops.lora_triton import sgmv_expand_triton
-        return sgmv_expand_triton(y, v, lora_b, seg_indptr, seg_slots, scales, slice_bounds=slice_bounds)
-    return sgmv_expand_ref(y, v, lora_b, seg_indptr, seg_slots, scales, slice_bounds)
+        return sgmv_expand_triton(y, v, lora_b, seg_indptr, seg_slots, scales, slice_bounds=slice_bounds,
+                                  token_scales=token_scales, dora=dora)
+    return sgmv_expand_ref(y, v, lora_b, seg_indptr, seg_slots, scales, slice_bounds, token_scales, dora)
 
 
 def bgmv_shrink(x: torch.Tensor, lora_a: torch.Tensor, token_slots: torch.Tensor) -> torch.Tensor:
@@ -136,20 +169,25 @@ def bgmv_shrink(x: torch.Tensor, lora_a: torch.Tensor, token_slots: torch.Tensor
 
 
 def bgmv_expand(y: torch.Tensor, v: torch.Tensor, lora_b: torch.Tensor, token_slots: torch.Tensor,
-                scales: torch.Tensor, slice_bounds: tuple[int, ...] | None = None) -> None:
+                scales: torch.Tensor, slice_bounds: tuple[int, ...] | None = None,
+                token_scales: torch.Tensor | None = None,
+                dora: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
     """Batched-gather expand, accumulating into y in place.
 
         y: [T, h_out], v: [T, n*R] fp32, lora_b: [S, h_out, R], token_slots: [T], scales: [S],
-        slice_bounds: (b_0 = 0, b_1, ..., b_n = h_out), default (0, h_out)
+        slice_bounds: (b_0 = 0, b_1, ..., b_n = h_out), default (0, h_out),
+        token_scales: [T] float32, default 1
         for j in range(n):
             cols = b_j : b_{j+1}
-            y[t, cols] += scales[s] * v[t, j*R : (j+1)*R] @ lora_b[s, cols].T
+            y[t, cols] += (scales[s] * token_scales[t]) * v[t, j*R : (j+1)*R] @ lora_b[s, cols].T
                           where s = token_slots[t], if s >= 0
+        y[t] *= out_scales[s]   if s >= 0 and dora is given and dora_slots[s] != 0
     """
     if y.is_cuda:
         from punica.ops.lora_triton import bgmv_expand_triton
-        return bgmv_expand_triton(y, v, lora_b, token_slots, scales, slice_bounds=slice_bounds)
-    return bgmv_expand_ref(y, v, lora_b, token_slots, scales, slice_bounds)
+        return bgmv_expand_triton(y, v, lora_b, token_slots, scales, slice_bounds=slice_bounds,
+                                  token_scales=token_scales, dora=dora)
+    return bgmv_expand_ref(y, v, lora_b, token_slots, scales, slice_bounds, token_scales, dora)
 
 
 def lora_shrink(x: torch.Tensor, lora_a: torch.Tensor, indices: LoraIndices) -> torch.Tensor:
@@ -160,12 +198,15 @@ def lora_shrink(x: torch.Tensor, lora_a: torch.Tensor, indices: LoraIndices) -> 
 
 
 def lora_expand(y: torch.Tensor, v: torch.Tensor, lora_b: torch.Tensor, scales: torch.Tensor,
-                indices: LoraIndices, slice_bounds: tuple[int, ...] | None = None) -> None:
-    """The second half of `add_lora`: y += each token's v @ B.T * scale, in place."""
+                indices: LoraIndices, slice_bounds: tuple[int, ...] | None = None,
+                dora: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+    """The second half of `add_lora`: y += each token's v @ B.T * scale * its token scale, in place,
+    then DoRA slots' rows times their out_scales."""
     if indices.use_bgmv:
-        bgmv_expand(y, v, lora_b, indices.token_slots, scales, slice_bounds)
+        bgmv_expand(y, v, lora_b, indices.token_slots, scales, slice_bounds, indices.token_scales, dora)
     else:
-        sgmv_expand(y, v, lora_b, indices.seg_indptr, indices.seg_slots, scales, slice_bounds)
+        sgmv_expand(y, v, lora_b, indices.seg_indptr, indices.seg_slots, scales, slice_bounds,
+                    indices.token_scales, dora)
 
 
 def add_lora(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,
@@ -177,6 +218,7 @@ def add_lora(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: tor
         y: [T, h_out], x: [T, h_in], lora_a: [S, n*R, h_in], lora_b: [S, h_out, R],
         slice_bounds: (b_0 = 0, ..., b_n = h_out), default (0, h_out);
         per segment (or per token with BGMV) of slot s >= 0, per slice j, cols = b_j : b_{j+1}:
-        y[rows, cols] += (x[rows] @ lora_a[s, j*R:(j+1)*R].T) @ lora_b[s, cols].T * scales[s]
+        y[rows, cols] += (x[rows] @ lora_a[s, j*R:(j+1)*R].T) @ lora_b[s, cols].T
+                         * (scales[s] * indices.token_scales[rows])
     """
     lora_expand(y, lora_shrink(x, lora_a, indices), lora_b, scales, indices, slice_bounds)

@@ -110,12 +110,20 @@ def shrink_rowwise_kernel(
 
 
 @triton.jit
+def _dora_out_scales(out_scales, dora_slots, slot, cols, h_out, stride_os, stride_on):
+    """The slot's DoRA out_scales at `cols` if it is a DoRA slot, else 1 (nothing read)."""
+    is_dora = tl.load(dora_slots + slot)
+    m_end = tl.where(is_dora != 0, h_out, 0)  # a bound, not a scalar-bool mask (see shrink_rowwise_kernel)
+    return tl.load(out_scales + slot.to(tl.int64) * stride_os + cols * stride_on, mask=cols < m_end, other=1.0)
+
+
+@triton.jit
 def expand_rowwise_kernel(
-    y, v, lora_b, scales, token_slots, seg_indptr, seg_slots, num_segments, num_steps, h_out,
-    max_rank, slice1_start, slice2_start, stride_yt, stride_yn, stride_vt, stride_vr, stride_bs,
-    stride_bn, stride_br,
+    y, v, lora_b, scales, token_scales, out_scales, dora_slots, token_slots, seg_indptr, seg_slots, num_segments,
+    num_steps, h_out, max_rank, slice1_start, slice2_start, stride_yt, stride_yn, stride_vt, stride_vr, stride_bs,
+    stride_bn, stride_br, stride_os, stride_on,
     SEGMENTED: tl.constexpr, FAN: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
-    PDL: tl.constexpr,
+    TOKEN_SCALES: tl.constexpr, DORA: tl.constexpr, PDL: tl.constexpr,
 ):
     t = tl.program_id(0)
     col0 = tl.program_id(1) * BLOCK_N
@@ -130,6 +138,8 @@ def expand_rowwise_kernel(
                 + ranks[None, :] * stride_br,
                 mask=col_ok[:, None] & rank_ok[None, :], other=0.0)
     scale = tl.load(scales + safe_slot, mask=valid, other=0.0).to(tl.float32)
+    if TOKEN_SCALES:
+        scale = scale * tl.load(token_scales + t)
     b = b.to(tl.float32)
     col_slice, first, last = _column_slices(cols, col0, h_out, slice1_start, slice2_start, BLOCK_N)
     _previous_kernel_done(PDL)  # v and y are read after it
@@ -141,7 +151,11 @@ def expand_rowwise_kernel(
     delta = delta * scale
     y_row = y + t.to(tl.int64) * stride_yt + cols * stride_yn
     old = tl.load(y_row, mask=col_ok, other=0.0)
-    tl.store(y_row, (old.to(tl.float32) + delta).to(y.dtype.element_ty), mask=col_ok)
+    out = old.to(tl.float32) + delta
+    if DORA:
+        out = out * _dora_out_scales(out_scales, dora_slots, safe_slot, cols, tl.where(valid, h_out, 0), stride_os,
+                                     stride_on)
+    tl.store(y_row, out.to(y.dtype.element_ty), mask=col_ok)
 
 
 @triton.jit
@@ -196,11 +210,12 @@ def _expand_tile_slice(delta, v, lora_b, slot, rows, cols, ranks, in_seg, rank_o
 
 @triton.jit
 def sgmv_expand_tile_kernel(
-    y, v, lora_b, scales, seg_indptr, seg_slots, num_tokens, num_segments, num_steps, h_out,
-    max_rank, slice1_start, slice2_start, stride_yt, stride_yn, stride_vt, stride_vr, stride_bs,
-    stride_bn, stride_br,
+    y, v, lora_b, scales, token_scales, out_scales, dora_slots, seg_indptr, seg_slots, num_tokens, num_segments,
+    num_steps, h_out, max_rank, slice1_start, slice2_start, stride_yt, stride_yn, stride_vt, stride_vr, stride_bs,
+    stride_bn, stride_br, stride_os, stride_on,
     FAN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
-    SLICED: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr,
+    SLICED: tl.constexpr, TOKEN_SCALES: tl.constexpr, DORA: tl.constexpr, PRECISION: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     row0 = tl.program_id(0) * BLOCK_M
     rows = row0 + tl.arange(0, BLOCK_M)
@@ -227,5 +242,14 @@ def sgmv_expand_tile_kernel(
                 delta = _expand_tile_slice(delta, v, lora_b, slot, rows, cols, ranks, in_seg, rank_ok,
                                            cols < h_out, 0, stride_vt, stride_vr, stride_bs, stride_bn,
                                            stride_br, PRECISION)
-            delta = delta * tl.load(scales + slot).to(tl.float32)
-            tl.store(out, (old.to(tl.float32) + delta).to(y.dtype.element_ty), mask=out_ok)
+            scale = tl.load(scales + slot).to(tl.float32)
+            if TOKEN_SCALES:
+                row_scales = scale * tl.load(token_scales + rows, mask=in_seg, other=0.0)
+                delta = delta * row_scales[:, None]
+            else:
+                delta = delta * scale
+            result = old.to(tl.float32) + delta
+            if DORA:
+                result = result * _dora_out_scales(out_scales, dora_slots, slot, cols, h_out, stride_os,
+                                                   stride_on)[None, :]
+            tl.store(out, result.to(y.dtype.element_ty), mask=out_ok)

@@ -18,7 +18,10 @@ plain ints (h_out for slices that do not exist; at most MAX_SLICES slices). A pr
 block may straddle a slice boundary: it loops over the slices its columns touch (almost
 always one), each time with that slice's ranks of v and its columns of B.
 
-Every per-batch quantity the kernels read (slots, segment bounds) is a device tensor; the
+A DoRA expand (`dora`) multiplies each output row of a DoRA slot by its out_scales as it stores
+it; the slot's flag (dora_slots) masks that load, so plain-LoRA slots read no out_scales.
+
+Every per-batch quantity the kernels read (slots, segment bounds, token scales) is a device tensor; the
 launch configuration depends only on tensor shapes, so the calls are safe under CUDA-graph
 capture.
 
@@ -140,17 +143,41 @@ def _shrink_rowwise(x, lora_a, v, token_slots, seg_indptr, seg_slots, segmented)
     return v
 
 
-def _expand_rowwise(y, v, lora_b, scales, token_slots, seg_indptr, seg_slots, segmented, starts):
+def _check_token_scales(token_scales: torch.Tensor | None, num_tokens: int) -> tuple[torch.Tensor | None, bool]:
+    """(the pointer to pass, whether the kernel reads it): a [T] float32 tensor, or None for 1."""
+    if token_scales is None:
+        return None, False
+    assert token_scales.shape == (num_tokens,) and token_scales.dtype == torch.float32, (
+        token_scales.shape, token_scales.dtype)
+    return token_scales, True
+
+
+def _check_dora(dora: tuple[torch.Tensor, torch.Tensor] | None, lora_b: torch.Tensor, h_out: int) -> tuple:
+    """(out_scales, dora_slots, its two strides, whether the kernel reads them) for a launch."""
+    if dora is None:
+        return None, None, 0, 0, False
+    out_scales, dora_slots = dora
+    assert out_scales.shape == (lora_b.shape[0], h_out) and out_scales.dtype == torch.float32, (
+        out_scales.shape, out_scales.dtype)
+    assert dora_slots.shape == (lora_b.shape[0],) and dora_slots.dtype == torch.int32, dora_slots
+    return out_scales, dora_slots, *out_scales.stride(), True
+
+
+def _expand_rowwise(y, v, lora_b, scales, token_scales, dora, token_slots, seg_indptr, seg_slots, segmented,
+                    starts):
     num_tokens, h_out = y.shape
     max_rank = lora_b.shape[2]
     block_n, block_r = _rowwise_expand_blocks(h_out, max_rank)
     num_segments = seg_slots.numel()
+    token_scales, has_token_scales = _check_token_scales(token_scales, num_tokens)
+    out_scales, dora_slots, stride_os, stride_on, has_dora = _check_dora(dora, lora_b, h_out)
     grid = (num_tokens, triton.cdiv(h_out, block_n))
     expand_rowwise_kernel[grid](
-        y, v, lora_b, scales, token_slots, seg_indptr, seg_slots, num_segments,
+        y, v, lora_b, scales, token_scales, out_scales, dora_slots, token_slots, seg_indptr, seg_slots, num_segments,
         _search_steps(num_segments), h_out, max_rank, *starts, *y.stride(), *v.stride(),
-        *lora_b.stride(),
-        SEGMENTED=segmented, FAN=FAN, BLOCK_N=block_n, BLOCK_R=block_r, PDL=_pdl(y.device),
+        *lora_b.stride(), stride_os, stride_on,
+        SEGMENTED=segmented, FAN=FAN, BLOCK_N=block_n, BLOCK_R=block_r, TOKEN_SCALES=has_token_scales,
+        DORA=has_dora, PDL=_pdl(y.device),
         num_warps=ROWWISE_WARPS, launch_pdl=_pdl(y.device),
     )
 
@@ -193,7 +220,9 @@ def sgmv_shrink_triton(x: torch.Tensor, lora_a: torch.Tensor, seg_indptr: torch.
 
 def sgmv_expand_triton(y: torch.Tensor, v: torch.Tensor, lora_b: torch.Tensor,
                        seg_indptr: torch.Tensor, seg_slots: torch.Tensor, scales: torch.Tensor,
-                       block_m: int | None = None, slice_bounds: tuple[int, ...] | None = None) -> None:
+                       block_m: int | None = None, slice_bounds: tuple[int, ...] | None = None,
+                       token_scales: torch.Tensor | None = None,
+                       dora: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
     """punica.ops.lora.sgmv_expand; `block_m` overrides sgmv_block_m."""
     starts = _check_expand(y, v, lora_b, slice_bounds)
     num_tokens, h_out = y.shape
@@ -203,17 +232,19 @@ def sgmv_expand_triton(y: torch.Tensor, v: torch.Tensor, lora_b: torch.Tensor,
         return
     block_m = block_m or sgmv_block_m(num_tokens, num_segments)
     if block_m == 1:
-        _expand_rowwise(y, v, lora_b, scales, seg_slots, seg_indptr, seg_slots, True, starts)
+        _expand_rowwise(y, v, lora_b, scales, token_scales, dora, seg_slots, seg_indptr, seg_slots, True, starts)
         return
+    token_scales, has_token_scales = _check_token_scales(token_scales, num_tokens)
+    out_scales, dora_slots, stride_os, stride_on, has_dora = _check_dora(dora, lora_b, h_out)
     block_r = max(16, triton.next_power_of_2(max_rank))
     block_n = max(16, min(TILE_BLOCK_N, triton.next_power_of_2(h_out)))
     grid = (triton.cdiv(num_tokens, block_m), triton.cdiv(h_out, block_n))
     sgmv_expand_tile_kernel[grid](
-        y, v, lora_b, scales, seg_indptr, seg_slots, num_tokens, num_segments,
+        y, v, lora_b, scales, token_scales, out_scales, dora_slots, seg_indptr, seg_slots, num_tokens, num_segments,
         _search_steps(num_segments), h_out, max_rank, *starts, *y.stride(), *v.stride(),
-        *lora_b.stride(), FAN=FAN, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_R=block_r,
-        SLICED=starts[0] < h_out, PRECISION=_precision(lora_b.dtype), PDL=_pdl(y.device), num_warps=TILE_WARPS,
-        num_stages=TILE_STAGES, launch_pdl=_pdl(y.device),
+        *lora_b.stride(), stride_os, stride_on, FAN=FAN, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_R=block_r,
+        SLICED=starts[0] < h_out, TOKEN_SCALES=has_token_scales, DORA=has_dora, PRECISION=_precision(lora_b.dtype),
+        PDL=_pdl(y.device), num_warps=TILE_WARPS, num_stages=TILE_STAGES, launch_pdl=_pdl(y.device),
     )
 
 
@@ -229,9 +260,10 @@ def bgmv_shrink_triton(x: torch.Tensor, lora_a: torch.Tensor, token_slots: torch
 
 def bgmv_expand_triton(y: torch.Tensor, v: torch.Tensor, lora_b: torch.Tensor,
                        token_slots: torch.Tensor, scales: torch.Tensor,
-                       slice_bounds: tuple[int, ...] | None = None) -> None:
+                       slice_bounds: tuple[int, ...] | None = None, token_scales: torch.Tensor | None = None,
+                       dora: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
     """punica.ops.lora.bgmv_expand."""
     starts = _check_expand(y, v, lora_b, slice_bounds)
     if y.shape[0] == 0:
         return
-    _expand_rowwise(y, v, lora_b, scales, token_slots, token_slots, token_slots, False, starts)
+    _expand_rowwise(y, v, lora_b, scales, token_scales, dora, token_slots, token_slots, token_slots, False, starts)

@@ -51,6 +51,9 @@ class ShardingPool:
         return (self.workers.world_size, self.pool.slot_numel)
 
     def pack(self, adapter: AdapterWeights, out: torch.Tensor | None = None) -> torch.Tensor:
+        if adapter.dora:
+            raise ValueError(f"adapter {adapter.name!r} is a DoRA adapter, which punica does not serve under tensor "
+                             "parallelism (its weight norms need whole rows of the sharded base weights)")
         n = self.workers.world_size
         packed = out if out is not None else torch.empty(self.packed_shape, dtype=self.buffer.dtype)
         stacked = adapter.stacked(self.full_config.num_layers)
@@ -58,7 +61,9 @@ class ShardingPool:
             self.pool.pack(shard_adapter(stacked, self.full_config, rank, n), out=packed[rank])
         return packed
 
-    def write_packed(self, slot: int, packed: torch.Tensor, scale: float, non_blocking: bool = False) -> None:
+    def write_packed(self, slot: int, packed: torch.Tensor, scale: float, non_blocking: bool = False,
+                     dora: bool = False) -> None:
+        assert not dora, "pack refuses DoRA adapters"
         self.workers.send(("write", slot, scale), [shard.view(torch.uint8).numpy() for shard in packed[1:]])
         self.pool.write_packed(slot, packed[0], scale, non_blocking=non_blocking)
 

@@ -135,9 +135,9 @@ class OpenAIHandlers:
         try:
             # the first choice goes in before the response starts, so a rejected request is a clean 400
             head = await _unless_interrupted(anext(gens[0]), interrupt)
-        except ValueError as e:
+        except ValueError as e:  # a SamplingParamsError (lora_scale on the base model) names its field
             interrupt.close()
-            raise ProtocolError(str(e)) from e
+            raise ProtocolError(str(e), param=getattr(e, "field", None)) from e
         except BaseException:
             interrupt.close()
             raise

@@ -112,6 +112,8 @@ class SamplingFields(RequestBody):
     ignore_eos: bool | None = None
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool | None = None
+    # punica's: the strength of the model's adapter for this request (0 = the base model, 1 = as trained)
+    lora_scale: float | None = None
     # vLLM's structured-output fields (punica.server.structured_fields)
     structured_outputs: dict[str, Any] | None = None
     guided_json: dict[str, Any] | str | None = None
@@ -155,6 +157,7 @@ class SamplingFields(RequestBody):
             "seed": None if self.seed is None else offset_seed(self.seed, choice),
             "stop": self.stop, "stop_token_ids": self.stop_token_ids,
             "include_stop_str_in_output": self.include_stop_str_in_output, "ignore_eos": self.ignore_eos,
+            "lora_scale": self.lora_scale,
         }
         try:
             return SamplingParams(max_tokens=max_tokens, logprobs=logprobs, top_logprobs=top_logprobs,

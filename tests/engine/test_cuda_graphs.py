@@ -140,3 +140,39 @@ def test_graph_engine_generates_what_eager_engine_does(setup, monkeypatch, greed
     assert len(sizes) > 3 and max(sizes) == 12, replays
     assert any(p for p, _, _ in replays), "steps admitting short prompts replayed mixed graphs"
     assert {with_lora for _, _, with_lora in replays} == {True, False}, "both graphs of a bucket replayed"
+
+
+@pytest.mark.cuda
+def test_graph_engine_applies_each_requests_lora_scale_as_the_eager_engine_does(setup, monkeypatch, workload):
+    """Requests of one adapter at different lora_scales (0 among them) in graph-replayed steps give
+    the eager engine's tokens; scale 0 gives the base model's."""
+    replays = []
+    run = CudaGraphs.run
+
+    def spy(self, step):
+        logits = run(self, step)
+        if logits is not None:
+            replays.append(sorted(set(step.token_scales.tolist())))
+        return logits
+
+    monkeypatch.setattr(CudaGraphs, "run", spy)
+    scales = [0.0, 0.5, 1.0, 1.7]
+    requests = [(prompt, adapter, max_tokens, scales[i % 4] if adapter else 1.0)
+                for i, (prompt, adapter, max_tokens) in enumerate(workload(16, seed=13))]
+    requests += [(prompt, None, max_tokens, 1.0) for prompt, adapter, max_tokens, scale in requests if scale == 0]
+    base, paths, _ = setup
+    outputs = {}
+    for eager in (True, False):
+        model = load_hf_dir(base, dtype=torch.float32, device="cuda")
+        engine = engine_on_model(model, EngineConfig(max_batch_size=8, kv_cache_tokens=4096, enforce_eager=eager),
+                                 paths)
+        ids = [engine.add_request(p, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True, lora_scale=s), a)
+               for p, a, n, s in requests]
+        done = {}
+        while engine.has_unfinished():
+            done.update((o.request_id, o.token_ids) for o in engine.step() if o.finished)
+        outputs[eager] = [done[i] for i in ids]
+    assert outputs[False] == outputs[True]
+    zero = [i for i, r in enumerate(requests) if r[3] == 0]
+    assert [outputs[False][i] for i in zero] == outputs[False][len(requests) - len(zero):]
+    assert any(len(s) > 2 for s in replays), "a replayed step mixed several scales"

@@ -36,6 +36,7 @@ from punica.engine.sampling_params import (
     ("stop_token_ids", [-1]), ("stop_token_ids", [True]), ("stop_token_ids", [1.0]),
     ("stop_token_ids", [1] * (MAX_STOP_TOKEN_IDS + 1)),
     ("include_stop_str_in_output", 1), ("ignore_eos", "yes"), ("logprobs", None),
+    ("lora_scale", -0.1), ("lora_scale", 10.5), ("lora_scale", math.nan), ("lora_scale", True), ("lora_scale", "1"),
 ])
 def test_out_of_range_names_the_field(field, value):
     with pytest.raises(SamplingParamsError, match=field) as e:

@@ -14,12 +14,12 @@ from punica.lora.adapter import (
     PROJECTIONS,
     UNSUPPORTED_OPTIONS,
     AdapterError,
-    check_adapter_name,
     load_adapter,
     lora_gain,
     read_adapter,
 )
 from punica.lora.dummy import save_random_adapter
+from punica.lora.names import check_adapter_name
 from punica.models.loader import resolve_model_dir
 
 LAYER_MODULE = re.compile(r"layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)_proj$")
@@ -189,7 +189,12 @@ REJECTIONS = {  # case -> (how to break the valid adapter, expected message)
     "bin-not-dict": (lambda p: (to_bin(p), torch.save([1], p / "adapter_model.bin")),
                      "adapter_model.bin does not hold a dict of named tensors"),
     "peft-type": (with_config(peft_type="IA3"), "peft_type 'IA3' is not supported"),
-    "dora": (with_config(use_dora=True), r"DoRA \(use_dora\) is not supported"),
+    "dora-without-magnitudes": (with_config(use_dora=True),
+                                r"layer 0 \w+ projection has lora_A \(.*\) but no lora_magnitude_vector"),
+    "magnitude-without-dora": (set_tensor(Q_A.replace("lora_A.weight", "lora_magnitude_vector"), torch.ones(64)),
+                               "is a DoRA magnitude, but adapter_config.json does not set use_dora"),
+    "dora-embedding": (lambda p: (edit_config(p, use_dora=True), set_tensor(EMBED_A, torch.ones(8, 128))(p)),
+                       "DoRA on embeddings is not supported"),
     "target-embed": (with_config(target_modules=["q_proj", "embed_tokens"]),
                      "LoRA on embed_tokens is not supported"),
     "target-lm-head": (with_config(target_modules=".*(q_proj|lm_head)"), "LoRA on lm_head is not supported"),

@@ -52,7 +52,7 @@ def test_packed_slot_is_the_slot_contents(punica_config, tiny_llama):
     pool.write_packed(0, packed, adapter.scale)
     assert torch.equal(pool.buffer[0], packed) and not pool.buffer[1].any()
     assert torch.equal(pool.b["gate"][1, 0, :, :4], adapter.lora_b["gate"][1])
-    assert pool.slot_numel == sum(config.num_layers * 4 * (h_in + h_out)
+    assert pool.slot_numel == sum(config.num_layers * (4 * (h_in + h_out) + h_out)  # A, B, DoRA's magnitudes
                                   for h_in, h_out in config.projection_shapes().values())
 
 
@@ -86,7 +86,7 @@ def test_model_adds_lora_once_per_group(monkeypatch, punica_config, tiny_llama):
     real_shrink, real_expand = decoder.lora_shrink, decoder.lora_expand
     monkeypatch.setattr(decoder, "lora_shrink", lambda x, *args: shrinks.append(x.shape[1]) or real_shrink(x, *args))
     monkeypatch.setattr(decoder, "lora_expand",
-                        lambda y, *args: calls.append((y.shape[1], args[-1])) or real_expand(y, *args))
+                        lambda y, *args: calls.append((y.shape[1], args[4])) or real_expand(y, *args))
     attn = AttnBatch.build([3], [3], [[0]], 4, 1)
     model(torch.tensor([5, 6, 7]), attn, LoraBatch.build([0], [3]), model.new_kv_cache(2, 4))
     c = model.config

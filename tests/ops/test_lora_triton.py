@@ -48,23 +48,26 @@ def make_requests(workload, num_requests, max_len, rng):
     return slots, [rng.randint(1, max_len) for _ in slots]
 
 
-def check_all_kernels(x, y0, a, b, scales, batch, y_tol, block_ms=(None,), slice_bounds=None):
+def check_all_kernels(x, y0, a, b, scales, batch, y_tol, block_ms=(None,), slice_bounds=None, token_scales=None,
+                      dora=None):
     """Every kernel (both SGMV schedules when asked) equals its reference; with slice_bounds, a
-    projection group: shrink over the stacked A, sliced expand."""
+    projection group: shrink over the stacked A, sliced expand; with token_scales, each token's;
+    with dora, DoRA's out_scales."""
     v_ref = ops.sgmv_shrink_ref(x, a, batch.seg_indptr, batch.seg_slots)
     y_ref = y0.clone()
-    ops.sgmv_expand_ref(y_ref, v_ref, b, batch.seg_indptr, batch.seg_slots, scales, slice_bounds)
+    ops.sgmv_expand_ref(y_ref, v_ref, b, batch.seg_indptr, batch.seg_slots, scales, slice_bounds, token_scales, dora)
     no_lora = batch.token_slots < 0
     results = []
     for block_m in block_ms:
         v = kernels.sgmv_shrink_triton(x, a, batch.seg_indptr, batch.seg_slots, block_m=block_m)
         y = y0.clone()
         kernels.sgmv_expand_triton(y, v_ref, b, batch.seg_indptr, batch.seg_slots, scales,
-                                   block_m=block_m, slice_bounds=slice_bounds)
+                                   block_m=block_m, slice_bounds=slice_bounds, token_scales=token_scales, dora=dora)
         results.append((f"sgmv block_m={block_m}", v, y))
     v = kernels.bgmv_shrink_triton(x, a, batch.token_slots)
     y = y0.clone()
-    kernels.bgmv_expand_triton(y, v_ref, b, batch.token_slots, scales, slice_bounds=slice_bounds)
+    kernels.bgmv_expand_triton(y, v_ref, b, batch.token_slots, scales, slice_bounds=slice_bounds,
+                               token_scales=token_scales, dora=dora)
     results.append(("bgmv", v, y))
     for name, v, y in results:
         torch.testing.assert_close(v, v_ref, rtol=1e-4, atol=1e-4, msg=lambda m: f"{name} shrink: {m}")

@@ -3,8 +3,12 @@
 import pytest
 import torch
 
+from punica.lora.adapter import read_adapter
+from punica.lora.dummy import save_random_adapter
+from punica.lora.pool import LoraPool
 from punica.models import loader
 from punica.models.loader import dummy_model, load_hf_dir
+from punica.parallel.executor import ShardingPool
 from punica.parallel.tensor_parallel import split_model_
 
 WORLD_SIZE = 2
@@ -74,3 +78,12 @@ def test_checkpoint_of_another_shape_is_refused(tmp_path, tiny_llama):
     with pytest.raises(ValueError, match=r"tensor model\.layers\.0\.mlp\.\w+_proj\.weight has shape "
                        r"\((96, 64|64, 96)\), the config implies \((128, 64|64, 128)\)"):
         load_hf_dir(tmp_path, torch.float32, shard=split_on_meta(0))
+
+
+def test_a_dora_adapter_is_refused_by_name_under_tensor_parallelism(tmp_path, punica_config, tiny_llama):
+    config = punica_config(tiny_llama())
+    path = save_random_adapter(tmp_path / "dora", config, rank=4, seed=0, dora=True, dtype=torch.float32)
+    sharding = ShardingPool(LoraPool(config, 2, 4, torch.float32, "cpu"), workers=None, full_config=config)
+    with pytest.raises(ValueError, match="'dora' is a DoRA adapter, which punica does not serve under tensor "
+                                         "parallelism"):
+        sharding.pack(read_adapter(path, config))

@@ -33,7 +33,7 @@ def test_adapters_the_server_cannot_serve_are_skipped_with_a_warning_and_never_r
     adapter(root / "good")
     adapter(root / "nan-alpha", lora_alpha=float("nan"))
     adapter(root / "wide", r=512)
-    adapter(root / "dora", use_dora=True)
+    adapter(root / "qalora", use_qalora=True)
     adapter(root / "bad name")
     (root / "unreadable").mkdir()
     (root / "unreadable" / "adapter_config.json").write_text("{")
@@ -41,6 +41,6 @@ def test_adapters_the_server_cannot_serve_are_skipped_with_a_warning_and_never_r
         found = adapters_in(root, max_rank=16)
     assert found == {"good": str(root / "good")}
     warned = " ".join(r.getMessage() for r in caplog.records)
-    for name in ("nan-alpha", "wide", "dora", "bad name", "unreadable"):
+    for name in ("nan-alpha", "wide", "qalora", "bad name", "unreadable"):
         assert f"skipping adapter {name}:" in warned
     assert "rank 512 is over --max-lora-rank 16" in warned

@@ -49,6 +49,7 @@ BAD_SAMPLING = [
     ("frequency_penalty", 2.5), ("presence_penalty", -2.5), ("top_k", -2),
     ("stop", [""]), ("stop", ["x" * 300]), ("stop", [f"s{i}" for i in range(65)]), ("stop", [1]),
     ("stop_token_ids", [-1]), ("stop_token_ids", list(range(65))), ("ignore_eos", 1), ("n", 0), ("n", 17),
+    ("lora_scale", -0.5), ("lora_scale", 11), ("lora_scale", "0.5"),
 ]
 
 
@@ -197,9 +198,17 @@ def test_unknown_fields_are_a_400_naming_each(http, path, body):
     assert_error(http.post(path, json=nested), 400, "stream_options.extra", "stream_options.extra")
 
 
+def test_lora_scale_on_the_base_model_is_a_400_naming_it(http, server):
+    base = server.state.base_model_name
+    for path, body in (("/v1/completions", completion(model=base, lora_scale=0.5)),
+                       ("/v1/chat/completions", chat(model=base, lora_scale=0.5))):
+        assert_error(http.post(path, json=body), 400, "lora_scale", "lora_scale 0.5 needs an adapter")
+    assert http.post("/v1/completions", json=completion(model=base, lora_scale=1)).status_code == 200
+
+
 def test_vllm_extra_fields_are_accepted(http):
     body = completion(top_k=5, min_p=0.1, repetition_penalty=1.1, ignore_eos=True, stop_token_ids=[2],
-                      include_stop_str_in_output=True, seed=3, temperature=0.5)
+                      include_stop_str_in_output=True, seed=3, temperature=0.5, lora_scale=0.5)
     assert http.post("/v1/completions", json=body).status_code == 200
     chat_body = chat(**{k: v for k, v in body.items() if k != "prompt"})
     assert http.post("/v1/chat/completions", json=chat_body).status_code == 200
