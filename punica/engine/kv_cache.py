@@ -5,7 +5,7 @@ Prefix caching: a full page's K and V are a function of the model, the adapter a
 up to the page's end, so a full page is named by a hash chain: digest(page i) = sha256(digest(page
 i - 1), namespace, the page's token ids), the namespace being the adapter's identity (base
 requests share one). The identity is the adapter's registration version, which changes on every
-load, never its name alone: a tenant that loads new weights under the same name never reads KV
+load, never its name alone, and the request's lora_scale: a tenant that loads new weights under the same name never reads KV
 its old weights made. SHA-256, not Python's hash, because a tenant who could make a collision
 would read another tenant's KV.
 
@@ -26,10 +26,11 @@ from punica.engine.request import PENDING, Request
 
 
 def namespace(request: Request) -> bytes:
-    """Whose KV a request makes: the base model's, or that of one registration of its adapter."""
+    """Whose KV a request makes: the base model's, or that of one registration of its adapter at
+    the request's lora_scale (the scale changes k_proj's and v_proj's outputs as the weights do)."""
     if request.adapter is None:
         return b"base"
-    return f"adapter {request.adapter} #{request.registration.version}".encode()
+    return f"adapter {request.adapter} #{request.registration.version} x{request.params.lora_scale!r}".encode()
 
 
 class PageAllocator:

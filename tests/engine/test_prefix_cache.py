@@ -33,6 +33,10 @@ def test_pages_are_named_by_namespace_and_every_earlier_token():
     assert alloc.match(request("other adapter", prompt, "b", version=1)) == []
     assert alloc.match(request("reloaded", prompt, "a", version=2)) == []
     assert alloc.match(request("base", prompt)) == []
+    half = request("half strength", prompt, "a", version=1)
+    half.params = SamplingParams(lora_scale=0.5)
+    assert alloc.match(half) == [], "another lora_scale makes other KV"
+
     changed_head = [99] + prompt[1:]
     assert alloc.match(request("head", changed_head, "a", version=1)) == []  # later pages differ by their chain
     assert len(alloc.match(request("longer", prompt + [5, 6], "a", version=1))) == 3
