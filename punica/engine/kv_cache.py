@@ -5,9 +5,9 @@ Prefix caching: a full page's K and V are a function of the model, the adapter a
 up to the page's end, so a full page is named by a hash chain: digest(page i) = sha256(digest(page
 i - 1), namespace, the page's token ids), the namespace being the adapter's identity (base
 requests share one). The identity is the adapter's registration version, which changes on every
-load, never its name alone, and the request's lora_scale: a tenant that loads new weights under the same name never reads KV
-its old weights made. SHA-256, not Python's hash, because a tenant who could make a collision
-would read another tenant's KV.
+load, never its name alone, and the request's lora_scale: a tenant that loads new weights under
+the same name never reads KV its old weights made. SHA-256, not Python's hash, because a tenant
+who could make a collision would read another tenant's KV.
 
 Pages are reference-counted. A page whose last holder lets go returns to the free list, or, if
 it is in the prefix cache, stays there (its KV intact) until the allocator needs a page and no
