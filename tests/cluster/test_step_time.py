@@ -54,7 +54,9 @@ class CostedExecutor:
 def test_measured_steps_fit_the_known_cost():
     clock = Clock()
     executor = CostedExecutor(clock)
-    engine = Engine(executor, None, EngineConfig(max_batch_size=32, page_size=16, overlap_steps=False))
+    # whole prompts, one prefill step per point (32 x 128 tokens): the sample count below depends on it
+    engine = Engine(executor, None, EngineConfig(max_batch_size=32, page_size=16, overlap_steps=False,
+                                                 chunked_prefill=False, max_num_batched_tokens=4096))
     samples = measure(engine, batch_sizes=(1, 8, 32), prompt_lens=(16, 128), mixed_prefills=(40,), clock=clock)
     # per point: its prefill step(s), 4 decodes, and a mixed step where the batch has room (not at 32)
     assert len(samples) == 6 * 5 + 4
