@@ -28,17 +28,12 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.common import format_table, save_figure, warm_up, write_results
+from benchmarks.common import format_table, percentile, save_figure, warm_up, write_results
 from punica.config import EngineConfig, preset_config
 from punica.engine.sampling_params import SamplingParams
 from punica.factory import engine_on_model
 from punica.lora.dummy import save_random_adapter
 from punica.models.loader import dummy_model
-
-
-def percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
 def conversations(args, vocab: int) -> tuple[list[float], list[list[list[int]]], list[list[int]]]:

@@ -11,6 +11,12 @@ from punica.engine.sampling_params import SamplingParams
 WARM_UP_PROMPT = list(range(3, 67))  # 64 tokens: long enough that prefills run SGMV's tiled path
 
 
+def percentile(values: list[float], q: float) -> float:
+    """The q-quantile of values, nearest rank at or above q (p99: q = 0.99)."""
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
 def copy_bandwidth(device) -> float:
     """Device-to-device copy of 1 GiB, bytes read plus written per second (median of do_bench)."""
     import torch

@@ -31,7 +31,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.common import format_table, save_figure, style_axes, warm_up, write_results
+from benchmarks.common import format_table, percentile, save_figure, style_axes, warm_up, write_results
 from punica.config import EngineConfig, preset_config
 from punica.engine.sampling_params import SamplingParams
 from punica.factory import engine_on_model
@@ -40,11 +40,6 @@ from punica.models.loader import dummy_model
 
 STEADY_STEPS = 20
 AFTER_STEPS = 3
-
-
-def percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
 class Clock:

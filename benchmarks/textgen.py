@@ -53,7 +53,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.common import format_table, warm_up, write_results
+from benchmarks.common import format_table, percentile, warm_up, write_results
 from punica.config import EngineArgs, EngineConfig, ModelConfig, add_arguments, from_arguments, preset_config
 from punica.engine.engine import Engine
 from punica.engine.sampling_params import SamplingParams
@@ -64,11 +64,6 @@ from punica.workloads import WORKLOADS, adapter_ids, textgen_lengths
 
 HF_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 HF_BATCH = 32
-
-
-def p99(values: list[float]) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))]
 
 
 def serve_all(engine: Engine, requests: list[tuple[list[int], int, str | None]]) -> tuple[list, float]:
@@ -90,8 +85,8 @@ def run(engine: Engine, requests: list[tuple[list[int], int, str | None]]) -> di
     ttft = [o.time_to_first_token for o in outs]
     tpot = [o.time_per_output_token for o in outs if o.time_per_output_token is not None]
     return {"requests": len(outs), "tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds,
-            "ttft_mean_ms": 1e3 * statistics.mean(ttft), "ttft_p99_ms": 1e3 * p99(ttft),
-            "tpot_mean_ms": 1e3 * statistics.mean(tpot), "tpot_p99_ms": 1e3 * p99(tpot)}
+            "ttft_mean_ms": 1e3 * statistics.mean(ttft), "ttft_p99_ms": 1e3 * percentile(ttft, 0.99),
+            "tpot_mean_ms": 1e3 * statistics.mean(tpot), "tpot_p99_ms": 1e3 * percentile(tpot, 0.99)}
 
 
 def hf_llama(config: ModelConfig, dtype: torch.dtype, device: str):
