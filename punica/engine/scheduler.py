@@ -27,6 +27,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from punica.config import ceil_div
 from punica.engine.kv_cache import PageAllocator
 from punica.engine.request import Request, Status
 
@@ -160,7 +161,7 @@ class Scheduler:
                 chunk = min(chunk, budget)
             elif admitted and chunk > budget:
                 break
-            pages = -(-(computed + chunk) // page_size) - len(hit)
+            pages = ceil_div(computed + chunk, page_size) - len(hit)
             if pages > self.allocator.num_free_after(hit):
                 break
             if not self.acquire(request):
