@@ -27,9 +27,9 @@ def setup(tmp_path_factory, tiny_llama, make_peft_adapter, load_peft_model):
     return tmp / "base", paths, load_peft_model(hf, paths)
 
 
-def make_engine(setup, **config):
+def make_engine(setup, device="cpu", dtype=torch.float32, **config):
     base, paths, _ = setup
-    model = load_hf_dir(base, dtype=torch.float32)
+    model = load_hf_dir(base, dtype=dtype, device=device)
     return engine_on_model(model, EngineConfig(**config), paths)
 
 
@@ -42,8 +42,8 @@ def workload(n, seed):
 
 @pytest.fixture(scope="session", name="make_engine")
 def make_engine_fixture():
-    """The function `make_engine(setup, **config) -> Engine`: an fp32 CPU engine of `setup`'s model
-    and adapters, `config` going to EngineConfig."""
+    """The function `make_engine(setup, device="cpu", dtype=torch.float32, **config) -> Engine`: an
+    engine of `setup`'s model and adapters, `config` going to EngineConfig."""
     return make_engine
 
 

@@ -86,26 +86,20 @@ def test_a_request_whose_whole_prompt_is_cached_samples_as_before(setup, make_en
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_graphs_with_chunks_and_the_prefix_cache_generate_what_eager_steps_do(setup, dtype, greedy, run_all):
+def test_graphs_with_chunks_and_the_prefix_cache_generate_what_eager_steps_do(setup, dtype, greedy, make_engine,
+                                                                              run_all):
     """CUDA graphs (mixed buckets replaying prompt chunks beside decodes, over cached pages) against
     eager steps, with preemption: in fp32 against the plain eager engine (no chunks, no cache); in
     bf16, where other batch shapes round differently, against eager steps of the same schedule."""
     import torch
 
-    from punica.config import EngineConfig
-    from punica.factory import engine_on_model
-    from punica.models.loader import load_hf_dir
-
-    base, paths, _ = setup
     first, second = chat_workload(seed=6)
     outputs, stats = {}, {}
     for eager in (True, False):
         plain = eager and dtype == "float32"
-        model = load_hf_dir(base, dtype=getattr(torch, dtype), device="cuda")
-        engine = engine_on_model(model, EngineConfig(max_batch_size=6, page_size=4, kv_cache_tokens=128,
-                                                     max_num_batched_tokens=4096 if plain else 20,
-                                                     chunked_prefill=not plain, prefix_caching=not plain,
-                                                     enforce_eager=eager), paths)
+        engine = make_engine(setup, device="cuda", dtype=getattr(torch, dtype), max_batch_size=6, page_size=4,
+                             kv_cache_tokens=128, max_num_batched_tokens=4096 if plain else 20,
+                             chunked_prefill=not plain, prefix_caching=not plain, enforce_eager=eager)
         run_all(engine, [([2], name, 1) for name in "abc"], greedy)
         outputs[eager] = [o.token_ids for o in run_all(engine, first, greedy) + run_all(engine, second, greedy)]
         stats[eager] = engine.stats()

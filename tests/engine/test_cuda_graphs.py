@@ -6,13 +6,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from punica.config import EngineConfig, ceil_div
+from punica.config import ceil_div
 from punica.engine.cuda_graphs import Bucket, CudaGraphs, StaticBatch, buckets, decode_batch_sizes
 from punica.engine.request import PENDING, Request
 from punica.engine.sampling_params import SamplingParams
 from punica.engine.step_input import StepInput
-from punica.factory import engine_on_model
-from punica.models.loader import load_hf_dir
 
 
 def test_decode_batch_sizes():
@@ -114,7 +112,7 @@ def test_static_batch_matches_eager_step(setup, bucket, num_decodes, new_prompts
 
 
 @pytest.mark.cuda
-def test_graph_engine_generates_what_eager_engine_does(setup, monkeypatch, greedy, run_all, workload):
+def test_graph_engine_generates_what_eager_engine_does(setup, monkeypatch, greedy, make_engine, run_all, workload):
     replays = []
     run = CudaGraphs.run
 
@@ -127,12 +125,9 @@ def test_graph_engine_generates_what_eager_engine_does(setup, monkeypatch, greed
     monkeypatch.setattr(CudaGraphs, "run", spy)
     mixed = workload(28, seed=11)  # the first step admits 12 prompts: too many for a bucket, eager
     base_only = [(prompt, None, max_tokens) for prompt, _, max_tokens in workload(6, seed=12)]
-    base, paths, _ = setup
     outputs = {}
     for eager in (True, False):
-        model = load_hf_dir(base, dtype=torch.float32, device="cuda")
-        engine = engine_on_model(model, EngineConfig(max_batch_size=12, kv_cache_tokens=4096, enforce_eager=eager),
-                                 paths)
+        engine = make_engine(setup, device="cuda", max_batch_size=12, kv_cache_tokens=4096, enforce_eager=eager)
         assert engine.executor.worker.uses_cuda_graphs != eager
         outputs[eager] = [[o.token_ids for o in run_all(engine, requests, greedy)] for requests in (mixed, base_only)]
     assert outputs[False] == outputs[True]
@@ -143,7 +138,8 @@ def test_graph_engine_generates_what_eager_engine_does(setup, monkeypatch, greed
 
 
 @pytest.mark.cuda
-def test_graph_engine_applies_each_requests_lora_scale_as_the_eager_engine_does(setup, monkeypatch, workload):
+def test_graph_engine_applies_each_requests_lora_scale_as_the_eager_engine_does(setup, monkeypatch, make_engine,
+                                                                                 workload):
     """Requests of one adapter at different lora_scales (0 among them) in graph-replayed steps give
     the eager engine's tokens; scale 0 gives the base model's."""
     replays = []
@@ -160,12 +156,9 @@ def test_graph_engine_applies_each_requests_lora_scale_as_the_eager_engine_does(
     requests = [(prompt, adapter, max_tokens, scales[i % 4] if adapter else 1.0)
                 for i, (prompt, adapter, max_tokens) in enumerate(workload(16, seed=13))]
     requests += [(prompt, None, max_tokens, 1.0) for prompt, adapter, max_tokens, scale in requests if scale == 0]
-    base, paths, _ = setup
     outputs = {}
     for eager in (True, False):
-        model = load_hf_dir(base, dtype=torch.float32, device="cuda")
-        engine = engine_on_model(model, EngineConfig(max_batch_size=8, kv_cache_tokens=4096, enforce_eager=eager),
-                                 paths)
+        engine = make_engine(setup, device="cuda", max_batch_size=8, kv_cache_tokens=4096, enforce_eager=eager)
         ids = [engine.add_request(p, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True, lora_scale=s), a)
                for p, a, n, s in requests]
         done = {}
