@@ -270,7 +270,7 @@ class Engine:
         rows = [row for row, r in enumerate(requests) if r.num_cached == r.num_tokens]
         if len(rows) < len(requests):
             requests = [requests[row] for row in rows]
-            logits = logits[torch.tensor(rows, dtype=torch.int64, device=logits.device)]
+            logits = logits[to_device(torch.tensor(rows, dtype=torch.int64), logits.device)]  # no wait on the step
         return requests, logits
 
     def _sample(self, requests: list[Request], logits: torch.Tensor) -> LaunchedStep:
