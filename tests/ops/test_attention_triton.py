@@ -42,13 +42,14 @@ def random_inputs(batch, num_pages, page_size, num_heads, num_kv_heads, head_dim
 
 
 def check_attention(query_lens, context_lens, num_prefills, page_size, num_heads, num_kv_heads,
-                    head_dim, dtype, seed, num_splits=None, pad_pages=0, window=0, softcap=0.0):
+                    head_dim, dtype, seed, num_splits=None, pad_pages=0, window=0, softcap=0.0, prefill_splits=None):
     rng = random.Random(seed)
     gen = torch.Generator().manual_seed(seed)
     batch, num_pages = make_batch(query_lens, context_lens, num_prefills, page_size, rng, pad_pages=pad_pages)
     q, kv = random_inputs(batch, num_pages, page_size, num_heads, num_kv_heads, head_dim, dtype, gen)
     scale = head_dim ** -0.5 * (1 + rng.random())  # sharper than usual: exercises the running max
-    out = kernels.paged_attention_triton(q, kv, batch, scale, num_splits=num_splits, window=window, softcap=softcap)
+    out = kernels.paged_attention_triton(q, kv, batch, scale, num_splits=num_splits, window=window, softcap=softcap,
+                                         prefill_splits=prefill_splits)
     ref = ops.paged_attention_ref(q, kv, batch, scale, window, softcap)
     assert out.dtype == q.dtype and out.shape == q.shape
     torch.testing.assert_close(out, ref, rtol=TOL[dtype][0], atol=TOL[dtype][1])
@@ -83,6 +84,34 @@ def test_decode_splits_merge_to_the_reference(num_splits):
     """Requests whose context ends before the last partitions, and unused page-table columns."""
     check_attention([1] * 4, [130, 17, 1, 64], 0, page_size=16, num_heads=6, num_kv_heads=2,
                     head_dim=64, dtype=torch.float32, seed=num_splits, num_splits=num_splits, pad_pages=1)
+
+
+# chunks behind cached prefixes: a partition boundary (128) inside the first chunk's query tile
+# (queries at 120..149: rows before 128 see no key of the partition from 128), a chunk wholly
+# inside one partition, a fresh prompt over two query tiles, a one-token prompt; then decodes
+CHUNKS = dict(query_lens=[30, 7, 45, 1, 1, 1], context_lens=[150, 71, 45, 1, 64, 30], num_prefills=4)
+
+
+@pytest.mark.parametrize("prefill_splits,window,softcap", [(2, 0, 0.0), (5, 0, 0.0), (5, 24, 0.0), (3, 0, 2.0)])
+def test_prefill_splits_merge_to_the_reference(prefill_splits, window, softcap):
+    """Key partitions of prefill tiles (a chunk of a long prompt over its cached context), merged:
+    the unsplit output, with a sliding window and with softcapping too; unused page-table columns."""
+    check_attention(**CHUNKS, page_size=16, num_heads=4, num_kv_heads=2, head_dim=32, dtype=torch.float32,
+                    seed=prefill_splits, num_splits=2, pad_pages=1, window=window, softcap=softcap,
+                    prefill_splits=prefill_splits)
+
+
+def test_prefill_partition_policy():
+    """A chunk of one query tile over a long context bound is split until its programs fill the
+    SMs, never below PREFILL_MIN_PARTITION keys; many tiles are not split."""
+    sms, device = num_sms(torch.device(DEVICE)), torch.device(DEVICE)
+    partition, splits = kernels.prefill_partition(136, 128, 32, 18432, 64, device)
+    assert splits == min(-(-kernels.PREFILL_PROGRAMS_PER_SM * sms // 32), 18432 // kernels.PREFILL_MIN_PARTITION)
+    assert partition % 64 == 0 and partition >= kernels.PREFILL_MIN_PARTITION
+    assert (splits - 1) * partition < 18432 <= splits * partition
+    assert kernels.prefill_partition(4096, 128, 32, 18432, 64, device) == (18432, 1)
+    assert kernels.prefill_partition(136, 128, 32, 1000, 64, device) == (1024, 1)
+    assert kernels.prefill_partition(30, 32, 4, 160, 16, device, num_splits=5) == (32, 5)
 
 
 @pytest.mark.parametrize("window,num_splits", [(1, None), (7, 2), (24, 3), (40, 1), (200, 2)])
@@ -149,7 +178,7 @@ class Unlaunchable:
 def test_single_split_writes_the_output_without_the_merge(monkeypatch):
     """One split: the partition kernel normalises and writes the output; the merge never runs
     (with two it does)."""
-    monkeypatch.setattr(kernels, "_decode_merge_kernel", Unlaunchable())
+    monkeypatch.setattr(kernels, "decode_merge_kernel", Unlaunchable())
     check_attention([1] * 3, [40, 1, 33], 0, page_size=5, num_heads=9, num_kv_heads=3, head_dim=32,
                     dtype=torch.bfloat16, seed=5, num_splits=1, pad_pages=2)
     check_attention(**MIXED, page_size=16, num_heads=4, num_kv_heads=4, head_dim=64, dtype=torch.float32,

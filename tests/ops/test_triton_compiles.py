@@ -51,11 +51,14 @@ SCRIPT = textwrap.dedent('''
     common = dict(HEAD_DIM=128, PAGE_SIZE=16, BLOCK_N=64, UPCAST=False, PRECISION="tf32")
     for sliding, softcap in itertools.product((False, True), repeat=2):
         flags = dict(SLIDING=sliding, SOFTCAP=softcap)
-        compile_ttir(k._prefill_kernel, {"qk_scale", "softcap"}, common | flags | dict(BLOCK_M=128, MAX_PREFILLS=16))
+        for split in (False, True):
+            compile_ttir(k.prefill_kernel, {"qk_scale", "softcap"},
+                         common | flags | dict(BLOCK_M=128, MAX_PREFILLS=16, SPLIT=split))
         for single in (False, True):
-            compile_ttir(k._decode_partition_kernel, {"qk_scale", "softcap"},
+            compile_ttir(k.decode_partition_kernel, {"qk_scale", "softcap"},
                          common | flags | dict(BLOCK_G=16, SINGLE_SPLIT=single))
-        compile_ttir(k._decode_merge_kernel, set(), dict(HEAD_DIM=128, BLOCK_S=4, SLIDING=sliding))
+        compile_ttir(k.decode_merge_kernel, set(), dict(HEAD_DIM=128, BLOCK_S=4, SLIDING=sliding))
+    compile_ttir(k.prefill_merge_kernel, set(), dict(HEAD_DIM=128, BLOCK_S=16))
     print("compiled")
 ''')
 
