@@ -22,8 +22,9 @@ and one float32 buffer of each token's lora_scale (padding rows: 0, with slot -1
 
 A smaller batch is padded to its bucket: padded decode rows, and one padded prefill request
 that takes every spare prefill token, read and write only the scratch page (a page of the KV
-cache the allocator never hands out) and use no adapter (slot -1). The LoRA ops run per token
-(BGMV) or, in buckets where `prefer_bgmv` says SGMV is faster, one segment per request; either
+cache the allocator never hands out) and use no adapter (slot -1). The LoRA ops run the decode
+rows per token (BGMV) and, in mixed buckets, the prefill rows as one segment per request (SGMV,
+its tile height from the bucket's prefill tokens per real request: punica.lora.batch); either
 way the adapter mix is data, not graph structure; each bucket also has a graph without
 the LoRA ops, replayed when no request of the step uses an adapter. The page table is as wide
 as the longest context and the attention kernels read every length on the device, so one graph
@@ -43,7 +44,7 @@ from punica.engine.step_input import StepInput
 from punica.lora.batch import LoraBatch
 from punica.models.decoder import DecoderForCausalLM
 from punica.ops.attention import AttnBatch
-from punica.ops.lora import prefer_bgmv
+from punica.ops.lora_shapes import sgmv_block_m
 
 MIXED_PREFILL_TOKENS = (32, 64, 128, 256, 512, 768, 1024, 1536, 2048)  # prefill tokens of the mixed buckets
 MIN_MIXED_PREFILLS = 4                    # prefill requests of a mixed bucket, the padding one included
@@ -107,8 +108,10 @@ class StaticBatch:
         self.inputs = torch.empty_like(self.host, device=device)
         self.host_scales = torch.empty(t, dtype=torch.float32, pin_memory=device.type == "cuda")
         self.token_scales = torch.empty_like(self.host_scales, device=device)
-        # every token its own LoRA segment, so the SGMV view of the batch agrees with the BGMV one
-        self.token_indptr = torch.arange(t + 1, dtype=torch.int32, device=device)
+        # the prefill rows' SGMV tile height, from the bucket's tokens per prefill request (the
+        # padding one left out); 1: every row runs BGMV, and the segments cover no token
+        self.sgmv_block_m = sgmv_block_m(bucket.prefill_tokens, bucket.num_prefills - 1) if bucket.num_prefills else 1
+        self.no_segments = torch.zeros(1, dtype=torch.int32, device=device)
         self.copied = torch.cuda.Event() if device.type == "cuda" else None
         self.fill(None)
 
@@ -174,13 +177,14 @@ class StaticBatch:
             query_start=query_start, context_lens=context.to(torch.int32), logits_indices=starts[1:] - 1,
             num_prefills=bucket.num_prefills, num_prefill_tokens=bucket.prefill_tokens,
         )
-        if prefer_bgmv(bucket.num_tokens, bucket.num_requests):
-            lora = LoraBatch(seg_indptr=self.token_indptr, seg_slots=token_slots, token_slots=token_slots,
-                             token_scales=self.token_scales, use_bgmv=True, any_lora=with_lora)
+        if self.sgmv_block_m > 1:
+            lora = LoraBatch(seg_indptr=query_start[:bucket.num_prefills + 1],
+                             seg_slots=request_slots[:bucket.num_prefills].to(torch.int32), token_slots=token_slots,
+                             token_scales=self.token_scales, sgmv_tokens=bucket.prefill_tokens,
+                             sgmv_block_m=self.sgmv_block_m, any_lora=with_lora)
         else:
-            lora = LoraBatch(seg_indptr=query_start, seg_slots=request_slots.to(torch.int32),
-                             token_slots=token_slots, token_scales=self.token_scales, use_bgmv=False,
-                             any_lora=with_lora)
+            lora = LoraBatch(seg_indptr=self.no_segments, seg_slots=self.no_segments[:0], token_slots=token_slots,
+                             token_scales=self.token_scales, sgmv_tokens=0, sgmv_block_m=1, any_lora=with_lora)
         return model(ids, attn, lora, kv_cache)
 
 

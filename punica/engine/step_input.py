@@ -147,4 +147,4 @@ class StepInput:
 
     def lora_batch(self, device: torch.device | str, use_bgmv: bool | None = None) -> LoraBatch:
         return LoraBatch.build(self.request_slots.tolist(), self.query_lens.tolist(), device, use_bgmv,
-                               self.request_scales.tolist())
+                               self.request_scales.tolist(), self.num_prefills)

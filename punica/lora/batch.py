@@ -6,39 +6,51 @@ from dataclasses import dataclass
 
 import torch
 
-from punica.ops.lora import prefer_bgmv
+from punica.ops.lora_shapes import sgmv_block_m
 
 
 @dataclass(frozen=True)
 class LoraBatch:
+    """Tokens [0, sgmv_tokens) (the prefill requests', when their segments are long enough) run
+    SGMV over the segments, which cover exactly them; the others (decodes) run BGMV by their
+    token slots. A mixed step so runs its prompt chunks on SGMV's tiles and its decodes row-wise
+    instead of running every token row-wise."""
     seg_indptr: torch.Tensor   # [num_segments + 1] int32: token offsets of runs of equal slots
     seg_slots: torch.Tensor    # [num_segments] int32: slot of each run (-1: no LoRA)
     token_slots: torch.Tensor  # [num_tokens] int32: slot of each token
     token_scales: torch.Tensor  # [num_tokens] float32: each token's lora_scale (its request's)
-    use_bgmv: bool             # run BGMV (per token) instead of SGMV (per segment)
+    sgmv_tokens: int           # the leading tokens that run SGMV (the rest: BGMV)
+    sgmv_block_m: int          # SGMV's tile height (punica.ops.lora_triton.sgmv_block_m; 1: row-wise)
     any_lora: bool             # False when every token has slot -1: the model skips LoRA
 
     def __post_init__(self):
         assert self.seg_indptr.numel() == self.seg_slots.numel() + 1
         assert self.seg_indptr.dtype == self.seg_slots.dtype == self.token_slots.dtype == torch.int32
         assert self.token_scales.dtype == torch.float32 and self.token_scales.shape == self.token_slots.shape
+        assert 0 <= self.sgmv_tokens <= self.token_slots.numel() and self.sgmv_block_m >= 1
 
     @classmethod
     def build(cls, request_slots: list[int], request_num_tokens: list[int],
               device: torch.device | str = "cpu", use_bgmv: bool | None = None,
-              request_scales: list[float] | None = None) -> LoraBatch:
-        """From each request's slot, token count and lora_scale (default 1), in the batch's token order.
+              request_scales: list[float] | None = None, num_prefills: int | None = None) -> LoraBatch:
+        """From each request's slot, token count and lora_scale (default 1), in the batch's token
+        order; the first `num_prefills` requests (default: all) may run SGMV.
 
         Neighbouring requests with the same slot merge into one segment, whatever their scales
         (the expand reads each token's); order requests by slot (within prefill and within
-        decode) to get fewer, longer segments. By default the kernel family is the one measured
-        faster for this shape on the GPU (`prefer_bgmv`).
+        decode) to get fewer, longer segments. By default, on the GPU, the prefill requests run
+        SGMV where it is measured faster for their shape (`sgmv_prefix`) and the rest BGMV; on
+        the CPU (the references) every request runs SGMV, whose segment loop is the cheaper one.
+        `use_bgmv` forces every token to BGMV (True) or the prefill requests to SGMV (False).
         """
         assert len(request_slots) == len(request_num_tokens)
         scales = request_scales if request_scales is not None else [1.0] * len(request_slots)
         assert len(scales) == len(request_slots)
+        prefills = len(request_slots) if num_prefills is None else num_prefills
+        if use_bgmv is None and torch.device(device).type != "cuda":
+            prefills = len(request_slots)
         indptr, slots = [0], []
-        for slot, n in zip(request_slots, request_num_tokens):
+        for slot, n in zip(request_slots[:prefills], request_num_tokens[:prefills]):
             if n == 0:
                 continue
             if slots and slots[-1] == slot:
@@ -46,15 +58,19 @@ class LoraBatch:
             else:
                 slots.append(slot)
                 indptr.append(indptr[-1] + n)
+        block_m = sgmv_block_m(indptr[-1], len(slots))
+        if use_bgmv is None:
+            use_bgmv = torch.device(device).type == "cuda" and block_m == 1
+        if use_bgmv:
+            indptr, slots = [0], []
         token_slots = [s for s, n in zip(request_slots, request_num_tokens) for _ in range(n)]
         token_scales = [scale for scale, n in zip(scales, request_num_tokens) for _ in range(n)]
-        if use_bgmv is None:  # on CPU the references run, and the segment loop is the cheaper one
-            use_bgmv = torch.device(device).type == "cuda" and prefer_bgmv(len(token_slots), len(slots))
         return cls(
             seg_indptr=torch.tensor(indptr, dtype=torch.int32, device=device),
             seg_slots=torch.tensor(slots, dtype=torch.int32, device=device),
             token_slots=torch.tensor(token_slots, dtype=torch.int32, device=device),
             token_scales=torch.tensor(token_scales, dtype=torch.float32, device=device),
-            use_bgmv=use_bgmv,
-            any_lora=any(s >= 0 for s in slots),
+            sgmv_tokens=indptr[-1],
+            sgmv_block_m=block_m,
+            any_lora=any(s >= 0 for s in request_slots),
         )

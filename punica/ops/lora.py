@@ -44,7 +44,8 @@ class LoraIndices(Protocol):
     seg_slots: torch.Tensor    # [num_segments] int32, slot of each segment (-1: no LoRA)
     token_slots: torch.Tensor  # [num_tokens] int32, slot of each token (-1: no LoRA)
     token_scales: torch.Tensor  # [num_tokens] float32, each token's lora_scale
-    use_bgmv: bool             # which kernel family this batch runs
+    sgmv_tokens: int           # tokens [0, sgmv_tokens) run SGMV over the segments, the rest BGMV
+    sgmv_block_m: int          # SGMV's tile height (1: its row-wise schedule)
 
 
 def sgmv_shrink_ref(x, lora_a, seg_indptr, seg_slots):
@@ -118,8 +119,8 @@ def bgmv_expand_ref(y, v, lora_b, token_slots, scales, slice_bounds=None, token_
 
 
 def sgmv_shrink(x: torch.Tensor, lora_a: torch.Tensor, seg_indptr: torch.Tensor,
-                seg_slots: torch.Tensor) -> torch.Tensor:
-    """Segmented shrink.
+                seg_slots: torch.Tensor, block_m: int | None = None) -> torch.Tensor:
+    """Segmented shrink (`block_m`: the Triton tile height, by default from the shapes).
 
         x: [T, h_in], lora_a: [S, R, h_in], seg_indptr: [n+1], seg_slots: [n]  ->  v: [T, R] fp32
         for i in range(n):
@@ -128,15 +129,16 @@ def sgmv_shrink(x: torch.Tensor, lora_a: torch.Tensor, seg_indptr: torch.Tensor,
     """
     if x.is_cuda:
         from punica.ops.lora_triton import sgmv_shrink_triton
-        return sgmv_shrink_triton(x, lora_a, seg_indptr, seg_slots)
+        return sgmv_shrink_triton(x, lora_a, seg_indptr, seg_slots, block_m=block_m)
     return sgmv_shrink_ref(x, lora_a, seg_indptr, seg_slots)
 
 
 def sgmv_expand(y: torch.Tensor, v: torch.Tensor, lora_b: torch.Tensor, seg_indptr: torch.Tensor,
                 seg_slots: torch.Tensor, scales: torch.Tensor,
                 slice_bounds: tuple[int, ...] | None = None, token_scales: torch.Tensor | None = None,
-                dora: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
-    """Segmented expand, accumulating into y in place (y may be a column slice of a wider tensor).
+                dora: tuple[torch.Tensor, torch.Tensor] | None = None, block_m: int | None = None) -> None:
+    """Segmented expand, accumulating into y in place (y may be a column slice of a wider tensor);
+    `block_m` as sgmv_shrink's.
 
         y: [T, h_out], v: [T, n*R] fp32, lora_b: [S, h_out, R], scales: [S],
         slice_bounds: (b_0 = 0, b_1, ..., b_n = h_out), default (0, h_out),
@@ -151,8 +153,8 @@ def sgmv_expand(y: torch.Tensor, v: torch.Tensor, lora_b: torch.Tensor, seg_indp
     """
     if y.is_cuda:
         from punica.ops.lora_triton import sgmv_expand_triton
-        return sgmv_expand_triton(y, v, lora_b, seg_indptr, seg_slots, scales, slice_bounds=slice_bounds,
-                                  token_scales=token_scales, dora=dora)
+        return sgmv_expand_triton(y, v, lora_b, seg_indptr, seg_slots, scales, block_m=block_m,
+                                  slice_bounds=slice_bounds, token_scales=token_scales, dora=dora)
     return sgmv_expand_ref(y, v, lora_b, seg_indptr, seg_slots, scales, slice_bounds, token_scales, dora)
 
 
@@ -191,22 +193,28 @@ def bgmv_expand(y: torch.Tensor, v: torch.Tensor, lora_b: torch.Tensor, token_sl
 
 
 def lora_shrink(x: torch.Tensor, lora_a: torch.Tensor, indices: LoraIndices) -> torch.Tensor:
-    """The first half of `add_lora`: v [T, n*R] fp32 by the batch's kernel family."""
-    if indices.use_bgmv:
+    """The first half of `add_lora`: v [T, n*R] fp32, SGMV for the batch's first sgmv_tokens
+    tokens and BGMV for the rest."""
+    n = indices.sgmv_tokens
+    if n == 0:
         return bgmv_shrink(x, lora_a, indices.token_slots)
-    return sgmv_shrink(x, lora_a, indices.seg_indptr, indices.seg_slots)
+    v = sgmv_shrink(x[:n], lora_a, indices.seg_indptr, indices.seg_slots, indices.sgmv_block_m)
+    if n == x.shape[0]:
+        return v
+    return torch.cat([v, bgmv_shrink(x[n:], lora_a, indices.token_slots[n:])])
 
 
 def lora_expand(y: torch.Tensor, v: torch.Tensor, lora_b: torch.Tensor, scales: torch.Tensor,
                 indices: LoraIndices, slice_bounds: tuple[int, ...] | None = None,
                 dora: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
     """The second half of `add_lora`: y += each token's v @ B.T * scale * its token scale, in place,
-    then DoRA slots' rows times their out_scales."""
-    if indices.use_bgmv:
-        bgmv_expand(y, v, lora_b, indices.token_slots, scales, slice_bounds, indices.token_scales, dora)
-    else:
-        sgmv_expand(y, v, lora_b, indices.seg_indptr, indices.seg_slots, scales, slice_bounds,
-                    indices.token_scales, dora)
+    then DoRA slots' rows times their out_scales; SGMV and BGMV as `lora_shrink`."""
+    n, token_scales = indices.sgmv_tokens, indices.token_scales
+    if n > 0:
+        sgmv_expand(y[:n], v[:n], lora_b, indices.seg_indptr, indices.seg_slots, scales, slice_bounds,
+                    token_scales[:n], dora, indices.sgmv_block_m)
+    if n < y.shape[0]:
+        bgmv_expand(y[n:], v[n:], lora_b, indices.token_slots[n:], scales, slice_bounds, token_scales[n:], dora)
 
 
 def add_lora(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,

@@ -1,6 +1,6 @@
-"""What the LoRA references (punica.ops.lora) and their Triton launches (punica.ops.lora_triton)
-share: the slice bounds of a sliced expand, and which kernel family a batch shape runs faster
-with. Both import it from here; punica.ops.lora re-exports both names.
+"""What the LoRA references (punica.ops.lora), their Triton launches (punica.ops.lora_triton) and
+the per-step index metadata (punica.lora.batch) share: the slice bounds of a sliced expand, which
+kernel family a batch shape runs faster with, and SGMV's tile height for it.
 """
 
 from __future__ import annotations
@@ -25,3 +25,15 @@ def prefer_bgmv(num_tokens: int, num_segments: int) -> bool:
     tokens, SGMV 39-41 us vs BGMV 129-137 us.
     """
     return num_tokens <= 64 or num_tokens < 16 * num_segments
+
+
+def sgmv_block_m(num_tokens: int, num_segments: int) -> int:
+    """Tokens per SGMV program: 1 selects the row-wise schedule, else the tile height.
+
+    Row-wise exactly where BGMV is preferred (`prefer_bgmv`): short segments,
+    where a tile would hold several segments and load each one's weights for a few rows.
+    """
+    if prefer_bgmv(num_tokens, num_segments):
+        return 1
+    mean_len = num_tokens // max(num_segments, 1)
+    return 16 if mean_len < 32 else 32 if mean_len < 64 else 64

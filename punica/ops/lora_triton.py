@@ -44,7 +44,7 @@ from punica.ops.lora_kernels import (
     sgmv_shrink_tile_kernel,
     shrink_rowwise_kernel,
 )
-from punica.ops.lora_shapes import check_slice_bounds, prefer_bgmv
+from punica.ops.lora_shapes import check_slice_bounds, sgmv_block_m  # noqa: F401 (sgmv_block_m: re-exported)
 from punica.ops.triton_env import interpreting, num_sms
 
 FAN = 64              # probes per step of the segment search
@@ -76,18 +76,6 @@ def _search_steps(num_segments: int) -> int:
 def _precision(dtype: torch.dtype) -> str:
     """fp32 inputs multiply exactly; bf16/fp16 weights are exact in tf32 (only `v` rounds)."""
     return "ieee" if dtype == torch.float32 else "tf32"
-
-
-def sgmv_block_m(num_tokens: int, num_segments: int) -> int:
-    """Tokens per SGMV program: 1 selects the row-wise schedule, else the tile height.
-
-    Row-wise exactly where BGMV is preferred (punica.ops.lora.prefer_bgmv): short segments,
-    where a tile would hold several segments and load each one's weights for a few rows.
-    """
-    if prefer_bgmv(num_tokens, num_segments):
-        return 1
-    mean_len = num_tokens // max(num_segments, 1)
-    return 16 if mean_len < 32 else 32 if mean_len < 64 else 64
 
 
 def _rowwise_shrink_blocks(h_in: int, max_rank: int) -> tuple[int, int]:

@@ -272,12 +272,14 @@ def test_real_shapes_dtypes_through_public_ops(dtype):
     a, b, scales = make_pool(max(slots) + 1, [16] * (max(slots) + 1), 4096, 11008, dtype, gen)
     x = torch.randn(sum(lens), 4096, generator=gen).to(dtype).to(DEVICE)
     y0 = torch.randn(sum(lens), 11008, generator=gen).to(dtype).to(DEVICE)
-    for use_bgmv in (False, True):
-        batch = LoraBatch.build(slots, lens, device=DEVICE, use_bgmv=use_bgmv)
+    segments = LoraBatch.build(slots, lens, device=DEVICE, use_bgmv=False)
+    for use_bgmv, num_prefills in ((False, None), (True, None), (None, 12)):  # (None, 12): SGMV + BGMV
+        batch = LoraBatch.build(slots, lens, device=DEVICE, use_bgmv=use_bgmv, num_prefills=num_prefills)
+        assert num_prefills is None or 0 < batch.sgmv_tokens < x.shape[0]
         y, y_ref = y0.clone(), y0.clone()
         ops.add_lora(y, x, a, b, scales, batch)
-        v_ref = ops.sgmv_shrink_ref(x, a, batch.seg_indptr, batch.seg_slots)
-        ops.sgmv_expand_ref(y_ref, v_ref, b, batch.seg_indptr, batch.seg_slots, scales)
+        v_ref = ops.sgmv_shrink_ref(x, a, segments.seg_indptr, segments.seg_slots)
+        ops.sgmv_expand_ref(y_ref, v_ref, b, segments.seg_indptr, segments.seg_slots, scales)
         torch.testing.assert_close(y, y_ref, rtol=Y_TOL[dtype][0], atol=Y_TOL[dtype][1])
 
 
@@ -314,14 +316,16 @@ def test_group_real_shapes_through_add_lora(group):
     a, b, scales = make_group_pool(num_slots, [16] * num_slots, h_in, bounds, torch.bfloat16, gen)
     x = torch.randn(sum(lens), h_in, generator=gen).to(torch.bfloat16).to(DEVICE)
     y0 = torch.randn(sum(lens), bounds[-1], generator=gen).to(torch.bfloat16).to(DEVICE)
-    for use_bgmv in (False, True):
-        batch = LoraBatch.build(slots, lens, device=DEVICE, use_bgmv=use_bgmv)
+    segments = LoraBatch.build(slots, lens, device=DEVICE, use_bgmv=False)
+    for use_bgmv, num_prefills in ((False, None), (True, None), (None, 12)):  # (None, 12): SGMV + BGMV
+        batch = LoraBatch.build(slots, lens, device=DEVICE, use_bgmv=use_bgmv, num_prefills=num_prefills)
+        assert num_prefills is None or 0 < batch.sgmv_tokens < x.shape[0]
         y, y_ref = y0.clone(), y0.clone()
         ops.add_lora(y, x, a, b, scales, batch, slice_bounds=bounds)
         for i, (lo, hi) in enumerate(zip(bounds, bounds[1:])):
             a_i = a[:, i * 16:(i + 1) * 16]
-            v_ref = ops.sgmv_shrink_ref(x, a_i, batch.seg_indptr, batch.seg_slots)
-            ops.sgmv_expand_ref(y_ref[:, lo:hi], v_ref, b[:, lo:hi], batch.seg_indptr, batch.seg_slots, scales)
+            v_ref = ops.sgmv_shrink_ref(x, a_i, segments.seg_indptr, segments.seg_slots)
+            ops.sgmv_expand_ref(y_ref[:, lo:hi], v_ref, b[:, lo:hi], segments.seg_indptr, segments.seg_slots, scales)
         torch.testing.assert_close(y, y_ref, rtol=Y_TOL[torch.bfloat16][0], atol=Y_TOL[torch.bfloat16][1])
 
 
