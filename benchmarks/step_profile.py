@@ -1,0 +1,143 @@
+"""Where a step's GPU time goes: the engine's steps profiled kernel by kernel (torch.profiler; the
+kernels of replayed CUDA graphs included), grouped by kind, for steady decode steps and for
+steps that also run a chunk of a long prompt.
+
+    python -m benchmarks.step_profile [--preset llama-2-7b] [--decodes 31] [--prompt 16384]
+        [--budgets 158 512] [--at 0 2048 15000] [--steps 10] [--out results/step_profile]
+
+One engine (random weights, CUDA graphs, overlapped steps, rank-16 adapters on all 7 projections,
+request i on its own adapter) serves --decodes requests that decode from 64-token prompts. Per
+budget (max_num_batched_tokens): --steps steady decode steps are profiled; then one --prompt-token
+prompt (on one more adapter) is added and, when its cached tokens first reach each --at point,
+the next --steps steps (decodes + one chunk each) are profiled.
+
+Per profiled point: wall ms per step (host scheduling, the graph replay, sampling), GPU ms per step
+(the sum of kernel durations), the host's time in CUDA synchronize calls per step (reading each
+step's tokens waits for the step before it; any other wait stalls the overlap), and each kernel
+group's us per step. Writes step_profile.json under
+--out and prints a table per point.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import random
+import re
+import tempfile
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+
+from benchmarks.common import format_table, warm_up, write_results
+from punica.config import EngineConfig, preset_config
+from punica.engine.sampling_params import SamplingParams
+from punica.factory import engine_on_model
+from punica.lora.dummy import save_random_adapter
+from punica.models.loader import dummy_model
+
+GROUPS = (  # first match wins
+    ("attention, prefill", r"prefill_(kernel|merge)"),
+    ("attention, decode", r"decode_(partition|merge)_kernel"),
+    ("lora shrink", r"shrink"),
+    ("lora expand", r"expand"),
+    ("rope + kv append", r"rope|write_kv"),
+    ("rms norm", r"rms_norm"),
+    ("activation", r"silu|gelu"),
+    ("gemm", r"gemm|gemv|cutlass|nvjet|xmma|sm90|splitK|cublas"),
+)
+
+
+def group_of(kernel: str) -> str:
+    return next((name for name, pattern in GROUPS if re.search(pattern, kernel)), "other")
+
+
+def profile_steps(engine, steps: int, trace_dir: Path) -> dict:
+    """Run `steps` engine steps under torch.profiler: wall and kernel time per step, by group."""
+    torch.cuda.synchronize()
+    activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=activities) as prof:
+        start = time.perf_counter()
+        for _ in range(steps):
+            engine.step()
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - start
+    path = trace_dir / "trace.json"
+    prof.export_chrome_trace(str(path))
+    events = json.loads(path.read_text())["traceEvents"]
+    by_group: dict[str, float] = defaultdict(float)
+    by_kernel: dict[str, float] = defaultdict(float)
+    waited = 0.0
+    for event in events:
+        if event.get("cat") == "cuda_runtime" and "Synchronize" in event["name"]:
+            waited += event["dur"]
+        if event.get("cat") == "kernel":
+            by_group[group_of(event["name"])] += event["dur"]
+            by_kernel[event["name"][:80]] += event["dur"]
+    top = sorted(by_kernel.items(), key=lambda kv: -kv[1])[:12]
+    return {"wall_ms": 1e3 * wall / steps, "gpu_ms": sum(by_group.values()) / 1e3 / steps,
+            "host_waits_ms": waited / 1e3 / steps,
+            "groups_us": {g: us / steps for g, us in sorted(by_group.items(), key=lambda kv: -kv[1])},
+            "top_kernels_us": {k: us / steps for k, us in top}}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--preset", default="llama-2-7b")
+    parser.add_argument("--decodes", type=int, default=31)
+    parser.add_argument("--prompt", type=int, default=16384)
+    parser.add_argument("--budgets", type=int, nargs="+", default=[158, 512])
+    parser.add_argument("--at", type=int, nargs="+", default=[0, 2048, 15000])
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--out", type=Path, default=Path("results/step_profile"))
+    args = parser.parse_args()
+    longest = args.prompt + 2048
+    config = dataclasses.replace(preset_config(args.preset), max_position_embeddings=longest)
+    model = dummy_model(config, torch.bfloat16, "cuda")
+    engine_config = EngineConfig(max_batch_size=args.decodes + 1, max_loras=args.decodes + 1, max_model_len=longest,
+                                 kv_cache_tokens=args.prompt + args.decodes * 1024,
+                                 max_num_batched_tokens=args.budgets[0])
+    rng = random.Random(0)
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        names = {f"lora{i}": str(save_random_adapter(Path(tmp) / f"a{i}", config, 16, seed=i))
+                 for i in range(args.decodes + 1)}
+        engine = engine_on_model(model, engine_config, names)
+        warm_up(engine, list(names))
+        for budget in args.budgets:
+            engine.scheduler.max_num_batched_tokens = budget
+            params = SamplingParams(max_tokens=100_000, temperature=0, ignore_eos=True)
+            ids = [engine.add_request([rng.randrange(3, config.vocab_size) for _ in range(64)], params, f"lora{i}")
+                   for i in range(args.decodes)]
+            for _ in range(20):
+                engine.step()
+            rows.append({"budget": budget, "point": "decode", **profile_steps(engine, args.steps, Path(tmp))})
+            long_id = engine.add_request([rng.randrange(3, config.vocab_size) for _ in range(args.prompt)],
+                                         SamplingParams(max_tokens=2, temperature=0, ignore_eos=True),
+                                         f"lora{args.decodes}")
+            for at in args.at:
+                while engine.requests[long_id].num_cached < at:
+                    engine.step()
+                rows.append({"budget": budget, "point": f"chunk after {engine.requests[long_id].num_cached}",
+                             **profile_steps(engine, args.steps, Path(tmp))})
+            for rid in ids + [long_id]:
+                engine.abort(rid)
+            while engine.has_unfinished():
+                engine.step()
+    for row in rows:
+        print(f"budget {row['budget']}, {row['point']}: wall {row['wall_ms']:.2f} ms/step, "
+              f"GPU {row['gpu_ms']:.2f} ms/step, host waiting on the device {row['host_waits_ms']:.2f} ms/step")
+        print(format_table([{"group": g, "us_per_step": us} for g, us in row["groups_us"].items()],
+                           ["group", "us_per_step"]))
+        print(format_table([{"kernel": k, "us_per_step": us} for k, us in row["top_kernels_us"].items()],
+                           ["kernel", "us_per_step"]))
+    meta = {"device": torch.cuda.get_device_name(), "preset": args.preset, "decodes": args.decodes,
+            "prompt": args.prompt, "date": time.strftime("%Y-%m-%d"), "torch": torch.__version__}
+    write_results(args.out, "step_profile", rows, meta)
+
+
+if __name__ == "__main__":
+    main()
