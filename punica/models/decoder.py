@@ -21,6 +21,8 @@ The elementwise work runs fused (punica.ops.layers): each residual add folds int
 after it, so a layer takes and returns (output, residual stream) as vLLM's layers do; rotary
 and the KV-cache append run as one kernel (q rotated in place, k rotated on its way into the
 cache, k in qkv left as it was); SiLU-and-mul reads the gate/up GEMM's output once.
+With a `weight_format` (punica.models.quantized) the four fused projections hold fp8 weights
+(Fp8Linear, punica.ops.fp8's GEMMs); everything else, and the LoRA path, is unchanged.
 """
 
 from __future__ import annotations
