@@ -32,9 +32,10 @@ def prefill_logits(model, prompts=PROMPTS):
     for n in lens:
         tables.append(list(range(first, first + math.ceil(n / PAGE_SIZE))))
         first += len(tables[-1])
-    attn = AttnBatch.build(lens, lens, tables, PAGE_SIZE, len(prompts), all_logits=True)
-    return model(torch.tensor(sum(prompts, [])), attn, LoraBatch.build([-1] * len(prompts), lens),
-                 model.new_kv_cache(first, PAGE_SIZE))
+    device = model.embed.weight.device
+    attn = AttnBatch.build(lens, lens, tables, PAGE_SIZE, len(prompts), device, all_logits=True)
+    return model(torch.tensor(sum(prompts, []), device=device), attn,
+                 LoraBatch.build([-1] * len(prompts), lens, device), model.new_kv_cache(first, PAGE_SIZE))
 
 
 # each format's quantizer as its spec writes it: (weight e4m3, the stored scale tensor)
@@ -233,3 +234,33 @@ def test_lora_and_dora_on_fp8_weights_equal_them_on_the_dequantized_weights(orig
                                              requests, greedy)] for m in (model, plain)]
     assert outputs[0] == outputs[1]
     assert len({tuple(t) for t in outputs[0][:3]}) > 1  # the adapters change the tokens
+
+
+@pytest.mark.cuda
+def test_cuda_fp8_model_follows_its_dequantized_weights(original):
+    """On the GPU in bf16 both GEMM paths (weight-only up to 64 tokens, torch._scaled_mm above) give
+    the logits of the bf16 model holding the dequantized weights, within bf16 and e4m3-activation noise."""
+    model = load_hf_dir(original, torch.bfloat16, "cuda", quantization="fp8")
+    plain = load_hf_dir(original, torch.bfloat16, "cuda")
+    for layer in plain.layers:
+        for group in ("qkv", "o", "gate_up", "down"):
+            getattr(layer, f"{group}_proj").weight.data.copy_(model.group_weight(layer.index, group))
+    with torch.inference_mode():
+        for prompts in (PROMPTS, [list(range(3, 123))]):  # 22 tokens: weight-only; 120 tokens: _scaled_mm
+            got, expect = (prefill_logits(m, prompts) for m in (model, plain))
+            assert ((got - expect).norm() / expect.norm()).item() < 5e-2
+
+
+@pytest.mark.cuda
+def test_cuda_graph_fp8_engine_generates_what_eager_engine_does(original, tmp_path, tiny_llama, make_peft_adapter,
+                                                                  run_all, greedy):
+    hf = tiny_llama(seed=3)
+    paths = {"lora": str(make_peft_adapter(hf, tmp_path / "lora", r=8, alpha=16, seed=1))}
+    requests = [(p * 3, name, 12) for p in PROMPTS for name in (None, "lora")]
+    outputs = {}
+    for eager in (False, True):
+        engine = engine_on_model(load_hf_dir(original, torch.float32, "cuda", quantization="fp8"),
+                                 EngineConfig(max_batch_size=6, page_size=4, enforce_eager=eager), paths)
+        assert engine.executor.worker.uses_cuda_graphs != eager
+        outputs[eager] = [o.token_ids for o in run_all(engine, requests, greedy)]
+    assert outputs[False] == outputs[True]
