@@ -1,6 +1,7 @@
 """Decode-step roofline: the engine's decode step time against the memory floor.
 
     python -m benchmarks.roofline [--preset llama-2-7b] [--batches 1 2 4 8 16 32] [--contexts 512 2048]
+        [--quantizations none fp8]
 
 The full model of --preset with dummy weights (bf16 on CUDA, fp32 on CPU) in an Engine with
 max batch = the largest --batches, first without LoRA (every request slot -1), then with
@@ -17,6 +18,9 @@ context, and each distinct adapter's A and B for the 7 projections of every laye
 from memory at the device-to-device copy rate measured in the same run (CUDA:
 benchmarks.common.copy_bandwidth; CPU: median wall time of a 256 MiB copy). Activations and
 logits are left out. ratio = step_ms / floor_ms (issue target on an H200: <= 1.3 at batch 32).
+--quantizations: all of it once per base-weight format of the same dummy weights (none: the
+dtype's; fp8: e4m3 projections with per-channel scales, whose floor counts their 1-byte weights
+and 4-byte scales); rows say which (`quantization`).
 Writes roofline.json and roofline.png under --out and prints a table last.
 
 --tensor-parallel-size N > 1: the tensor-parallel engine (punica.parallel.executor; rank r on
@@ -28,6 +32,7 @@ cache (its kv heads) and adapters, at the copy bandwidth of cuda:0; the all-redu
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import random
 import statistics
 import tempfile
@@ -37,7 +42,7 @@ from pathlib import Path
 import torch
 
 from benchmarks.common import copy_bandwidth, format_table, save_figure, style_axes, warm_up, write_results
-from punica.config import EngineArgs, add_arguments, from_arguments, preset_config
+from punica.config import QUANTIZATIONS, EngineArgs, add_arguments, from_arguments, preset_config
 from punica.engine.engine import Engine
 from punica.engine.runner import kv_bytes_per_token
 from punica.engine.sampling_params import SamplingParams
@@ -113,15 +118,65 @@ def plot(rows: list[dict], path: Path, title: str) -> None:
     contexts = sorted({r["context"] for r in rows})
     fig, axes = plt.subplots(1, len(contexts), figsize=(5 * len(contexts), 4), squeeze=False)
     for ax, context in zip(axes[0], contexts):
-        for lora, color in (("none", "tab:blue"), ("distinct", "tab:orange")):
-            sel = [r for r in rows if r["context"] == context and r["lora"] == lora]
+        curves = list(dict.fromkeys((r["lora"], r["quantization"]) for r in rows))
+        for (lora, quantization), color in zip(curves, ("tab:blue", "tab:orange", "tab:green", "tab:red")):
+            sel = [r for r in rows
+                   if r["context"] == context and (r["lora"], r["quantization"]) == (lora, quantization)]
             batches = [r["batch"] for r in sel]
-            ax.plot(batches, [r["step_ms"] for r in sel], marker="o", ms=3, color=color, label=f"step, {lora}")
-            ax.plot(batches, [r["floor_ms"] for r in sel], linestyle="--", color=color, label=f"floor, {lora}")
+            name = lora if quantization == "none" else f"{lora}, {quantization}"
+            ax.plot(batches, [r["step_ms"] for r in sel], marker="o", ms=3, color=color, label=f"step, {name}")
+            ax.plot(batches, [r["floor_ms"] for r in sel], linestyle="--", color=color, label=f"floor, {name}")
         style_axes(ax, f"context {context}", "batch size", "ms per decode step")
         ax.set_ylim(bottom=0)
     axes[0][0].legend(fontsize=7)
     save_figure(fig, path, title)
+
+
+def measure(engine_args: EngineArgs, config, dtype: torch.dtype, device: torch.device, all_names: dict[str, str],
+            args: argparse.Namespace, bandwidth: float) -> tuple[list[dict], bool]:
+    """Rows of both LoRA modes at every context and batch on one model (engine_args' quantization),
+    and whether its engine replays CUDA graphs."""
+    tp, max_batch, quantization = engine_args.tensor_parallel_size, engine_args.max_batch_size, engine_args.quantization
+    model = dummy_model(config, dtype, device, quantization=quantization) if tp == 1 else None
+    rng = random.Random(0)
+    rows = []
+    if tp > 1:
+        parallel_engine = build_engine(engine_args, all_names)
+    try:
+        for lora in ("none", "distinct"):
+            names = all_names if lora == "distinct" else {}
+            engine = engine_on_model(model, engine_args.engine_config(), names) if tp == 1 else parallel_engine
+            shard = engine.executor.worker.model  # rank 0's shard under tensor parallelism: one GPU's bytes
+            per_token_kv = kv_bytes_per_token(shard)
+            per_adapter = adapter_bytes(shard.config, args.rank, shard.embed.weight.element_size())
+            warm_up(engine, list(names) or [None] * max_batch)  # compiled kernels, resident adapters
+            for context in args.contexts:
+                for batch in args.batches:
+                    prompts = [[rng.randrange(3, config.vocab_size) for _ in range(context)] for _ in range(batch)]
+                    adapters = list(names)[:batch] if names else [None] * batch
+                    times, mean_context = decode_step_seconds(engine, prompts, adapters, args.warmup,
+                                                              args.steps, device)
+                    step = statistics.median(times)
+                    nbytes = {"weight": weight_bytes(shard, batch),
+                              "kv": int(batch * mean_context * per_token_kv),
+                              "lora": per_adapter * len(set(adapters) - {None})}
+                    floor = sum(nbytes.values()) / bandwidth
+                    rows.append({"quantization": quantization, "lora": lora, "context": context, "batch": batch,
+                                 "step_ms": 1e3 * step, "floor_ms": 1e3 * floor, "ratio": step / floor,
+                                 **{f"{k}_gb": v / 1e9 for k, v in nbytes.items()}})
+                    print(f"{quantization} {lora} context {context} batch {batch}: step {1e3 * step:.2f} ms, "
+                          f"floor {1e3 * floor:.2f} ms", flush=True)
+            cuda_graphs = engine.executor.worker.uses_cuda_graphs
+            del engine, shard
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+    finally:
+        if tp > 1:
+            parallel_engine.close()
+    del model
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return rows, cuda_graphs
 
 
 def main() -> None:
@@ -133,6 +188,8 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--files", type=int, default=4, help="adapter files behind the distinct names")
+    parser.add_argument("--quantizations", nargs="+", choices=QUANTIZATIONS, default=["none"],
+                        help="measure once per base-weight format")
     add_arguments(parser, EngineArgs, only=("enforce_eager", "tensor_parallel_size"))
     parser.add_argument("--out", type=Path, default=Path("results/roofline"))
     args = parser.parse_args()
@@ -143,62 +200,32 @@ def main() -> None:
     bandwidth = copy_bandwidth(device) if device.type == "cuda" else cpu_copy_bandwidth()
     print(f"copy bandwidth {bandwidth / 1e9:.1f} GB/s (read + written)", flush=True)
     tp = args.tensor_parallel_size
-    model = dummy_model(config, dtype, device) if tp == 1 else None
     max_batch = max(args.batches)
     kv_tokens = max_batch * (max(args.contexts) + args.warmup + args.steps + SLACK + 2 * PAGE_SIZE)
     engine_args = from_arguments(EngineArgs, args, model=args.preset, load_format="dummy", max_batch_size=max_batch,
                                  max_loras=max_batch, max_lora_rank=args.rank, page_size=PAGE_SIZE,
                                  kv_cache_tokens=kv_tokens)
-    rng = random.Random(0)
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         files = [save_random_adapter(Path(tmp) / f"f{i}", config, args.rank, seed=i) for i in range(args.files)]
         all_names = {f"lora{i}": str(files[i % len(files)]) for i in range(max_batch)}
-        if tp > 1:
-            parallel_engine = build_engine(engine_args, all_names)
-        try:
-            for lora in ("none", "distinct"):
-                names = all_names if lora == "distinct" else {}
-                engine = engine_on_model(model, engine_args.engine_config(), names) if tp == 1 else parallel_engine
-                shard = engine.executor.worker.model  # rank 0's shard under tensor parallelism: one GPU's bytes
-                per_token_kv = kv_bytes_per_token(shard)
-                per_adapter = adapter_bytes(shard.config, args.rank, shard.embed.weight.element_size())
-                warm_up(engine, list(names) or [None] * max_batch)  # compiled kernels, resident adapters
-                for context in args.contexts:
-                    for batch in args.batches:
-                        prompts = [[rng.randrange(3, config.vocab_size) for _ in range(context)] for _ in range(batch)]
-                        adapters = list(names)[:batch] if names else [None] * batch
-                        times, mean_context = decode_step_seconds(engine, prompts, adapters, args.warmup,
-                                                                  args.steps, device)
-                        step = statistics.median(times)
-                        nbytes = {"weight": weight_bytes(shard, batch),
-                                  "kv": int(batch * mean_context * per_token_kv),
-                                  "lora": per_adapter * len(set(adapters) - {None})}
-                        floor = sum(nbytes.values()) / bandwidth
-                        rows.append({"lora": lora, "context": context, "batch": batch, "step_ms": 1e3 * step,
-                                     "floor_ms": 1e3 * floor, "ratio": step / floor,
-                                     **{f"{k}_gb": v / 1e9 for k, v in nbytes.items()}})
-                        print(f"{lora} context {context} batch {batch}: step {1e3 * step:.2f} ms, "
-                              f"floor {1e3 * floor:.2f} ms", flush=True)
-                cuda_graphs = engine.executor.worker.uses_cuda_graphs
-                del engine, shard
-                if device.type == "cuda":
-                    torch.cuda.empty_cache()
-        finally:
-            if tp > 1:
-                parallel_engine.close()
+        for quantization in args.quantizations:
+            q_rows, cuda_graphs = measure(dataclasses.replace(engine_args, quantization=quantization), config, dtype,
+                                          device, all_names, args, bandwidth)
+            rows += q_rows
     device_name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
     meta = {"device": device_name if tp == 1 else f"{tp}x {device_name}", "preset": args.preset,
             "tensor_parallel_size": tp,
-            "rank": args.rank, "dtype": str(dtype), "copy_bandwidth_Bps": bandwidth, "cuda_graphs": cuda_graphs,
+            "rank": args.rank, "dtype": str(dtype), "quantizations": args.quantizations,
+            "copy_bandwidth_Bps": bandwidth, "cuda_graphs": cuda_graphs,
             "warmup": args.warmup, "steps": args.steps, "seconds": time.time() - started,
             "date": time.strftime("%Y-%m-%d"), "torch": torch.__version__}
     write_results(args.out, "roofline", rows, meta)
     plot(rows, args.out / "roofline.png", f"{args.preset} decode step vs memory floor, {meta['device']}")
     print(meta)
     table = [{**r, "ratio": f"{r['ratio']:.2f}x"} for r in rows]
-    print(format_table(table, ["lora", "context", "batch", "step_ms", "floor_ms", "ratio", "weight_gb", "kv_gb",
-                               "lora_gb"]))
+    print(format_table(table, ["quantization", "lora", "context", "batch", "step_ms", "floor_ms", "ratio", "weight_gb",
+                               "kv_gb", "lora_gb"]))
 
 
 if __name__ == "__main__":

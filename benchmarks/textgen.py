@@ -4,7 +4,7 @@ against HuggingFace transformers + PEFT.
 
 python -m benchmarks.textgen [--preset llama-2-7b] [--requests 64] [--max-total 2048]
     [--workloads backbone distinct ...] [--hf-requests 32] [--hf-max-total 256] [--skip-hf]
-    [--tensor-parallel-size 1] [--enforce-eager] [--no-overlap-steps] [--dora]
+    [--tensor-parallel-size 1] [--enforce-eager] [--no-overlap-steps] [--dora] [--quantizations none fp8]
 
 Requests follow the paper's generator (prompt ~ lognorm(0.8, -1, 18), total ~ uniform up to
 --max-total, fixed seed), FCFS, max batch 32, greedy with ignore_eos so every request runs its
@@ -14,6 +14,10 @@ adapter per request); the adapters' values come from --files files (values do no
 work; each name still gets its own GPU slot and copy). The engines have one GPU slot per request,
 and every adapter of the workload is loaded before the clock starts (on-demand loading is
 benchmarks/adapter_load.py's question).
+
+--quantizations: the engine's runs (every workload) once per base-weight format, on the same
+dummy weights: none (the dtype's), fp8 (e4m3, per-channel scales: punica.models.quantized);
+rows say which (`quantization`). The HF+PEFT baseline runs in the dtype.
 
 --dora: every adapter workload runs twice on the same model, with plain LoRA adapters and then
 with DoRA adapters of the same A and B plus random magnitudes (punica.lora.dummy); rows say which
@@ -45,6 +49,7 @@ warm-up batch.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import random
 import statistics
 import tempfile
@@ -54,7 +59,15 @@ from pathlib import Path
 import torch
 
 from benchmarks.common import format_table, percentile, warm_up, write_results
-from punica.config import EngineArgs, EngineConfig, ModelConfig, add_arguments, from_arguments, preset_config
+from punica.config import (
+    QUANTIZATIONS,
+    EngineArgs,
+    EngineConfig,
+    ModelConfig,
+    add_arguments,
+    from_arguments,
+    preset_config,
+)
 from punica.engine.engine import Engine
 from punica.engine.sampling_params import SamplingParams
 from punica.factory import build_engine, engine_on_model
@@ -176,7 +189,8 @@ def plot(rows: list[dict], path: Path, title: str) -> None:
     import matplotlib.pyplot as plt
 
     def label(row: dict) -> str:
-        return row["workload"] + (" (DoRA)" if row.get("adapters") == "dora" else "")
+        return row["workload"] + (" (DoRA)" if row.get("adapters") == "dora" else "") + (
+            f" {row['quantization']}" if row.get("quantization", "none") != "none" else "")
 
     workloads = list(dict.fromkeys(label(r) for r in rows))
     fig, ax = plt.subplots(figsize=(7, 4))
@@ -193,6 +207,45 @@ def plot(rows: list[dict], path: Path, title: str) -> None:
     fig.savefig(path, dpi=70)
 
 
+def engine_runs(engine_args: EngineArgs, config: ModelConfig, dtype: torch.dtype, device: str,
+                runs: list[tuple[str, str]], names: dict[str, dict[str, str]], prompts: list[list[int]],
+                lengths: list[tuple[int, int]]) -> list[dict]:
+    """The engine's rows of every (workload, adapter kind) run on one model (one tensor-parallel
+    engine with all names registered, or one model in this process under an engine per run)."""
+    tp, num_requests, rows = engine_args.tensor_parallel_size, len(prompts), []
+    quantization = engine_args.quantization
+    model = dummy_model(config, dtype, device, quantization=quantization) if tp == 1 else None
+    if tp > 1:
+        parallel_engine = build_engine(engine_args, names["lora"])
+    try:
+        for workload, kind in runs:
+            if tp > 1:
+                engine = parallel_engine
+            else:
+                engine = engine_on_model(model, engine_args.engine_config(),
+                                         None if workload == "backbone" else names[kind])
+            if workload == "backbone":
+                adapters = [None] * num_requests
+            else:
+                adapters = [f"{kind}{i}" for i in adapter_ids(workload, num_requests, random.Random(1))]
+            warm_up(engine, list(dict.fromkeys(adapters)) if workload != "backbone" else [None] * 32)
+            rows.append({"system": "punica", "workload": workload, "adapters": kind if adapters[0] else "none",
+                         "quantization": quantization,
+                         **run(engine, [(p, o, a) for p, (_, o), a in zip(prompts, lengths, adapters)])})
+            print(f"punica {workload} ({rows[-1]['adapters']}, {quantization}): "
+                  f"{rows[-1]['tokens_per_s']:.1f} tokens/s", flush=True)
+            del engine
+            if device == "cuda":
+                torch.cuda.empty_cache()
+    finally:
+        if tp > 1:
+            parallel_engine.close()
+    del model
+    if device == "cuda":
+        torch.cuda.empty_cache()
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--preset", default="llama-2-7b")
@@ -206,6 +259,8 @@ def main() -> None:
     parser.add_argument("--hf-max-total", type=int, default=256)
     parser.add_argument("--skip-hf", action="store_true")
     parser.add_argument("--dora", action="store_true", help="also run every adapter workload on DoRA adapters")
+    parser.add_argument("--quantizations", nargs="+", choices=QUANTIZATIONS, default=["none"],
+                        help="run the engine once per base-weight format")
     add_arguments(parser, EngineArgs, only=("enforce_eager", "overlap_steps", "tensor_parallel_size"))
     parser.add_argument("--out", type=Path, default=Path("results/textgen"))
     args = parser.parse_args()
@@ -216,7 +271,6 @@ def main() -> None:
     rng = random.Random(0)
     lengths = textgen_lengths(args.requests, rng, max_total=args.max_total)
     prompts = [[rng.randrange(3, config.vocab_size) for _ in range(p)] for p, _ in lengths]
-    model = dummy_model(config, dtype, device) if tp == 1 else None
     engine_args = from_arguments(EngineArgs, args, model=args.preset, load_format="dummy", max_loras=args.requests,
                                  max_lora_rank=args.rank,
                                  kv_cache_tokens=EngineConfig.max_batch_size * args.max_total + 1024)
@@ -228,32 +282,11 @@ def main() -> None:
             files = [save_random_adapter(Path(tmp) / f"{kind}{i}", config, args.rank, seed=i, dora=kind == "dora")
                      for i in range(args.files)]
             names[kind] = {f"{kind}{i}": str(files[i % len(files)]) for i in range(args.requests)}
-        if tp > 1:
-            parallel_engine = build_engine(engine_args, names["lora"])
-        try:
-            runs = [(w, kind) for w in ("backbone", *WORKLOADS) if w in args.workloads
-                    for kind in (("lora",) if w == "backbone" else kinds)]
-            for workload, kind in runs:
-                if tp > 1:
-                    engine = parallel_engine
-                else:
-                    engine = engine_on_model(model, engine_args.engine_config(),
-                                             None if workload == "backbone" else names[kind])
-                if workload == "backbone":
-                    adapters = [None] * args.requests
-                else:
-                    adapters = [f"{kind}{i}" for i in adapter_ids(workload, args.requests, random.Random(1))]
-                warm_up(engine, list(dict.fromkeys(adapters)) if workload != "backbone" else [None] * 32)
-                rows.append({"system": "punica", "workload": workload, "adapters": kind if adapters[0] else "none",
-                             **run(engine, [(p, o, a) for p, (_, o), a in zip(prompts, lengths, adapters)])})
-                print(f"punica {workload} ({rows[-1]['adapters']}): {rows[-1]['tokens_per_s']:.1f} tokens/s",
-                      flush=True)
-                del engine
-                if device == "cuda":
-                    torch.cuda.empty_cache()
-        finally:
-            if tp > 1:
-                parallel_engine.close()
+        runs = [(w, kind) for w in ("backbone", *WORKLOADS) if w in args.workloads
+                for kind in (("lora",) if w == "backbone" else kinds)]
+        for quantization in args.quantizations:
+            rows += engine_runs(dataclasses.replace(engine_args, quantization=quantization), config, dtype, device,
+                                runs, names, prompts, lengths)
     hf_ran = not args.skip_hf and tp == 1 and config.family == "llama"
     if not args.skip_hf and tp > 1:
         print(f"HF+PEFT baseline skipped: it runs on one device, the engine on {tp}", flush=True)
@@ -265,6 +298,7 @@ def main() -> None:
     meta = {"device": device_name if tp == 1 else f"{tp}x {device_name}", "preset": args.preset,
             "tensor_parallel_size": tp, "overlaps_steps": tp == 1 and args.overlap_steps,
             "requests": args.requests, "max_total": args.max_total, "rank": args.rank,
+            "quantizations": args.quantizations,
             "hf_requests": args.hf_requests if hf_ran else 0, "hf_max_total": args.hf_max_total,
             "hf_batch": HF_BATCH, "date": time.strftime("%Y-%m-%d")}
     write_results(args.out, "textgen", rows, meta)
@@ -273,16 +307,27 @@ def main() -> None:
     engine_rows = [r for r in rows if r["system"] == "punica"]
     hf_rows = [r for r in rows if r["system"] == "hf+peft"]
     if engine_rows:
-        print(format_table(engine_rows, ["workload", "adapters", "requests", "tokens", "seconds", "tokens_per_s",
+        print(format_table(engine_rows, ["workload", "adapters", "quantization", "requests", "tokens", "seconds",
+                                         "tokens_per_s",
                                          "ttft_mean_ms", "ttft_p99_ms", "tpot_mean_ms", "tpot_p99_ms"]))
     if hf_rows:
         print(format_table(hf_rows, ["system", "workload", "requests", "tokens", "seconds", "tokens_per_s"]))
-    distinct = {r["system"]: r["tokens_per_s"] for r in rows
-                if r["workload"] == "distinct" and r.get("adapters", "lora") == "lora"}
-    dora = {r["workload"]: r["tokens_per_s"] for r in engine_rows if r["adapters"] == "dora"}
+    first = args.quantizations[0]
+    distinct = {r["system"]: r["tokens_per_s"] for r in rows if r["workload"] == "distinct"
+                and r.get("adapters", "lora") == "lora" and r.get("quantization", first) == first}
+    dora = {r["workload"]: r["tokens_per_s"] for r in engine_rows if r["adapters"] == "dora"
+            and r["quantization"] == first}
     for workload, tokens_per_s in dora.items():
-        lora = next(r["tokens_per_s"] for r in engine_rows if r["workload"] == workload and r["adapters"] == "lora")
+        lora = next(r["tokens_per_s"] for r in engine_rows if r["workload"] == workload and r["adapters"] == "lora"
+                    and r["quantization"] == first)
         print(f"{workload}: DoRA / LoRA = {tokens_per_s / lora:.3f} tokens/s")
+    for quantization in args.quantizations[1:]:
+        for r in engine_rows:
+            if r["quantization"] == quantization:
+                base = next(b["tokens_per_s"] for b in engine_rows if b["quantization"] == first
+                            and (b["workload"], b["adapters"]) == (r["workload"], r["adapters"]))
+                print(f"{r['workload']} ({r['adapters']}): {quantization} / {first} = "
+                      f"{r['tokens_per_s'] / base:.2f}x tokens/s")
     if len(distinct) == 2:
         print(f"distinct: punica / HF+PEFT = {distinct['punica'] / distinct['hf+peft']:.1f}x tokens/s")
 

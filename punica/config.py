@@ -198,6 +198,7 @@ class EngineConfig:
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 LOAD_FORMATS = ("auto", "dummy")
+QUANTIZATIONS = ("none", "fp8")
 
 
 @dataclass(frozen=True)
@@ -211,6 +212,9 @@ class EngineArgs(EngineConfig):
                                          "directory's config), for benchmarks", choices=LOAD_FORMATS)
     dtype: str = described("auto", "weights and activations (auto: bfloat16 on CUDA, float32 on CPU)",
                            choices=DTYPES)
+    quantization: str = described("none", "fp8: quantize the 7 projections' weights to e4m3 at load, one scale per "
+                                          "output channel (none: as the checkpoint stores them; fp8 checkpoints load "
+                                          "as fp8 either way)", choices=QUANTIZATIONS)
     device: str | None = described(None, "cpu or cuda (default: cuda if available)")
     tensor_parallel_size: int = described(1, "shard the model over N devices (N processes; GPUs 0..N-1 on CUDA)")
     workers: int = described(0, "run N engine workers on Ray (one GPU each) behind the Punica cluster "
@@ -221,7 +225,7 @@ class EngineArgs(EngineConfig):
         if self.tensor_parallel_size < 1 or self.workers < 0:
             raise ValueError(f"tensor_parallel_size must be >= 1 and workers >= 0, got {self.tensor_parallel_size} "
                              f"and {self.workers}")
-        for name, allowed in (("dtype", DTYPES), ("load_format", LOAD_FORMATS)):
+        for name, allowed in (("dtype", DTYPES), ("load_format", LOAD_FORMATS), ("quantization", QUANTIZATIONS)):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name} must be one of {', '.join(allowed)}, got {getattr(self, name)!r}")
         if self.load_format == "dummy" and self.model is None:

@@ -90,8 +90,9 @@ def build_executor(args: EngineArgs, config: EngineConfig, source: Path | DummyW
     device = resolve_device(args.device)
     dtype = resolve_dtype(args.dtype, device)
     if args.tensor_parallel_size > 1:
-        return start_tensor_parallel(source, config, dtype, device, args.tensor_parallel_size)
-    model = load_weights(source, dtype, device)
+        return start_tensor_parallel(source, config, dtype, device, args.tensor_parallel_size,
+                                     quantization=args.quantization)
+    model = load_weights(source, dtype, device, quantization=args.quantization)
     return LocalExecutor(ModelWorker(model, config, kv_cache_pages(model, config)))
 
 

@@ -62,7 +62,6 @@ UNSUPPORTED_OPTIONS = {
     "mlp_bias": "biases on the MLP projections (mlp_bias)",
     "attn_logit_softcapping": "attention-logit softcapping (attn_logit_softcapping)",
     "final_logit_softcapping": "final-logit softcapping (final_logit_softcapping)",
-    "quantization_config": "quantized weights (quantization_config)",
     "use_qk_norm": "q/k norms (use_qk_norm)",
     "no_rope_layers": "layers without rotary embedding (no_rope_layers)",
 }
@@ -87,6 +86,9 @@ def family_of(d: dict[str, Any]) -> Family:
     return family
 
 
+FP8_QUANT_METHODS = ("fp8", "compressed-tensors")  # quantization_configs of the fp8 checkpoints punica loads
+
+
 def _served() -> str:
     return ", ".join(f"{f.name} ({f.architecture})" for f in FAMILIES.values())
 
@@ -102,6 +104,10 @@ def hf_model_fields(d: dict[str, Any]) -> dict[str, Any]:
     for option, what in UNSUPPORTED_OPTIONS.items():
         if d.get(option) and not (family.gemma and option in GEMMA_OPTIONS):
             raise refuse(what)
+    method = (d.get("quantization_config") or {}).get("quant_method", "none")
+    if d.get("quantization_config") and method not in FP8_QUANT_METHODS:  # their fields: punica.models.fp8_checkpoint
+        raise refuse(f"quantized weights (quantization_config.quant_method = {method!r})",
+                     f"; punica reads {' and '.join(FP8_QUANT_METHODS)} float8 checkpoints")
     if d.get("attention_bias"):  # Llama's, Qwen3's and Gemma's also put a bias on o_proj
         raise refuse("attention_bias=true (biases on the attention projections)")
     act_key, act = "hidden_act", d.get("hidden_act", "silu")

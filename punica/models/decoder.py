@@ -21,6 +21,8 @@ The elementwise work runs fused (punica.ops.layers): each residual add folds int
 after it, so a layer takes and returns (output, residual stream) as vLLM's layers do; rotary
 and the KV-cache append run as one kernel (q rotated in place, k rotated on its way into the
 cache, k in qkv left as it was); SiLU-and-mul reads the gate/up GEMM's output once.
+With a `weight_format` (punica.models.quantized) the four fused projections hold fp8 weights
+(Fp8Linear, punica.ops.fp8's GEMMs); everything else, and the LoRA path, is unchanged.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from torch import nn
 
 from punica.config import ModelConfig, RopeConfig
 from punica.lora.batch import LoraBatch
+from punica.models.quantized import Fp8Format, Fp8Linear, projection
 from punica.ops.attention import AttnBatch, paged_attention, rope_and_write_kv_, softcap_ref
 from punica.ops.layers import gelu_tanh_and_mul, rms_norm, silu_and_mul
 from punica.ops.lora import lora_expand, lora_shrink
@@ -95,25 +98,25 @@ def rope_inv_freq(rope: RopeConfig, head_dim: int) -> torch.Tensor:
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, index: int, **factory):
+    def __init__(self, config: ModelConfig, index: int, weight_format: Fp8Format | None = None, **factory):
         super().__init__()
-        c = config
+        c, fmt = config, weight_format
         self.index = index
         self.num_heads, self.num_kv_heads, self.head_dim = c.num_heads, c.num_kv_heads, c.head_dim
         self.window, self.rope = c.window(index), c.layer_rope(index)
         self.scale, self.softcap = c.attn_scale or c.head_dim ** -0.5, c.attn_softcap
         self.act = gelu_tanh_and_mul if c.hidden_act == "gelu_tanh" else silu_and_mul
         self.input_norm = RMSNorm(c.hidden_size, c.rms_norm_eps, **factory)
-        self.qkv_proj = nn.Linear(c.hidden_size, c.q_size + 2 * c.kv_size, bias=c.qkv_bias, **factory)
+        self.qkv_proj = projection(c.hidden_size, c.q_size + 2 * c.kv_size, c.qkv_bias, fmt, **factory)
         self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps, **factory) if c.qk_norm else None
         self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps, **factory) if c.qk_norm else None
-        self.o_proj = nn.Linear(c.q_size, c.hidden_size, bias=False, **factory)
+        self.o_proj = projection(c.q_size, c.hidden_size, False, fmt, **factory)
         self.post_norm = RMSNorm(c.hidden_size, c.rms_norm_eps, **factory)  # before the MLP
         # with sandwich norms: on the attention output and on the MLP output
         self.attn_out_norm = RMSNorm(c.hidden_size, c.rms_norm_eps, **factory) if c.sandwich_norms else None
         self.mlp_out_norm = RMSNorm(c.hidden_size, c.rms_norm_eps, **factory) if c.sandwich_norms else None
-        self.gate_up_proj = nn.Linear(c.hidden_size, 2 * c.intermediate_size, bias=False, **factory)
-        self.down_proj = nn.Linear(c.intermediate_size, c.hidden_size, bias=False, **factory)
+        self.gate_up_proj = projection(c.hidden_size, 2 * c.intermediate_size, False, fmt, **factory)
+        self.down_proj = projection(c.intermediate_size, c.hidden_size, False, fmt, **factory)
         q, kv, inter = c.q_size, c.kv_size, c.intermediate_size
         self.qkv_slices = {"q": (0, q), "k": (q, q + kv), "v": (q + kv, q + 2 * kv)}
         self.gate_up_slices = {"gate": (0, inter), "up": (inter, 2 * inter)}
@@ -121,7 +124,7 @@ class DecoderLayer(nn.Module):
         # hold a shard of o_proj and down_proj; their partial outputs are summed over it.
         self.tp_group: dist.ProcessGroup | None = None
 
-    def _project(self, linear: nn.Linear, x: torch.Tensor, group: str, lora: LoraBatch,
+    def _project(self, linear: nn.Linear | Fp8Linear, x: torch.Tensor, group: str, lora: LoraBatch,
                  lora_weights: LoraWeights | None) -> torch.Tensor:
         """The fused base GEMM of a projection group plus its LoRA deltas (one shrink, one expand)."""
         w = lora_weights.weights(self.index, group) if lora_weights is not None and lora.any_lora else None
@@ -181,12 +184,13 @@ class DecoderLayer(nn.Module):
 
 class DecoderForCausalLM(nn.Module):
     def __init__(self, config: ModelConfig, dtype: torch.dtype = torch.float32,
-                 device: torch.device | str = "cpu"):
+                 device: torch.device | str = "cpu", weight_format: Fp8Format | None = None):
         super().__init__()
         factory = {"dtype": dtype, "device": device}
-        self.config = config
+        self.config, self.weight_format = config, weight_format
         self.embed = nn.Embedding(config.vocab_size, config.hidden_size, **factory)
-        self.layers = nn.ModuleList(DecoderLayer(config, i, **factory) for i in range(config.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(config, i, weight_format, **factory)
+                                    for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, **factory)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False, **factory)
         self.tie_weights()
@@ -211,8 +215,10 @@ class DecoderForCausalLM(nn.Module):
         self.lora_weights = lora_weights
 
     def group_weight(self, layer: int, group: str) -> torch.Tensor:
-        """The base weight [h_out, h_in] of one layer's projection group ("qkv", "o", "gate_up", "down")."""
-        return getattr(self.layers[layer], f"{group}_proj").weight
+        """The base weight [h_out, h_in] of one layer's projection group ("qkv", "o", "gate_up", "down")
+        in the activation dtype (an fp8 weight dequantized: DoRA's norms read it)."""
+        linear = getattr(self.layers[layer], f"{group}_proj")
+        return linear.dequantized() if isinstance(linear, Fp8Linear) else linear.weight
 
     def rope_cos_sin(self, positions: torch.Tensor, rope: RopeConfig | None = None
                      ) -> tuple[torch.Tensor, torch.Tensor]:

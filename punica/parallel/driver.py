@@ -38,7 +38,7 @@ class WorkerError(RuntimeError):
 
 class Workers:
     def __init__(self, world_size: int, backend: str, source: str | Path | DummyWeights, dtype: torch.dtype,
-                 config: EngineConfig, timeout_s: float):
+                 config: EngineConfig, timeout_s: float, quantization: str = "none"):
         if dist.is_initialized():
             raise ValueError("this process already belongs to a torch.distributed process group; "
                              "it can be rank 0 of only one tensor-parallel engine at a time")
@@ -54,7 +54,8 @@ class Workers:
                 ours, theirs = context.Pipe()
                 process = context.Process(
                     target=worker_main, name=f"punica-tp-rank-{rank}", daemon=True,
-                    args=(rank, world_size, backend, workdir.name, theirs, source, dtype, config, timeout_s))
+                    args=(rank, world_size, backend, workdir.name, theirs, source, dtype, config, timeout_s,
+                          quantization))
                 process.start()
                 theirs.close()  # the worker's end lives in the worker: its death closes the pipe
                 self.processes.append(process)

@@ -109,17 +109,17 @@ def backend_for(device: torch.device, world_size: int) -> str:
 
 def start_tensor_parallel(source: str | Path | DummyWeights, config: EngineConfig, dtype: torch.dtype,
                           device: str | torch.device, tensor_parallel_size: int,
-                          timeout_s: float = TIMEOUT_S) -> TensorParallelExecutor:
+                          timeout_s: float = TIMEOUT_S, quantization: str = "none") -> TensorParallelExecutor:
     """Start ranks 1..N-1, load this process's shard as rank 0, and return the executor over all N.
 
     `source`: a checkpoint directory or DummyWeights (random weights of a model shape); each
-    rank reads or generates only its own shard."""
+    rank reads or generates only its own shard (`quantization`: punica.models.loader.load_weights')."""
     full_config = source.config if isinstance(source, DummyWeights) else ModelConfig.from_dir(Path(source))
     rank_config(full_config, tensor_parallel_size)  # the heads must split: fail before starting anything
     backend = backend_for(torch.device(device), tensor_parallel_size)
-    workers = Workers(tensor_parallel_size, backend, source, dtype, config, timeout_s)
+    workers = Workers(tensor_parallel_size, backend, source, dtype, config, timeout_s, quantization)
     try:
-        model = load_shard(source, dtype, workers.device)
+        model = load_shard(source, dtype, workers.device, quantization)
         num_pages = workers.agree(kv_cache_pages(model, config))
         return TensorParallelExecutor(ModelWorker(model, config, num_pages), workers,
                                       full_config)

@@ -16,6 +16,12 @@ The embedding and lm_head stay replicated (simplest: every rank computes the ful
 vocab-parallel gather), as do the norms (the per-head q/k norms of some families too: every
 head has the same one). A family's q/k/v bias is split with qkv_proj's rows.
 
+FP8 weights (punica.models.quantized) split with their scales: per-channel scales like the
+rows of their weight (column-parallel: split; row-parallel: every rank keeps all of them, and
+a row's scale holds for each rank's slice of its columns); block scales by whole blocks, so a
+column-parallel rank's row runs and a row-parallel rank's columns must start (and, except at
+the weight's end, stop) at block boundaries, or the model is refused.
+
 `split_model_` says where each split parameter lies in the full model's (loader.Shard), so it
 works on a model still on the meta device: the loader then reads (checkpoint) or generates
 (dummy weights) only the rank's slices, and no rank ever holds the full model.
@@ -48,11 +54,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from punica.config import ModelConfig
+from punica.config import ModelConfig, ceil_div
 from punica.lora.adapter import LoraAdapter
 from punica.lora.pool import LoraPool
 from punica.models.decoder import DecoderForCausalLM
 from punica.models.loader import Shard
+from punica.models.quantized import Fp8Linear
 
 COLUMN_PARALLEL = ("q", "k", "v", "gate", "up")  # output features split: lora_b rows split
 ROW_PARALLEL = ("o", "down")                     # input features split: lora_a columns split
@@ -109,10 +116,34 @@ def model_shards(config: ModelConfig, rank: int, world_size: int) -> dict[str, S
     return shards
 
 
+def _scale_shard(name: str, weight: Shard, block_size: tuple[int, int] | None) -> Shard | None:
+    """Where the scales of an fp8 weight split as `weight` lie in the full weight's scales (None: all of them)."""
+    num_rows, num_cols = weight.full_shape
+    if block_size is None:
+        return Shard((num_rows,), weight.rows) if weight.cols is None else None
+    b0, b1 = block_size
+    full = (ceil_div(num_rows, b0), ceil_div(num_cols, b1))
+    bounds = ((b0, num_rows, [x for run in weight.rows for x in run]) if weight.cols is None else
+              (b1, num_cols, list(weight.cols)))
+    block, end, edges = bounds
+    if any(x % block and x != end for x in edges):
+        raise ValueError(f"tensor parallelism: the {b0} x {b1} fp8 weight blocks of {name} do not split at this "
+                         f"rank's shard bounds {weight.rows if weight.cols is None else weight.cols}")
+    if weight.cols is None:
+        return Shard(full, tuple((a // b0, ceil_div(b, b0)) for a, b in weight.rows))
+    return Shard(full, ((0, full[0]),), (weight.cols[0] // b1, ceil_div(weight.cols[1], b1)))
+
+
 def split_model_(model: DecoderForCausalLM, rank: int, world_size: int) -> dict[str, Shard]:
     """Keep rank r's shard of every layer in place (real or meta tensors); where each lies in the full model."""
     full, local = model.config, rank_config(model.config, world_size)
     shards = model_shards(full, rank, world_size)
+    for name, where in list(shards.items()):
+        module = model.get_submodule(name.rsplit(".", 1)[0])
+        if isinstance(module, Fp8Linear) and name.endswith(".weight"):
+            scale = _scale_shard(name, where, module.block_size)
+            if scale is not None:
+                shards[f"{name}_scale"] = scale
     params = dict(model.named_parameters())
     for name, where in shards.items():
         module, kind = name.rsplit(".", 1)

@@ -37,21 +37,24 @@ from punica.parallel.launcher import init_rank
 from punica.parallel.tensor_parallel import shard_model_
 
 
-def load_shard(source: str | Path | DummyWeights, dtype: torch.dtype, device: torch.device) -> DecoderForCausalLM:
+def load_shard(source: str | Path | DummyWeights, dtype: torch.dtype, device: torch.device,
+               quantization: str = "none") -> DecoderForCausalLM:
     """This rank's shard of a checkpoint directory's model or of random weights: built on the meta
     device, sharded there, then only its slices are read or generated, straight onto `device`."""
-    return load_weights(source, dtype, device, shard=lambda model: shard_model_(model, dist.group.WORLD))
+    return load_weights(source, dtype, device, shard=lambda model: shard_model_(model, dist.group.WORLD),
+                        quantization=quantization)
 
 
 def worker_main(rank: int, world_size: int, backend: str, workdir: str, conn: Connection,
-                source: str | Path | DummyWeights, dtype: torch.dtype, config: EngineConfig, timeout_s: float) -> None:
+                source: str | Path | DummyWeights, dtype: torch.dtype, config: EngineConfig, timeout_s: float,
+                quantization: str = "none") -> None:
     """A worker process: join the group, load the shard, agree on KV pages, then obey rank 0."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's Ctrl-C is rank 0's to handle
     torch.set_num_threads(max(1, torch.get_num_threads() // world_size))
     try:
         conn.send(("started", None))  # rank 0 joins the group only once every worker could start
         device = init_rank(rank, world_size, backend, workdir, timeout_s)
-        model = load_shard(source, dtype, device)
+        model = load_shard(source, dtype, device, quantization)
         conn.send(("ready", kv_cache_pages(model, config)))
         _, num_pages = conn.recv()
         serve(conn, ModelWorker(model, config, num_pages))

@@ -101,7 +101,8 @@ def test_old_configs_without_model_type_are_read_by_architecture():
     ("ministral", "MinistralForCausalLM", {"sliding_window": 8, "layer_types": ["full_attention"]},
      r"layer_types of 1 layers for num_hidden_layers=4"),
     ("mistral", "MistralForCausalLM", {"sliding_window": 0}, r"sliding_window=0"),
-    ("qwen2", "Qwen2ForCausalLM", {"quantization_config": {"quant_method": "awq"}}, r"quantized weights"),
+    ("qwen2", "Qwen2ForCausalLM", {"quantization_config": {"quant_method": "awq"}},
+     r"quantized weights \(quantization_config.quant_method = 'awq'\) is not supported; punica reads fp8"),
     ("llama", "LlamaForCausalLM", {"final_logit_softcapping": 30.0}, r"final-logit softcapping"),
 ])
 def test_what_punica_does_not_implement_is_refused_by_name(model_type, architecture, fields, message):

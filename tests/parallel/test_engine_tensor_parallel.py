@@ -118,9 +118,20 @@ def test_random_weights_two_ranks_match_one_process(setup, punica_config, tiny_l
     check_dummy_two_ranks(expect, config, paths, "cpu", rank0_kv_heads=1, timeout_s=60)
 
 
+def test_fp8_random_weights_two_ranks_match_one_process(setup, punica_config, tiny_llama):
+    """quantization="fp8" reaches every rank: each quantizes its shard of the dummy weights, whose
+    rows and scales are those of the model one process quantizes."""
+    _, paths = setup
+    config = punica_config(tiny_llama())
+    expect = run_workload(engine_on_model(dummy_model(config, torch.float32, seed=7, quantization="fp8"), CONFIG,
+                                          paths))
+    check_dummy_two_ranks(expect, config, paths, "cpu", rank0_kv_heads=1, timeout_s=60, quantization="fp8")
+
+
 @pytest.mark.cuda
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
-def test_two_gpus_match_one_on_a_7b_shape(tmp_path):
+@pytest.mark.parametrize("quantization", ["none", "fp8"])
+def test_two_gpus_match_one_on_a_7b_shape(tmp_path, quantization):
     """On two GPUs (NCCL, CUDA graphs): a Llama-2-7B-shaped model of random weights over 2 ranks
     gives the tokens one GPU gives, over mixed adapters rewritten through 2 slots. fp32 (not
     TF32): the ranks' partial sums differ from one GPU's only in rounding order, far below the
@@ -133,11 +144,12 @@ def test_two_gpus_match_one_on_a_7b_shape(tmp_path):
                 "mixed": (4, ("v", "o", "up", "down")), "all": (16, ("q", "k", "v", "o", "gate", "up", "down"))}
     paths = {name: str(save_random_adapter(tmp_path / name, config, rank, seed=i, projections=projections))
              for i, (name, (rank, projections)) in enumerate(adapters.items())}
-    engine = engine_on_model(dummy_model(config, torch.float32, "cuda", seed=7), CONFIG, paths)
+    engine = engine_on_model(dummy_model(config, torch.float32, "cuda", seed=7, quantization=quantization), CONFIG,
+                             paths)
     expect = run_workload(engine)
     del engine  # frees its KV cache at once (no reference cycle)
     torch.cuda.empty_cache()
-    check_dummy_two_ranks(expect, config, paths, "cuda", rank0_kv_heads=16)
+    check_dummy_two_ranks(expect, config, paths, "cuda", rank0_kv_heads=16, quantization=quantization)
 
 
 def test_killed_worker_fails_every_later_request_loudly(setup):

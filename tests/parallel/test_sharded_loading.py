@@ -1,7 +1,10 @@
 """Each rank builds only its shard: random weights and checkpoint slices equal the full model's slices."""
 
+import json
+
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 
 from punica.lora.adapter import read_adapter
 from punica.lora.dummy import save_random_adapter
@@ -69,6 +72,62 @@ def test_checkpoint_shard_reads_the_slice_of_the_full_model(tmp_path, rank, tiny
     tiny_family_model(shard_family, seed=5).save_pretrained(tmp_path)
     assert_shard_of(load_hf_dir(tmp_path, torch.float32, shard=split_on_meta(rank)),
                     load_hf_dir(tmp_path, torch.float32), rank)
+
+
+def same(a, b):
+    return torch.equal(a.view(torch.uint8), b.view(torch.uint8)) if a.dtype == torch.float8_e4m3fn else \
+        torch.equal(a, b)
+
+
+def assert_fp8_shard_of(shard, full, rank):
+    """As assert_shard_of, for models with fp8 weights (compared bit for bit) and their scales."""
+    split_model_(full, rank, WORLD_SIZE)
+    got, expect = dict(shard.named_parameters()), dict(full.named_parameters())
+    assert got.keys() == expect.keys() and "layers.0.qkv_proj.weight_scale" in got
+    for name, param in expect.items():
+        assert got[name].shape == param.shape and same(got[name], param), name
+    return got
+
+
+@pytest.mark.parametrize("rank", range(WORLD_SIZE))
+def test_fp8_dummy_shard_is_the_slice_of_the_full_fp8_model(rank, punica_config, tiny_llama):
+    """Column-parallel shards split the per-channel scales with the rows; row-parallel ones keep them all."""
+    config = punica_config(tiny_llama())
+    got = assert_fp8_shard_of(dummy_model(config, torch.float32, seed=3, shard=split_on_meta(rank), quantization="fp8"),
+                              dummy_model(config, torch.float32, seed=3, quantization="fp8"), rank)
+    assert got["layers.0.qkv_proj.weight_scale"].shape == ((config.q_size + 2 * config.kv_size) // 2,)
+    assert got["layers.0.o_proj.weight_scale"].shape == (config.hidden_size,)
+
+
+def write_block_fp8(path, tiny_llama, block):
+    """A tiny Llama with random e4m3 weights and random block scales (HF's fine-grained fp8 layout)."""
+    tiny_llama(seed=5).save_pretrained(path)
+    state = load_file(path / "model.safetensors")
+    gen = torch.Generator().manual_seed(0)
+    for name in [n for n in state if n.endswith("_proj.weight")]:
+        n, k = state[name].shape
+        state[name] = (state[name] * 3e4).clamp(-448, 448).to(torch.float8_e4m3fn)
+        state[name[:-len("weight")] + "weight_scale_inv"] = torch.rand(-(-n // block), -(-k // block), generator=gen)
+    save_file(state, str(path / "model.safetensors"))
+    config = json.loads((path / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "fp8", "weight_block_size": [block, block]}
+    (path / "config.json").write_text(json.dumps(config))
+
+
+@pytest.mark.parametrize("rank", range(WORLD_SIZE))
+def test_fp8_block_checkpoint_shard_reads_whole_blocks(tmp_path, rank, tiny_llama):
+    write_block_fp8(tmp_path, tiny_llama, 16)
+    got = assert_fp8_shard_of(load_hf_dir(tmp_path, torch.float32, shard=split_on_meta(rank)),
+                              load_hf_dir(tmp_path, torch.float32), rank)
+    assert got["layers.0.qkv_proj.weight_scale"].shape == (4, 4)  # 32 q + 16 k + 16 v rows of 64 columns
+    assert got["layers.0.down_proj.weight_scale"].shape == (4, 3)  # 48 of the 96 columns
+
+
+def test_fp8_blocks_across_shard_bounds_are_refused(tmp_path, tiny_llama):
+    write_block_fp8(tmp_path, tiny_llama, 32)  # a rank holds one kv head of 16 rows
+    with pytest.raises(ValueError, match=r"the 32 x 32 fp8 weight blocks of layers.0.qkv_proj.weight do not split at "
+                                         r"this rank's shard bounds"):
+        load_hf_dir(tmp_path, torch.float32, shard=split_on_meta(0))
 
 
 def test_checkpoint_of_another_shape_is_refused(tmp_path, tiny_llama):

@@ -1,0 +1,69 @@
+"""FP8 base weights of the decoder's fused projections (qkv, o, gate_up, down).
+
+`Fp8Format` says how a model's projections are stored: e4m3 weights with per-output-channel
+scales (block_size None: `--quantization fp8`, and checkpoints with per-tensor or per-channel
+scales, which become per-row scales of the fused weight exactly) or with block scales
+(block_size (B0, B1): HF's fine-grained fp8, compressed-tensors' block strategy). Embeddings,
+norms and lm_head stay in the activation dtype.
+
+`Fp8Linear` replaces nn.Linear for a projection: parameters `weight` [N, K] float8_e4m3fn and
+`weight_scale` (float32 [N], or [ceil(N / B0), ceil(K / B1)]), an optional bias in the
+activation dtype, and a forward through punica.ops.fp8.fp8_linear. The model's LoRA deltas are
+added as for nn.Linear: the shrink reads the same bf16 input, the expand adds into this output.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from punica.config import ceil_div
+from punica.ops.fp8 import FP8_DTYPE, dequantize, fp8_linear
+
+
+@dataclass(frozen=True)
+class Fp8Format:
+    block_size: tuple[int, int] | None = None  # (B0 rows, B1 columns) of a weight scale block; None: per channel
+
+    def __post_init__(self):
+        if self.block_size is not None and (len(self.block_size) != 2 or min(self.block_size) < 1):
+            raise ValueError(f"fp8 weight block size must be two positive integers, got {self.block_size}")
+
+    def scale_shape(self, out_features: int, in_features: int) -> tuple[int, ...]:
+        if self.block_size is None:
+            return (out_features,)
+        return ceil_div(out_features, self.block_size[0]), ceil_div(in_features, self.block_size[1])
+
+
+class Fp8Linear(nn.Module):
+    def __init__(self, in_features: int, out_features: int, bias: bool, fmt: Fp8Format,
+                 dtype: torch.dtype, device: torch.device | str):
+        super().__init__()
+        self.in_features, self.out_features, self.block_size = in_features, out_features, fmt.block_size
+        self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=FP8_DTYPE, device=device),
+                                   requires_grad=False)
+        self.weight_scale = nn.Parameter(torch.ones(fmt.scale_shape(out_features, in_features), dtype=torch.float32,
+                                                    device=device), requires_grad=False)
+        self.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype, device=device),
+                                 requires_grad=False) if bias else None
+        self.dtype = dtype  # the activations': what `dequantized` rounds to
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return fp8_linear(x, self.weight, self.weight_scale, self.block_size, self.bias)
+
+    def dequantized(self) -> torch.Tensor:
+        """The weight [N, K] in the activation dtype, as the reference path computes with it."""
+        return dequantize(self.weight, self.weight_scale, self.block_size, self.dtype)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, block_size={self.block_size}"
+
+
+def projection(in_features: int, out_features: int, bias: bool, fmt: Fp8Format | None, dtype: torch.dtype,
+               device: torch.device | str) -> nn.Linear | Fp8Linear:
+    """One of a layer's fused projections: nn.Linear in `dtype`, or Fp8Linear in format `fmt`."""
+    if fmt is None:
+        return nn.Linear(in_features, out_features, bias=bias, dtype=dtype, device=device)
+    return Fp8Linear(in_features, out_features, bias, fmt, dtype, device)

@@ -1,0 +1,111 @@
+"""FP8 (e4m3) base weights: quantization, dequantization and the GEMM over them.
+
+A quantized projection holds `weight` [N, K] float8_e4m3fn and float32 `scales` in one of two
+layouts (`block_size` says which):
+
+    per output channel  block_size None     scales [N]:
+                            W[n, k] = float32(weight[n, k]) * scales[n]
+    blocks of B0 x B1   block_size (B0, B1) scales [ceil(N / B0), ceil(K / B1)]:
+                            W[n, k] = float32(weight[n, k]) * scales[n // B0, k // B1]
+
+(HF's fine-grained fp8 `weight_block_size` is (B0, B1), typically (128, 128); a per-tensor
+scale is a per-channel one repeated over the rows it covers, which the loader does.)
+
+`fp8_linear(x, weight, scales, block_size, bias)` = x @ W^T + bias in x's dtype. Its reference
+(`fp8_linear_ref`, the spec, the CPU path) dequantizes W to x's dtype and runs F.linear. On CUDA:
+
+  * token counts up to WEIGHT_ONLY_MAX_TOKENS, and block scales at any count: the weight-only
+    Triton GEMM (punica.ops.fp8_triton), which streams the 1-byte weight, widens it to x's dtype
+    in registers, and applies the scales to the fp32 accumulator (per K tile for block scales);
+  * more tokens with per-channel scales (bf16 activations; N and K multiples of 16): the fp8
+    tensor cores through torch._scaled_mm, x quantized per token on the fly
+    (`quantize_per_token`: scale_t = amax(|x[t]|) / 448) and the weight's per-channel scales
+    applied to the output (rowwise scaling).
+
+Every path allocates only its outputs, never syncs, and picks its kernel and launch grid from
+shapes alone, so a captured CUDA graph replays the same choice.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_MAX = 448.0  # the largest finite e4m3fn value
+# The crossover from the weight-only GEMM to the fp8 tensor-core GEMM, in tokens. To be measured
+# on the H200 (benchmarks.roofline / benchmarks.textgen with --quantizations none fp8): decode
+# batches up to 32 stay weight-only, where the weight's bytes, not the multiplies, set the time.
+WEIGHT_ONLY_MAX_TOKENS = 64
+MIN_ACTIVATION_AMAX = 1e-12  # a row of zeros gets this amax, so its scale is not 0
+
+
+def quantize_per_channel(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weight [N, K] e4m3fn, scales [N] float32) of a full-precision w [N, K]:
+    scales[n] = amax(|w[n]|) / 448 (1 where the row is all zeros), weight = clamp(w / scales[n], +-448)."""
+    w32 = w.float()
+    amax = w32.abs().amax(dim=1)
+    scales = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+    return (w32 / scales[:, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE), scales
+
+
+def expand_scales(scales: torch.Tensor, shape: tuple[int, int], block_size: tuple[int, int] | None) -> torch.Tensor:
+    """The scale of every weight element [N, K] float32 (module docstring's layouts)."""
+    n, k = shape
+    if block_size is None:
+        return scales[:, None].expand(n, k)
+    b0, b1 = block_size
+    return scales.repeat_interleave(b0, dim=0)[:n].repeat_interleave(b1, dim=1)[:, :k]
+
+
+def dequantize(weight: torch.Tensor, scales: torch.Tensor, block_size: tuple[int, int] | None,
+               dtype: torch.dtype) -> torch.Tensor:
+    """W [N, K] in `dtype`: float32(weight) * its scale, rounded once to `dtype`."""
+    return (weight.float() * expand_scales(scales, tuple(weight.shape), block_size)).to(dtype)
+
+
+def fp8_linear_ref(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, block_size: tuple[int, int] | None,
+                   bias: torch.Tensor | None = None) -> torch.Tensor:
+    return F.linear(x, dequantize(weight, scales, block_size, x.dtype), bias)
+
+
+def quantize_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x [T, K] e4m3fn, scales [T, 1] float32) of activations x [T, K]: scale_t = amax(|x[t]|) / 448."""
+    x32 = x.float()
+    scales = x32.abs().amax(dim=1, keepdim=True).clamp(min=MIN_ACTIVATION_AMAX) / FP8_MAX
+    return (x32 / scales).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE), scales
+
+
+def fp8_linear_scaled_mm(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor,
+                         bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ W^T (+ bias) on the fp8 tensor cores: per-token activation scales times per-channel
+    weight scales, applied by torch._scaled_mm to its fp32 accumulator; output in bf16 (x's dtype)."""
+    x8, x_scales = quantize_per_token(x)
+    out = torch._scaled_mm(x8, weight.t(), scale_a=x_scales, scale_b=scales[None, :], out_dtype=x.dtype)
+    return out if bias is None else out.add_(bias)
+
+
+def uses_scaled_mm(x: torch.Tensor, weight: torch.Tensor, block_size: tuple[int, int] | None) -> bool:
+    """Whether fp8_linear runs x through torch._scaled_mm (module docstring); shapes and dtypes only."""
+    n, k = weight.shape
+    return (x.is_cuda and block_size is None and x.dtype == torch.bfloat16 and x.shape[0] > WEIGHT_ONLY_MAX_TOKENS
+            and n % 16 == 0 and k % 16 == 0)
+
+
+def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, block_size: tuple[int, int] | None,
+               bias: torch.Tensor | None = None) -> torch.Tensor:
+    """A linear layer over fp8 weights.
+
+        x: [T, K] (bf16, fp16 or fp32), weight: [N, K] float8_e4m3fn, scales: float32 [N] (block_size
+        None) or [ceil(N / B0), ceil(K / B1)] (block_size (B0, B1)), bias: None or [N] in x's dtype
+        out[t, n] = sum_k x[t, k] * W[n, k] + bias[n]   in x's dtype, W as in the module docstring
+    """
+    assert weight.dtype == FP8_DTYPE and x.shape[-1] == weight.shape[1], (x.shape, weight.shape, weight.dtype)
+    if not x.is_cuda:
+        return fp8_linear_ref(x, weight, scales, block_size, bias)
+    if uses_scaled_mm(x, weight, block_size):
+        return fp8_linear_scaled_mm(x, weight, scales, bias)
+    from punica.ops.fp8_triton import block_k_for, fp8_linear_triton
+    if block_k_for(block_size) is None:  # scale blocks of no power-of-two width: dequantized (slow, exact)
+        return fp8_linear_ref(x, weight, scales, block_size, bias)
+    return fp8_linear_triton(x, weight, scales, block_size, bias)
