@@ -54,11 +54,13 @@ class Metrics:
         self.cached_pages = Gauge("punica_prefix_cache_pages", "KV-cache pages in the prefix cache", registry=r)
         self.chunked_steps = Counter("punica_chunked_prefill_steps", "Steps that ran a prompt chunk short of its "
                                      "prompt's end", registry=r)
+        self.preemptions = Counter("punica_preemptions", "Running requests preempted for KV-cache room (their "
+                                   "tokens recomputed when readmitted)", registry=r)
         self.adapter_residency = ResidencyCollector()  # punica_adapter_* per adapter, set before each scrape
         r.register(self.adapter_residency)
         self._recent: deque[tuple[float, int]] = deque()
         self._constrained_seen, self._compile_seen = 0, 0.0  # the engine's totals at the last update
-        self._chunked_seen = 0
+        self._chunked_seen = self._preemptions_seen = 0
         self._totals_lock = threading.Lock()  # the engine thread and /metrics both update them
 
     def on_step(self, engine: Engine, outputs: list[RequestOutput], seconds: float) -> None:
@@ -102,3 +104,5 @@ class Metrics:
             self._compile_seen = max(self._compile_seen, stats.grammar_compile_seconds)
             self.chunked_steps.inc(max(0, stats.num_chunked_steps - self._chunked_seen))
             self._chunked_seen = max(self._chunked_seen, stats.num_chunked_steps)
+            self.preemptions.inc(max(0, stats.num_preemptions - self._preemptions_seen))
+            self._preemptions_seen = max(self._preemptions_seen, stats.num_preemptions)
