@@ -12,8 +12,9 @@ disconnects). It samples the server's resident memory and /health's latency as i
 Checks, each a failure (exit code 1) when broken: no normal request lost (every one not cancelled
 answers 200 with finish_reason stop or length and no more tokens than asked), no hostile request
 answered 5xx, /health always answering within a second, and, once traffic stops and the server is
-idle, no running or queued request, KV page or adapter slot held (from /metrics). Memory is
-reported, not judged: the resident set over time, and its growth after the first fifth of the run.
+idle, no running or queued request, KV page or adapter slot held (from /metrics). Reported, not
+judged: memory (the resident set over time, and its growth after the first fifth of the run) and
+what the KV cache went through (preemptions, chunked steps, prefix-cache hits and pages).
 Writes soak.json and soak.png under --out and prints a summary last.
 """
 
@@ -204,7 +205,7 @@ def metric(text: str, name: str) -> float:
 
 
 async def soak(url: str, pid: int, duration: float, tenants: int, sample_s: float, seed: int,
-               adapters: list[str], hostile_dir: Path) -> tuple[Tally, list[dict], dict]:
+               adapters: list[str], hostile_dir: Path) -> tuple[Tally, list[dict], dict, dict]:
     tally, series = Tally(), []
     start = time.monotonic()
     until = start + duration
@@ -224,7 +225,12 @@ async def soak(url: str, pid: int, duration: float, tenants: int, sample_s: floa
     for name, value in gauges.items():
         if value:
             tally.fail(f"idle server still has {name} {value}")
-    return tally, series, gauges
+    # what the KV cache went through: reported, not judged
+    kv_cache = {name: metric(text, f"punica_{name}") for name in
+                ("preemptions_total", "chunked_prefill_steps_total", "prefix_cache_pages")}
+    kv_cache["prefix_cache_hit_tokens_total"] = sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                                                    if line.startswith("punica_prefix_cache_hit_tokens_total{"))
+    return tally, series, gauges, kv_cache
 
 
 def plot(series: list[dict], path: Path, title: str) -> None:
@@ -271,15 +277,16 @@ def main() -> int:
                 if server.poll() is not None or time.monotonic() > deadline:
                     raise RuntimeError(f"the server did not start:\n{(root / 'server.log').read_text()[-3000:]}")
                 time.sleep(0.5)
-            tally, series, gauges = asyncio.run(soak(url, server.pid, args.duration, args.tenants, args.sample_s,
-                                                     args.seed, hostile_names, root / "hostile"))
+            tally, series, gauges, kv_cache = asyncio.run(soak(url, server.pid, args.duration, args.tenants,
+                                                               args.sample_s, args.seed, hostile_names,
+                                                               root / "hostile"))
         finally:
             server.terminate()
             server.wait(60)
     warm = [s for s in series if s["t_s"] >= args.duration / 5]
     growth = warm[-1]["rss_mb"] - warm[0]["rss_mb"] if len(warm) > 1 else 0.0
     summary = {"normal": tally.normal, "cancelled": tally.cancelled, "hostile": tally.hostile,
-               "failures": tally.failures, "idle_gauges": gauges,
+               "failures": tally.failures, "idle_gauges": gauges, "kv_cache": kv_cache,
                "rss_mb_first": series[0]["rss_mb"] if series else None,
                "rss_mb_after_warm_up": warm[0]["rss_mb"] if warm else None,
                "rss_mb_last": series[-1]["rss_mb"] if series else None, "rss_growth_after_warm_up_mb": growth,
