@@ -97,7 +97,9 @@ def tiny_family_model(family: str, seed: int = 0, **overrides):
     config = AutoConfig.for_model(model_type, **(shape | family_overrides | overrides))
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model = AutoModelForCausalLM.from_config(config).eval()
+        # eager attention, the reference math, whatever a transformers version picks by default: SDPA has
+        # no attention softcap (Gemma 2)
+        model = AutoModelForCausalLM.from_config(config, attn_implementation="eager").eval()
         with torch.no_grad():
             for name, param in model.named_parameters():
                 if name.endswith(".bias"):
