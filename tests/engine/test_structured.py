@@ -9,6 +9,9 @@ from punica.engine.sampler import sample
 from punica.engine.sampling_params import SamplingParams, SamplingParamsError, StructuredOutputs
 from punica.engine.structured import apply_bitmasks
 
+# bf16 logits of the tiny model (|logit| < 1) against fp32 ones: a few bf16 ulps at most
+BF16_LOGPROB_TOL = 0.02
+
 
 @pytest.mark.parametrize("kwargs", [{}, {"json": {}, "regex": "a"}, {"json_object": False}, {"json": "{"},
                                     {"json": "[1]"}, {"choice": []}, {"choice": ["a", 3]}, {"regex": ""},
@@ -97,6 +100,32 @@ def test_logit_bias_and_top_logprobs_in_a_mixed_batch(setup, make_engine, worklo
             assert [lp for _, lp in top] == pytest.approx(reference.values.tolist(), abs=1e-4)
             tokens.append(token)
 
+
+
+@pytest.mark.cuda
+def test_top_logprobs_in_bf16_through_cuda_graphs_are_a_reference_softmax(setup, make_engine, workload):
+    """On the GPU in bf16, replaying CUDA graphs: each row's top-5 logprobs are transformers + PEFT's fp32
+    log-softmax at the same ids, within bf16's error, and they are the reference's top 5 up to ties
+    within that error; the greedy token is the first of them."""
+    engine = make_engine(setup, device="cuda", dtype=torch.bfloat16, max_batch_size=8)
+    assert engine.executor.worker.uses_cuda_graphs
+    _, _, peft_model = setup
+    requests = workload(8, seed=4)
+    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True, top_logprobs=5)
+    ids = [engine.add_request(prompt, params, adapter) for prompt, adapter, _ in requests]
+    outs = {o.request_id: o for step in engine.steps() for o in step if o.finished}
+    for (prompt, adapter, _), rid in zip(requests, ids):
+        tokens = list(prompt)
+        for token, top in zip(outs[rid].token_ids, outs[rid].top_logprobs):
+            with torch.no_grad():
+                logits = peft_model(torch.tensor([tokens]), adapter_names=[adapter or "__base__"]).logits[0, -1]
+            reference = torch.log_softmax(logits.float(), -1)
+            top_ids = [t for t, _ in top]
+            assert [lp for _, lp in top] == pytest.approx(reference[top_ids].tolist(), abs=BF16_LOGPROB_TOL)
+            assert reference[top_ids].sort(descending=True).values.tolist() == pytest.approx(
+                reference.topk(5).values.tolist(), abs=2 * BF16_LOGPROB_TOL)
+            assert token == top_ids[0]
+            tokens.append(token)
 
 @pytest.fixture(scope="module")
 def grammar_setup(tmp_path_factory, tiny_llama, make_peft_adapter):
