@@ -52,6 +52,9 @@ from punica.models.loader import dummy_model
 
 PAGE_SIZE = 16
 SLACK = 64  # output tokens beyond warmup + steps: requests prefilled in earlier steps must not finish
+# the step budget is the whole KV cache, so prompts prefill without chunks: requests that start in
+# earlier steps would otherwise decode through the prefill of the rest and finish (or outgrow the
+# cache) before the timed steps
 
 
 def cpu_copy_bandwidth() -> float:
@@ -204,7 +207,7 @@ def main() -> None:
     kv_tokens = max_batch * (max(args.contexts) + args.warmup + args.steps + SLACK + 2 * PAGE_SIZE)
     engine_args = from_arguments(EngineArgs, args, model=args.preset, load_format="dummy", max_batch_size=max_batch,
                                  max_loras=max_batch, max_lora_rank=args.rank, page_size=PAGE_SIZE,
-                                 kv_cache_tokens=kv_tokens)
+                                 kv_cache_tokens=kv_tokens, max_num_batched_tokens=kv_tokens)
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         files = [save_random_adapter(Path(tmp) / f"f{i}", config, args.rank, seed=i) for i in range(args.files)]
