@@ -7,8 +7,9 @@ the bf16 GEMM (F.linear), the weight-only fp8 GEMM (punica.ops.fp8_triton, per-c
 128 x 128 block scales), and the fp8 tensor-core path (per-token activation quantization +
 torch._scaled_mm, per-channel scales), each timed with triton.testing.do_bench (median, CUDA events)
 on bf16 activations. `weight_floor_us`: the fp8 weight's bytes over the copy bandwidth (as roofline's floor).
-The crossover to put in punica.ops.fp8.WEIGHT_ONLY_MAX_TOKENS is the least T from which
-_scaled_mm is faster on every projection. CUDA only. Writes fp8_gemm.json and fp8_gemm.png.
+The crossover to put in punica.ops.fp8.WEIGHT_ONLY_MAX_TOKENS is the least T from which the
+_scaled_mm GEMMs of a layer (its four projections) take less time in all than the weight-only
+ones. CUDA only. Writes fp8_gemm.json and fp8_gemm.png.
 """
 
 from __future__ import annotations
@@ -63,8 +64,11 @@ def main() -> None:
             row |= {key: 1e3 * triton.testing.do_bench(fn) for key, fn in timings.items()}
             rows.append(row)
             print(f"{name} T={t}: " + ", ".join(f"{key} {row[key]:.1f}" for key in timings), flush=True)
-    crossover = next((t for t in args.tokens if all(r["scaled_mm_us"] <= r["weight_only_us"] for r in rows
-                                                    if r["tokens"] >= t)), None)
+    def layer_us(t: int, key: str) -> float:
+        return sum(r[key] for r in rows if r["tokens"] == t)
+
+    crossover = next((t for t in args.tokens if all(layer_us(u, "scaled_mm_us") <= layer_us(u, "weight_only_us")
+                                                    for u in args.tokens if u >= t)), None)
     meta = {"device": torch.cuda.get_device_name(), "preset": args.preset, "copy_bandwidth_Bps": bandwidth,
             "crossover_tokens": crossover, "date": time.strftime("%Y-%m-%d"), "torch": torch.__version__,
             "triton": triton.__version__}

@@ -33,10 +33,10 @@ import torch.nn.functional as F
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0  # the largest finite e4m3fn value
-# The crossover from the weight-only GEMM to the fp8 tensor-core GEMM, in tokens. To be measured
-# on the H200 (benchmarks.roofline / benchmarks.textgen with --quantizations none fp8): decode
-# batches up to 32 stay weight-only, where the weight's bytes, not the multiplies, set the time.
-WEIGHT_ONLY_MAX_TOKENS = 64
+# The crossover from the weight-only GEMM to the fp8 tensor-core GEMM, in tokens: measured on the
+# H200 by benchmarks.fp8_gemm (docs/benchmarks.md), the weight-only GEMMs of a 7B layer take less
+# time in all than _scaled_mm's up to 256 tokens (490 against 505 us), and more from 512.
+WEIGHT_ONLY_MAX_TOKENS = 256
 MIN_ACTIVATION_AMAX = 1e-12  # a row of zeros gets this amax, so its scale is not 0
 
 

@@ -22,6 +22,7 @@ import triton.language as tl
 from punica.ops.triton_env import interpreting
 
 MAX_BLOCK_K = 128
+DECODE_BLOCK_K = 256  # the K step of decode tiles with per-channel scales (see tile_shape)
 
 
 @triton.jit
@@ -74,15 +75,17 @@ def block_k_for(block_size: tuple[int, int] | None) -> int | None:
     return None
 
 
-def tile_shape(num_tokens: int, n: int) -> tuple[int, int, int]:
-    """(BLOCK_M, BLOCK_N, num_warps) for a token count and N. Few tokens: 16-row tiles and narrow
-    column tiles, so that a decode GEMM of N = 4096 still spreads over ~128 programs that stream
-    the weight; many tokens: square 64 x 64 tiles. To be tuned on the H200."""
+def tile_shape(num_tokens: int, block_k: int, per_channel: bool) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps) for a token count; block_k: block_k_for's K step. Up
+    to 16 tokens (decode): 16 x 32 tiles, and with per-channel scales K steps of DECODE_BLOCK_K, the
+    best single shape over a 7B layer's four projections in a sweep on the H200 (docs/benchmarks.md):
+    136 us a layer at 1 token and 121 at 16, against 179 and 190 with K steps of 128 (and 16 x 64
+    tiles where N > 8192), and 151 for bf16. More tokens: 32 x 64, then 64 x 64 tiles."""
     if num_tokens <= 16:
-        return 16, 32 if n <= 8192 else 64, 4
+        return 16, 32, DECODE_BLOCK_K if per_channel else block_k, 4
     if num_tokens <= 64:
-        return 32, 64, 4
-    return 64, 64, 4
+        return 32, 64, block_k, 4
+    return 64, 64, block_k, 4
 
 
 def fp8_linear_triton(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor,
@@ -96,8 +99,8 @@ def fp8_linear_triton(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tenso
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m == 0:
         return out
-    block_m, block_n, num_warps = tile_shape(m, n)
     per_channel = block_size is None
+    block_m, block_n, block_k, num_warps = tile_shape(m, block_k, per_channel)
     scale_rows, scale_cols = (1, k) if per_channel else block_size
     stride_sn, stride_sk = (scales.stride(0), 0) if per_channel else scales.stride()
     grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n))

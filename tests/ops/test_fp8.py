@@ -92,12 +92,13 @@ COMPILE_SCRIPT = textwrap.dedent('''
     except Exception as e:  # no CUDA backend in this Triton build
         print(f"no CUDA backend: {e!r}")
         sys.exit(77)
+    from punica.ops.fp8_triton import DECODE_BLOCK_K, MAX_BLOCK_K
     from punica.ops.fp8_triton import _fp8_gemm_kernel as fn
 
     POINTERS = {"x": "*bf16", "out": "*bf16", "bias": "*bf16", "w": "*fp8e4nv", "scales": "*fp32"}
     for per_channel, has_bias in itertools.product((False, True), repeat=2):
         consts = dict(PER_CHANNEL=per_channel, HAS_BIAS=has_bias, UPCAST=False, PRECISION="tf32", BLOCK_M=16,
-                      BLOCK_N=32, BLOCK_K=128)
+                      BLOCK_N=32, BLOCK_K=DECODE_BLOCK_K if per_channel else MAX_BLOCK_K)
         signature, constexprs = {}, {}
         for i, name in enumerate(fn.arg_names):
             if name in consts:
