@@ -118,9 +118,15 @@ def bgmv_expand_ref(y, v, lora_b, token_slots, scales, slice_bounds=None, token_
             y[rows] = _dora_scaled(y[rows].float() + delta, slot, dora).to(y.dtype)
 
 
+def _into(out: torch.Tensor | None, v: torch.Tensor) -> torch.Tensor:
+    """v, or `out` holding it (the references build v; the Triton kernels write `out` directly)."""
+    return v if out is None else out.copy_(v)
+
+
 def sgmv_shrink(x: torch.Tensor, lora_a: torch.Tensor, seg_indptr: torch.Tensor,
-                seg_slots: torch.Tensor, block_m: int | None = None) -> torch.Tensor:
-    """Segmented shrink (`block_m`: the Triton tile height, by default from the shapes).
+                seg_slots: torch.Tensor, block_m: int | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Segmented shrink (`block_m`: the Triton tile height, by default from the shapes; `out`: a
+    [T, R] fp32 tensor that receives v).
 
         x: [T, h_in], lora_a: [S, R, h_in], seg_indptr: [n+1], seg_slots: [n]  ->  v: [T, R] fp32
         for i in range(n):
@@ -129,8 +135,8 @@ def sgmv_shrink(x: torch.Tensor, lora_a: torch.Tensor, seg_indptr: torch.Tensor,
     """
     if x.is_cuda:
         from punica.ops.lora_triton import sgmv_shrink_triton
-        return sgmv_shrink_triton(x, lora_a, seg_indptr, seg_slots, block_m=block_m)
-    return sgmv_shrink_ref(x, lora_a, seg_indptr, seg_slots)
+        return sgmv_shrink_triton(x, lora_a, seg_indptr, seg_slots, out=out, block_m=block_m)
+    return _into(out, sgmv_shrink_ref(x, lora_a, seg_indptr, seg_slots))
 
 
 def sgmv_expand(y: torch.Tensor, v: torch.Tensor, lora_b: torch.Tensor, seg_indptr: torch.Tensor,
@@ -158,16 +164,17 @@ def sgmv_expand(y: torch.Tensor, v: torch.Tensor, lora_b: torch.Tensor, seg_indp
     return sgmv_expand_ref(y, v, lora_b, seg_indptr, seg_slots, scales, slice_bounds, token_scales, dora)
 
 
-def bgmv_shrink(x: torch.Tensor, lora_a: torch.Tensor, token_slots: torch.Tensor) -> torch.Tensor:
-    """Batched-gather shrink, one slot per token.
+def bgmv_shrink(x: torch.Tensor, lora_a: torch.Tensor, token_slots: torch.Tensor,
+                out: torch.Tensor | None = None) -> torch.Tensor:
+    """Batched-gather shrink, one slot per token (`out` as sgmv_shrink's).
 
         x: [T, h_in], lora_a: [S, R, h_in], token_slots: [T]  ->  v: [T, R] fp32
         v[t] = x[t] @ lora_a[token_slots[t]].T   if token_slots[t] >= 0 else 0
     """
     if x.is_cuda:
         from punica.ops.lora_triton import bgmv_shrink_triton
-        return bgmv_shrink_triton(x, lora_a, token_slots)
-    return bgmv_shrink_ref(x, lora_a, token_slots)
+        return bgmv_shrink_triton(x, lora_a, token_slots, out=out)
+    return _into(out, bgmv_shrink_ref(x, lora_a, token_slots))
 
 
 def bgmv_expand(y: torch.Tensor, v: torch.Tensor, lora_b: torch.Tensor, token_slots: torch.Tensor,
@@ -198,10 +205,12 @@ def lora_shrink(x: torch.Tensor, lora_a: torch.Tensor, indices: LoraIndices) -> 
     n = indices.sgmv_tokens
     if n == 0:
         return bgmv_shrink(x, lora_a, indices.token_slots)
-    v = sgmv_shrink(x[:n], lora_a, indices.seg_indptr, indices.seg_slots, indices.sgmv_block_m)
     if n == x.shape[0]:
-        return v
-    return torch.cat([v, bgmv_shrink(x[n:], lora_a, indices.token_slots[n:])])
+        return sgmv_shrink(x, lora_a, indices.seg_indptr, indices.seg_slots, indices.sgmv_block_m)
+    v = torch.empty(x.shape[0], lora_a.shape[1], dtype=torch.float32, device=x.device)
+    sgmv_shrink(x[:n], lora_a, indices.seg_indptr, indices.seg_slots, indices.sgmv_block_m, out=v[:n])
+    bgmv_shrink(x[n:], lora_a, indices.token_slots[n:], out=v[n:])
+    return v
 
 
 def lora_expand(y: torch.Tensor, v: torch.Tensor, lora_b: torch.Tensor, scales: torch.Tensor,
