@@ -80,7 +80,7 @@ class Instance:
         self.y = torch.randn(self.num_tokens, h_out, device=device, generator=gen, dtype=dtype)
         self.v = torch.empty(self.num_tokens, rank, device=device)
         self.row_sums = torch.empty(self.num_tokens, device=device)
-        self.batch = LoraBatch.build(slots, lens, device=device, use_bgmv=False)  # segments for SGMV and Loop
+        self.batch = LoraBatch.build(slots, lens, device=device, kernel="sgmv")  # segments for SGMV and Loop
         # host-side segments for Loop (fixed per capture, as a Python loop must be)
         bounds = self.batch.seg_indptr.tolist()
         self.segments = [(s, bounds[i], bounds[i + 1]) for i, s in enumerate(self.batch.seg_slots.tolist())]

@@ -145,6 +145,6 @@ class StepInput:
             num_prefill_tokens=self.num_prefill_tokens,
         )
 
-    def lora_batch(self, device: torch.device | str, use_bgmv: bool | None = None) -> LoraBatch:
-        return LoraBatch.build(self.request_slots.tolist(), self.query_lens.tolist(), device, use_bgmv,
-                               self.request_scales.tolist(), self.num_prefills)
+    def lora_batch(self, device: torch.device | str) -> LoraBatch:
+        return LoraBatch.build(self.request_slots.tolist(), self.query_lens.tolist(), device,
+                               request_scales=self.request_scales.tolist(), num_prefills=self.num_prefills)

@@ -8,6 +8,8 @@ import torch
 
 from punica.ops.lora_shapes import sgmv_block_m
 
+KERNELS = ("auto", "sgmv", "bgmv")  # LoraBatch.build's choices of kernel
+
 
 @dataclass(frozen=True)
 class LoraBatch:
@@ -31,7 +33,7 @@ class LoraBatch:
 
     @classmethod
     def build(cls, request_slots: list[int], request_num_tokens: list[int],
-              device: torch.device | str = "cpu", use_bgmv: bool | None = None,
+              device: torch.device | str = "cpu", kernel: str = "auto",
               request_scales: list[float] | None = None, num_prefills: int | None = None) -> LoraBatch:
         """From each request's slot, token count and lora_scale (default 1), in the batch's token
         order; the first `num_prefills` requests (default: all) may run SGMV.
@@ -41,13 +43,17 @@ class LoraBatch:
         decode) to get fewer, longer segments. By default, on the GPU, the prefill requests run
         SGMV where it is measured faster for their shape (`sgmv_prefix`) and the rest BGMV; on
         the CPU (the references) every request runs SGMV, whose segment loop is the cheaper one.
-        `use_bgmv` forces every token to BGMV (True) or the prefill requests to SGMV (False).
+        `kernel` picks instead: "bgmv" runs every token on BGMV (no segments), "sgmv" gives every
+        prefill request its segment and runs them on SGMV (the batch of an operator test that wants
+        every request's segments: all requests, with `num_prefills` left out).
         """
+        if kernel not in KERNELS:
+            raise ValueError(f"kernel must be one of {KERNELS}, got {kernel!r}")
         assert len(request_slots) == len(request_num_tokens)
         scales = request_scales if request_scales is not None else [1.0] * len(request_slots)
         assert len(scales) == len(request_slots)
         prefills = len(request_slots) if num_prefills is None else num_prefills
-        if use_bgmv is None and torch.device(device).type != "cuda":
+        if kernel == "auto" and torch.device(device).type != "cuda":
             prefills = len(request_slots)
         indptr, slots = [0], []
         for slot, n in zip(request_slots[:prefills], request_num_tokens[:prefills]):
@@ -59,9 +65,7 @@ class LoraBatch:
                 slots.append(slot)
                 indptr.append(indptr[-1] + n)
         block_m = sgmv_block_m(indptr[-1], len(slots))
-        if use_bgmv is None:
-            use_bgmv = torch.device(device).type == "cuda" and block_m == 1
-        if use_bgmv:
+        if kernel == "bgmv" or (kernel == "auto" and torch.device(device).type == "cuda" and block_m == 1):
             indptr, slots = [0], []
         token_slots = [s for s, n in zip(request_slots, request_num_tokens) for _ in range(n)]
         token_scales = [scale for scale, n in zip(scales, request_num_tokens) for _ in range(n)]

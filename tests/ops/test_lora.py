@@ -48,8 +48,8 @@ def test_sgmv_equals_bgmv_equals_loop(workload, dtype):
     y0 = torch.randn(sum(req_lens), h_out, generator=gen).to(dtype)
     expect = naive(y0, x, a, b, scales, req_slots, req_lens)
     tol = 1e-5 if dtype == torch.float32 else 3e-2
-    for use_bgmv in (False, True):
-        batch = LoraBatch.build(req_slots, req_lens, use_bgmv=use_bgmv)
+    for kernel in ("sgmv", "bgmv"):
+        batch = LoraBatch.build(req_slots, req_lens, kernel=kernel)
         y = y0.clone()
         ops.add_lora(y, x, a, b, scales, batch)
         torch.testing.assert_close(y.double(), expect, rtol=tol, atol=tol)
@@ -96,17 +96,19 @@ def test_lora_batch_runs_prefills_on_sgmv_and_decodes_on_bgmv():
     """A mixed batch (3 prefill requests, then decodes): the segments cover the prefill tokens
     only, SGMV runs them and BGMV the decodes; forced BGMV covers no token with segments."""
     slots, lens = [2, 2, 0, 1, -1, 2, 0], [3, 2, 6, 1, 1, 1, 1]
-    mixed = LoraBatch.build(slots, lens, use_bgmv=False, num_prefills=3)
+    mixed = LoraBatch.build(slots, lens, kernel="sgmv", num_prefills=3)
     assert mixed.sgmv_tokens == 11 and mixed.seg_indptr.tolist() == [0, 5, 11] and mixed.seg_slots.tolist() == [2, 0]
     assert mixed.token_slots.tolist() == [2] * 5 + [0] * 6 + [1, -1, 2, 0]
     every = LoraBatch.build(slots, lens)  # on the CPU: every request a segment
     assert every.sgmv_tokens == 15 and every.seg_slots.tolist() == [2, 0, 1, -1, 2, 0]
-    bgmv = LoraBatch.build(slots, lens, use_bgmv=True, num_prefills=3)
+    bgmv = LoraBatch.build(slots, lens, kernel="bgmv", num_prefills=3)
     assert bgmv.sgmv_tokens == 0 and bgmv.seg_indptr.tolist() == [0] and bgmv.seg_slots.numel() == 0
+    with pytest.raises(ValueError, match="kernel must be one of"):
+        LoraBatch.build(slots, lens, kernel="segmented")
 
 
-@pytest.mark.parametrize("use_bgmv,num_prefills", [(False, None), (True, None), (False, 3)])
-def test_add_lora_on_a_group_equals_one_add_lora_per_projection(use_bgmv, num_prefills):
+@pytest.mark.parametrize("kernel,num_prefills", [("sgmv", None), ("bgmv", None), ("sgmv", 3)])
+def test_add_lora_on_a_group_equals_one_add_lora_per_projection(kernel, num_prefills):
     """q/k/v as one group: stacked A [S, 3R, h], stacked B [S, q+2kv, R], one call on the fused
     output; equal to the plain meaning, one projection (column slice) at a time, in float64."""
     gen = torch.Generator().manual_seed(4)
@@ -121,7 +123,7 @@ def test_add_lora_on_a_group_equals_one_add_lora_per_projection(use_bgmv, num_pr
     expect = torch.cat([naive(y0[:, lo:hi], x, p[0], p[1], scales, req_slots, req_lens)
                         for (lo, hi), p in zip(zip(bounds, bounds[1:]), parts)], dim=1)
     y = y0.clone()
-    batch = LoraBatch.build(req_slots, req_lens, use_bgmv=use_bgmv, num_prefills=num_prefills)
+    batch = LoraBatch.build(req_slots, req_lens, kernel=kernel, num_prefills=num_prefills)
     ops.add_lora(y, x, a, b, scales, batch, bounds)
     torch.testing.assert_close(y.double(), expect, rtol=1e-5, atol=1e-5)
     assert torch.equal(y[3:7], y0[3:7])  # the request without LoRA

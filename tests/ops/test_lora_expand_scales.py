@@ -22,7 +22,7 @@ def test_token_scales_and_dora_match_reference(slice_bounds=(0, 23, 30, 41)):
     dora = (torch.rand(3, h_out, generator=gen) + 0.5, torch.tensor([1, 0, 1], dtype=torch.int32))
     dora = tuple(t.to(DEVICE) for t in dora)
     slots, lens, request_scales = [0, 0, -1, 1, 1, 1, 2], [20, 3, 4, 17, 2, 18, 1], [1.0, 1.0, 1.0, 0.0, 1.0, 0.4, 1.0]
-    batch = LoraBatch.build(slots, lens, device=DEVICE, request_scales=request_scales, use_bgmv=False)
+    batch = LoraBatch.build(slots, lens, device=DEVICE, request_scales=request_scales, kernel="sgmv")
     assert batch.seg_slots.tolist() == [0, -1, 1, 2], "one segment per run of a slot, whatever the scales"
     x = torch.randn(sum(lens), 19, generator=gen).to(DEVICE)
     y0 = torch.randn(sum(lens), h_out, generator=gen).to(DEVICE)

@@ -86,7 +86,7 @@ def test_kernels_match_reference_mixed_ranks(workload, dtype):
     num_slots = max(slots) + 2
     ranks = [rng.choice([1, 3, 5, 8, 13]) for _ in range(num_slots)]
     a, b, scales = make_pool(num_slots, ranks, 67, 45, dtype, gen)
-    batch = LoraBatch.build(slots, lens, device=DEVICE, use_bgmv=False)
+    batch = LoraBatch.build(slots, lens, device=DEVICE, kernel="sgmv")
     x = torch.randn(sum(lens), 67, generator=gen).to(dtype).to(DEVICE)
     y0 = torch.randn(sum(lens), 45, generator=gen).to(dtype).to(DEVICE)
     check_all_kernels(x, y0, a, b, scales, batch, Y_TOL[dtype], block_ms=(1, 16))
@@ -99,7 +99,7 @@ def test_kernels_match_reference_ranks(rank):
     gen = torch.Generator().manual_seed(rank)
     slots, lens = make_requests("uniform", 5, 20, rng)
     a, b, scales = make_pool(max(slots) + 1, [rank] * (max(slots) + 1), 33, 70, torch.bfloat16, gen)
-    batch = LoraBatch.build(slots, lens, device=DEVICE, use_bgmv=False)
+    batch = LoraBatch.build(slots, lens, device=DEVICE, kernel="sgmv")
     x = torch.randn(sum(lens), 33, generator=gen).to(torch.bfloat16).to(DEVICE)
     y0 = torch.randn(sum(lens), 70, generator=gen).to(torch.bfloat16).to(DEVICE)
     check_all_kernels(x, y0, a, b, scales, batch, Y_TOL[torch.bfloat16], block_ms=(1, 32))
@@ -111,7 +111,7 @@ def test_tiles_without_split_k_and_long_segments():
     gen = torch.Generator().manual_seed(3)
     slots, lens = [0, -1, 2, 1], [150, 40, 70, 19]
     a, b, scales = make_pool(3, [4, 16, 9], 40, 24, torch.float32, gen)
-    batch = LoraBatch.build(slots, lens, device=DEVICE, use_bgmv=False)
+    batch = LoraBatch.build(slots, lens, device=DEVICE, kernel="sgmv")
     x = torch.randn(sum(lens), 40, generator=gen).to(DEVICE)
     y0 = torch.randn(sum(lens), 24, generator=gen).to(DEVICE)
     assert sum(lens) // 16 >= kernels.TILE_PROGRAMS_PER_SM * num_sms(x.device) or DEVICE == "cuda"
@@ -141,7 +141,7 @@ def test_empty_segments_and_tokens_past_the_last_segment(block_m):
 def test_expand_into_column_slice_and_shrink_into_out():
     gen = torch.Generator().manual_seed(5)
     a, b, scales = make_pool(3, [4, 8, 2], 16, 24, torch.bfloat16, gen)
-    batch = LoraBatch.build([2, 0, -1, 1], [1, 3, 2, 4], device=DEVICE, use_bgmv=False)
+    batch = LoraBatch.build([2, 0, -1, 1], [1, 3, 2, 4], device=DEVICE, kernel="sgmv")
     x = torch.randn(10, 16, generator=gen).to(torch.bfloat16).to(DEVICE)
     wide = torch.randn(10, 60, generator=gen).to(torch.bfloat16).to(DEVICE)
     before = wide.clone()
@@ -166,7 +166,7 @@ def check_group_kernels(slots, lens, num_slots, rank, h_in, slice_bounds, dtype,
     every kernel of the group against the references (check_all_kernels)."""
     ranks = [rank] + [rng.randint(1, rank) for _ in range(num_slots - 1)]
     a, b, scales = make_group_pool(num_slots, ranks, h_in, slice_bounds, dtype, gen)
-    batch = LoraBatch.build(slots, lens, device=DEVICE, use_bgmv=False)
+    batch = LoraBatch.build(slots, lens, device=DEVICE, kernel="sgmv")
     x = torch.randn(sum(lens), h_in, generator=gen).to(dtype).to(DEVICE)
     y0 = torch.randn(sum(lens), slice_bounds[-1], generator=gen).to(dtype).to(DEVICE)
     check_all_kernels(x, y0, a, b, scales, batch, Y_TOL[dtype], block_ms=block_ms, slice_bounds=slice_bounds)
@@ -197,7 +197,7 @@ def test_group_sliced_expand_equals_one_expand_per_projection():
     gen = torch.Generator().manual_seed(9)
     bounds, rank = (0, 150, 170, 190), 16
     a, b, scales = make_group_pool(4, [16, 7, 3, 12], 21, bounds, torch.float32, gen)
-    batch = LoraBatch.build([3, -1, 0, 2, 1], [40, 3, 50, 9, 60], device=DEVICE, use_bgmv=False)
+    batch = LoraBatch.build([3, -1, 0, 2, 1], [40, 3, 50, 9, 60], device=DEVICE, kernel="sgmv")
     v = ops.sgmv_shrink_ref(torch.randn(162, 21, generator=gen).to(DEVICE), a, batch.seg_indptr,
                             batch.seg_slots)
     y0 = torch.randn(162, bounds[-1], generator=gen).to(DEVICE)
@@ -218,7 +218,7 @@ def test_group_sliced_expand_equals_one_expand_per_projection():
 def test_sliced_expand_rejects_mismatched_shapes():
     gen = torch.Generator().manual_seed(2)
     a, b, scales = make_group_pool(2, [4, 4], 8, (0, 5, 9), torch.float32, gen)
-    batch = LoraBatch.build([0, 1], [2, 2], device=DEVICE, use_bgmv=False)
+    batch = LoraBatch.build([0, 1], [2, 2], device=DEVICE, kernel="sgmv")
     y, v = torch.zeros(4, 9, device=DEVICE), torch.zeros(4, 8, device=DEVICE)
     with pytest.raises(AssertionError):  # v has 2 slices of ranks, bounds name 3
         kernels.bgmv_expand_triton(y, v, b, batch.token_slots, scales, slice_bounds=(0, 3, 5, 9))
@@ -256,7 +256,7 @@ def test_real_shapes(hidden, rank, workload):
         # h_in = hidden with h_out = 4096 (down-like) and the reverse (up-like)
         for h_in, h_out in ((hidden, 4096), (4096, hidden)):
             a, b, scales = make_pool(num_slots, ranks, h_in, h_out, dtype, gen)
-            batch = LoraBatch.build(slots, lens, device=DEVICE, use_bgmv=False)
+            batch = LoraBatch.build(slots, lens, device=DEVICE, kernel="sgmv")
             x = torch.randn(sum(lens), h_in, generator=gen).to(dtype).to(DEVICE)
             y0 = torch.randn(sum(lens), h_out, generator=gen).to(dtype).to(DEVICE)
             check_all_kernels(x, y0, a, b, scales, batch, Y_TOL[dtype], block_ms=(None, 1, 64))
@@ -272,9 +272,9 @@ def test_real_shapes_dtypes_through_public_ops(dtype):
     a, b, scales = make_pool(max(slots) + 1, [16] * (max(slots) + 1), 4096, 11008, dtype, gen)
     x = torch.randn(sum(lens), 4096, generator=gen).to(dtype).to(DEVICE)
     y0 = torch.randn(sum(lens), 11008, generator=gen).to(dtype).to(DEVICE)
-    segments = LoraBatch.build(slots, lens, device=DEVICE, use_bgmv=False)
-    for use_bgmv, num_prefills in ((False, None), (True, None), (None, 12)):  # (None, 12): SGMV + BGMV
-        batch = LoraBatch.build(slots, lens, device=DEVICE, use_bgmv=use_bgmv, num_prefills=num_prefills)
+    segments = LoraBatch.build(slots, lens, device=DEVICE, kernel="sgmv")
+    for kernel, num_prefills in (("sgmv", None), ("bgmv", None), ("auto", 12)):  # ("auto", 12): SGMV + BGMV
+        batch = LoraBatch.build(slots, lens, device=DEVICE, kernel=kernel, num_prefills=num_prefills)
         assert num_prefills is None or 0 < batch.sgmv_tokens < x.shape[0]
         y, y_ref = y0.clone(), y0.clone()
         ops.add_lora(y, x, a, b, scales, batch)
@@ -316,9 +316,9 @@ def test_group_real_shapes_through_add_lora(group):
     a, b, scales = make_group_pool(num_slots, [16] * num_slots, h_in, bounds, torch.bfloat16, gen)
     x = torch.randn(sum(lens), h_in, generator=gen).to(torch.bfloat16).to(DEVICE)
     y0 = torch.randn(sum(lens), bounds[-1], generator=gen).to(torch.bfloat16).to(DEVICE)
-    segments = LoraBatch.build(slots, lens, device=DEVICE, use_bgmv=False)
-    for use_bgmv, num_prefills in ((False, None), (True, None), (None, 12)):  # (None, 12): SGMV + BGMV
-        batch = LoraBatch.build(slots, lens, device=DEVICE, use_bgmv=use_bgmv, num_prefills=num_prefills)
+    segments = LoraBatch.build(slots, lens, device=DEVICE, kernel="sgmv")
+    for kernel, num_prefills in (("sgmv", None), ("bgmv", None), ("auto", 12)):  # ("auto", 12): SGMV + BGMV
+        batch = LoraBatch.build(slots, lens, device=DEVICE, kernel=kernel, num_prefills=num_prefills)
         assert num_prefills is None or 0 < batch.sgmv_tokens < x.shape[0]
         y, y_ref = y0.clone(), y0.clone()
         ops.add_lora(y, x, a, b, scales, batch, slice_bounds=bounds)
@@ -348,7 +348,7 @@ def test_cuda_graph_replay_equals_eager(num_requests, max_len, slice_bounds, cap
                                    h_in, bounds, dtype, gen)
     slots, lens = make_requests("uniform", num_requests - 1, max_len, rng)
     num_tokens = sum(lens)
-    static = LoraBatch.build(slots, lens, device=DEVICE, use_bgmv=False)
+    static = LoraBatch.build(slots, lens, device=DEVICE, kernel="sgmv")
     x_src = torch.randn(num_tokens, h_in, generator=gen).to(dtype).to(DEVICE)
     y_src = torch.randn(num_tokens, h_out, generator=gen).to(dtype).to(DEVICE)
     x, y, y_tok = torch.empty_like(x_src), torch.empty_like(y_src), torch.empty_like(y_src)
@@ -370,12 +370,12 @@ def test_cuda_graph_replay_equals_eager(num_requests, max_len, slice_bounds, cap
         # same number of tokens and segments, new boundaries, slots and data
         while True:
             slots, lens = make_requests("uniform", num_requests - 1, max_len, rng)
-            batch = LoraBatch.build(slots, lens, device=DEVICE, use_bgmv=False)
+            batch = LoraBatch.build(slots, lens, device=DEVICE, kernel="sgmv")
             if sum(lens) <= num_tokens and batch.seg_slots.numel() <= static.seg_slots.numel():
                 break
         lens[-1] += num_tokens - sum(lens)
         pad = static.seg_slots.numel() - batch.seg_slots.numel()
-        batch = LoraBatch.build(slots, lens, device=DEVICE, use_bgmv=False)
+        batch = LoraBatch.build(slots, lens, device=DEVICE, kernel="sgmv")
         static.seg_indptr.copy_(torch.cat([batch.seg_indptr, batch.seg_indptr[-1:].repeat(pad)]))
         static.seg_slots.copy_(torch.cat([batch.seg_slots, batch.seg_slots[-1:].repeat(pad)]))
         static.token_slots.copy_(batch.token_slots)
