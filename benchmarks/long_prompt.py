@@ -22,6 +22,7 @@ and long_prompt.png under --out.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import random
 import statistics
@@ -119,6 +120,25 @@ def plot(rows: list[dict], path: Path, title: str) -> None:
     save_figure(fig, path, title)
 
 
+@contextlib.contextmanager
+def decodes_engine(preset: str, decodes: int, longest_prompt: int, budget: int, dtype: torch.dtype, device: str):
+    """An engine of --preset's shapes with dummy weights for `decodes` requests decoding beside one
+    prompt of up to `longest_prompt` tokens: a rank-16 adapter per request (`lora0` ... in a
+    temporary directory), KV room for the prompt and 1,024 tokens per decode, the step budget
+    `budget`, warmed up (graphs captured, every adapter resident). Yields (engine, model config)."""
+    longest = longest_prompt + 2048
+    config = dataclasses.replace(preset_config(preset), max_position_embeddings=longest)
+    model = dummy_model(config, dtype, device)
+    engine_config = EngineConfig(max_batch_size=decodes + 1, max_loras=decodes + 1, max_model_len=longest,
+                                 kv_cache_tokens=longest_prompt + decodes * 1024, max_num_batched_tokens=budget)
+    with tempfile.TemporaryDirectory() as tmp:
+        names = {f"lora{i}": str(save_random_adapter(Path(tmp) / f"a{i}", config, 16, seed=i))
+                 for i in range(decodes + 1)}
+        engine = engine_on_model(model, engine_config, names)
+        warm_up(engine, list(names))
+        yield engine, config
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--preset", default="llama-2-7b")
@@ -129,21 +149,12 @@ def main() -> None:
     args = parser.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
-    longest = max(args.prompts) + 2048
-    config = dataclasses.replace(preset_config(args.preset), max_position_embeddings=longest)
-    model = dummy_model(config, dtype, device)
-    engine_config = EngineConfig(max_batch_size=args.decodes + 1, max_loras=args.decodes + 1, max_model_len=longest,
-                                 kv_cache_tokens=max(args.prompts) + args.decodes * 1024,
-                                 max_num_batched_tokens=args.budgets[0])
     rng = random.Random(0)
     rows = []
-    with tempfile.TemporaryDirectory() as tmp:
-        names = {f"lora{i}": str(save_random_adapter(Path(tmp) / f"a{i}", config, 16, seed=i))
-                 for i in range(args.decodes + 1)}
-        start = time.perf_counter()
-        engine = engine_on_model(model, engine_config, names)
-        warm_up(engine, list(names))
-        print(f"start-up (graphs, adapters) {time.perf_counter() - start:.1f} s", flush=True)
+    start = time.perf_counter()
+    with decodes_engine(args.preset, args.decodes, max(args.prompts), args.budgets[0], dtype, device) as setup:
+        engine, config = setup
+        print(f"start-up (weights, graphs, adapters) {time.perf_counter() - start:.1f} s", flush=True)
         modes = [(f"chunked {b}", True, b) for b in args.budgets] + [("unchunked", False, max(args.prompts))]
         for name, chunked, budget in modes:
             engine.scheduler.chunked_prefill, engine.scheduler.max_num_batched_tokens = chunked, budget

@@ -21,7 +21,6 @@ group's us per step. Writes step_profile.json under
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import random
 import re
@@ -32,12 +31,9 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.common import format_table, warm_up, write_results
-from punica.config import EngineConfig, preset_config
+from benchmarks.common import format_table, write_results
+from benchmarks.long_prompt import decodes_engine
 from punica.engine.sampling_params import SamplingParams
-from punica.factory import engine_on_model
-from punica.lora.dummy import save_random_adapter
-from punica.models.loader import dummy_model
 
 GROUPS = (  # first match wins
     ("attention, prefill", r"prefill_(kernel|merge)"),
@@ -94,19 +90,11 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--out", type=Path, default=Path("results/step_profile"))
     args = parser.parse_args()
-    longest = args.prompt + 2048
-    config = dataclasses.replace(preset_config(args.preset), max_position_embeddings=longest)
-    model = dummy_model(config, torch.bfloat16, "cuda")
-    engine_config = EngineConfig(max_batch_size=args.decodes + 1, max_loras=args.decodes + 1, max_model_len=longest,
-                                 kv_cache_tokens=args.prompt + args.decodes * 1024,
-                                 max_num_batched_tokens=args.budgets[0])
     rng = random.Random(0)
     rows = []
-    with tempfile.TemporaryDirectory() as tmp:
-        names = {f"lora{i}": str(save_random_adapter(Path(tmp) / f"a{i}", config, 16, seed=i))
-                 for i in range(args.decodes + 1)}
-        engine = engine_on_model(model, engine_config, names)
-        warm_up(engine, list(names))
+    setup = decodes_engine(args.preset, args.decodes, args.prompt, args.budgets[0], torch.bfloat16, "cuda")
+    with setup as (engine, config), tempfile.TemporaryDirectory() as tmp:
+        trace_dir = Path(tmp)
         for budget in args.budgets:
             engine.scheduler.max_num_batched_tokens = budget
             params = SamplingParams(max_tokens=100_000, temperature=0, ignore_eos=True)
@@ -114,7 +102,7 @@ def main() -> None:
                    for i in range(args.decodes)]
             for _ in range(20):
                 engine.step()
-            rows.append({"budget": budget, "point": "decode", **profile_steps(engine, args.steps, Path(tmp))})
+            rows.append({"budget": budget, "point": "decode", **profile_steps(engine, args.steps, trace_dir)})
             long_id = engine.add_request([rng.randrange(3, config.vocab_size) for _ in range(args.prompt)],
                                          SamplingParams(max_tokens=2, temperature=0, ignore_eos=True),
                                          f"lora{args.decodes}")
@@ -122,7 +110,7 @@ def main() -> None:
                 while engine.requests[long_id].num_cached < at:
                     engine.step()
                 rows.append({"budget": budget, "point": f"chunk after {engine.requests[long_id].num_cached}",
-                             **profile_steps(engine, args.steps, Path(tmp))})
+                             **profile_steps(engine, args.steps, trace_dir)})
             for rid in ids + [long_id]:
                 engine.abort(rid)
             while engine.has_unfinished():
