@@ -34,6 +34,7 @@ from punica.config import EngineArgs
 from punica.engine.admission import checked_prompt
 from punica.engine.outputs import RequestOutput
 from punica.engine.sampling_params import SamplingParams
+from punica.engine.stats import EngineStats
 from punica.lora.adapter import load_adapter
 
 
@@ -67,6 +68,7 @@ class ClusterEngine:
         self._adapters_lock = asyncio.Lock()  # one change of the served set at a time; workers join between
         self.workers: dict[int, ray.actor.ActorHandle] = {}
         self.requests: dict[str, Tracked] = {}
+        self.worker_stats: dict[int, EngineStats] = {}  # each worker's after its last step (kept when it leaves)
         self.num_migrations = 0
         self._wake: dict[int, asyncio.Event] = {}
         self._tasks: set[asyncio.Task] = set()
@@ -264,6 +266,7 @@ class ClusterEngine:
 
     def _apply(self, gpu_id: int, actor: ray.actor.ActorHandle, result: StepResult) -> None:
         now = time.monotonic()
+        self.worker_stats[gpu_id] = result.stats
         self.policy.set_adapters(gpu_id, result.adapters)
         for out in result.outputs:
             tracked = self.requests.get(out.request_id)

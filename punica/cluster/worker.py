@@ -16,6 +16,7 @@ from pathlib import Path
 from punica.config import EngineArgs, ModelConfig
 from punica.engine.outputs import RequestOutput
 from punica.engine.sampling_params import SamplingParams
+from punica.engine.stats import EngineStats
 
 
 @dataclass(frozen=True)
@@ -32,6 +33,7 @@ class StepResult:
     evicted: list[tuple[str, list[int]]]   # (request_id, output_token_ids) handed back
     num_unfinished: int
     adapters: list[str]                    # held on the GPU or loading (AdapterManager.held)
+    stats: EngineStats                     # after the step (the server's metrics sum the workers' totals)
 
 
 class EngineWorker:
@@ -79,7 +81,7 @@ class EngineWorker:
         outputs = self.engine.step()
         evicted = self.engine.take_preempted()
         stats = self.engine.stats()
-        return StepResult(outputs, evicted, stats.num_running + stats.num_waiting, self.engine.adapters.held())
+        return StepResult(outputs, evicted, stats.num_running + stats.num_waiting, self.engine.adapters.held(), stats)
 
     def release(self, request_ids: list[str]) -> list[tuple[str, list[int]]]:
         """Take requests out unfinished (the cluster evicts them): (request_id, output_token_ids);

@@ -36,6 +36,7 @@ from operator import attrgetter
 import torch
 
 from punica.config import EngineConfig
+from punica.engine import prompt_logprobs
 from punica.engine.admission import acquire_adapter, adapter_error, check_lora_scale, checked_prompt, release_adapter
 from punica.engine.detokenizer import IncrementalDetokenizer
 from punica.engine.executor import Executor
@@ -130,6 +131,7 @@ class Engine:
         request = Request(request_id, token_ids, params, adapter=adapter, prompt=text,
                           output_token_ids=list(output_token_ids), registration=self.adapters.current.get(adapter),
                           queued_residency=self.adapters.residency(adapter), matcher=matcher)
+        prompt_logprobs.start(request)
         if adapter_error(self.adapters, request):
             self._queued_unloadable = True  # it fails at the next step, as if queued earlier
         self.requests[request_id] = request
@@ -265,11 +267,14 @@ class Engine:
         self.last_step = StepShape(step.num_requests, int(step.context_lens.sum()), step.num_prefill_tokens)
         logits = self.executor.run(step)
         requests = prefills + decodes
+        if not step.only_last_logits:
+            prompt_logprobs.launch(logits, requests, step.num_logits.tolist())
         for request in requests:
             request.num_cached += request.num_scheduled
-        rows = [row for row, r in enumerate(requests) if r.num_cached == r.num_tokens]
-        if len(rows) < len(requests):
-            requests = [requests[row] for row in rows]
+        last_rows = step.num_logits.cumsum() - 1  # each request's last row of logits
+        rows = [int(last_rows[i]) for i, r in enumerate(requests) if r.num_cached == r.num_tokens]
+        if len(rows) < len(logits):
+            requests = [r for r in requests if r.num_cached == r.num_tokens]
             logits = logits[to_device(torch.tensor(rows, dtype=torch.int64), logits.device)]  # no wait on the step
         return requests, logits
 
@@ -356,6 +361,7 @@ class Engine:
         request.output_token_ids[num_out - 1] = token
         request.num_pending -= 1
         p = request.params
+        prompt_logprobs.take(request)
         if p.wants_logprobs:
             request.output_logprobs.append(logprob)
         if p.top_logprobs:

@@ -38,7 +38,7 @@ class Executor(Protocol):
     can_feed_sampled: bool        # runs steps whose tokens the previous step sampled on the device
 
     def run(self, step: StepInput) -> torch.Tensor:
-        """Logits [step.num_requests, V] float32 on the device of the sampler."""
+        """Logits [step.num_logits.sum(), V] float32 on the device of the sampler (ModelRunner.run)."""
 
     def keep_sampled(self, tokens: torch.Tensor) -> None:
         """Keep a step's sampled tokens on the device, for the next step's fed rows."""

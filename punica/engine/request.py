@@ -33,6 +33,12 @@ class Request:
     num_pending: int = 0
     output_logprobs: list[float] = field(default_factory=list)
     output_top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)  # (token, logprob), best first
+    # prompt logprobs (params.prompt_logprobs): per prompt token, from its first (None); those of
+    # steps whose copy to the host may still be under way wait in prompt_logprob_chunks
+    prompt_logprobs: list[float | None] = field(default_factory=list)
+    prompt_top_logprobs: list[list[tuple[int, float]] | None] = field(default_factory=list)
+    prompt_logprob_chunks: list = field(default_factory=list)  # (punica.engine.prompt_logprobs.Chunk, row, count)
+    num_prompt_logprobs: int = 0         # prompt tokens whose logprob is computed, those in chunks included
     matcher: object = None               # its grammar's xgrammar.GrammarMatcher (structured outputs), or None
     pages: list[int] = field(default_factory=list)
     num_cached: int = 0                  # tokens whose K/V are in the cache
@@ -61,6 +67,25 @@ class Request:
     def resolved_output_token_ids(self) -> list[int]:
         """The output tokens whose values the host has."""
         return self.output_token_ids[:len(self.output_token_ids) - self.num_pending]
+
+    @property
+    def needs_prompt_logprobs(self) -> bool:
+        """It asks for prompt logprobs, and some of them are still to be computed."""
+        return self.params.prompt_logprobs is not None and self.num_prompt_logprobs < len(self.prompt_token_ids)
+
+    def prompt_rows(self) -> tuple[int, int]:
+        """(first position, count) of its scheduled positions whose logits give prompt logprobs still
+        missing (position p gives token p + 1's: punica.engine.prompt_logprobs)."""
+        if not self.needs_prompt_logprobs:
+            return 0, 0
+        first = max(self.num_cached, self.num_prompt_logprobs - 1)
+        end = min(self.num_cached + self.num_scheduled, len(self.prompt_token_ids) - 1)
+        return first, max(0, end - first)
+
+    def num_logits(self) -> int:
+        """How many of its scheduled rows, ending at its last, get logits in the step."""
+        first, count = self.prompt_rows()
+        return self.num_cached + self.num_scheduled - first if count else 1
 
     @property
     def finished(self) -> bool:

@@ -54,9 +54,11 @@ class ModelRunner:
 
     @torch.inference_mode()
     def run(self, step: StepInput) -> torch.Tensor:
-        """Logits [step.num_requests, V] float32 of each request's next token, in the step's order.
-        A token whose fed row is >= 0 is read from the previous step's sampled tokens (`keep_sampled`)."""
-        if self.graphs is not None:
+        """Logits [step.num_logits.sum(), V] float32 of each request's last num_logits rows (its next
+        token's last), in the step's order. A token whose fed row is >= 0 is read from the previous
+        step's sampled tokens (`keep_sampled`). A step with more rows of logits than one per request
+        (prompt logprobs) runs eagerly."""
+        if self.graphs is not None and step.only_last_logits:
             logits = self.graphs.run(step)
             if logits is not None:
                 return logits

@@ -137,6 +137,8 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: bool = False         # return the log-probability of each chosen token
     top_logprobs: int = 0          # and of this many most likely tokens at each position
+    # None, or the logprob of each prompt token (the first has none) and of this many most likely tokens there
+    prompt_logprobs: int | None = None
     logit_bias: tuple[tuple[int, float], ...] = field(default_factory=tuple)  # token id -> added to its logit
     structured_outputs: StructuredOutputs | None = None
     # the strength of the request's adapter: its delta times this (0 = the base model, 1 = as trained);
@@ -195,6 +197,10 @@ class SamplingParams:
         if not _is_int(self.top_logprobs) or not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
             raise SamplingParamsError("top_logprobs", f"top_logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}], "
                                                       f"got {self.top_logprobs!r}")
+        if self.prompt_logprobs is not None and not (
+                _is_int(self.prompt_logprobs) and 0 <= self.prompt_logprobs <= MAX_TOP_LOGPROBS):
+            raise SamplingParamsError("prompt_logprobs", f"prompt_logprobs must be None or an integer in "
+                                                         f"[0, {MAX_TOP_LOGPROBS}], got {self.prompt_logprobs!r}")
         if len(self.logit_bias) > MAX_LOGIT_BIAS_TOKENS:
             raise SamplingParamsError("logit_bias", f"logit_bias sets at most {MAX_LOGIT_BIAS_TOKENS} tokens, "
                                                     f"got {len(self.logit_bias)}")

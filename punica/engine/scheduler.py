@@ -14,7 +14,8 @@ Without chunked prefill a prompt runs whole in the step that admits it, and the 
 prompt tokens only (one longer prompt runs alone).
 
 An admitted request first takes the longest cached prefix of its tokens (kv_cache: pages named
-by adapter identity and content), which counts as computed.
+by adapter identity and content), which counts as computed; one still owed prompt logprobs takes
+none (cached tokens have no logits): it counts as a lookup that found nothing.
 
 A request whose adapter is not yet on the GPU (`acquire` says False) waits where it is while
 requests behind it go ahead; otherwise admission never skips the head of the queue, so nothing
@@ -154,7 +155,8 @@ class Scheduler:
         for request in list(self.waiting):
             if len(self.running) >= self.max_batch_size or budget <= 0:
                 break
-            hit = self.allocator.match(request)
+            # cached tokens have no logits: a request still owed prompt logprobs computes its prompt
+            hit = [] if request.needs_prompt_logprobs else self.allocator.match(request)
             computed = len(hit) * page_size
             chunk = request.num_tokens - computed
             if self.chunked_prefill:

@@ -19,6 +19,8 @@ Per request (B = num_requests):
     request_slots int64 [B]      its adapter slot
     request_scales float32 [B]   its lora_scale
     page_table    int64 [B, W]   its pages in order (W = the most pages any request holds; the rest 0)
+    num_logits    int64 [B]      how many of its last query rows get logits: 1, or more for a request
+                                 that asks for prompt logprobs (punica.engine.prompt_logprobs)
 """
 
 from __future__ import annotations
@@ -46,6 +48,7 @@ class StepInput:
     request_scales: np.ndarray
     page_table: np.ndarray
     num_prefills: int
+    num_logits: np.ndarray
 
     @property
     def num_tokens(self) -> int:
@@ -72,17 +75,30 @@ class StepInput:
         return bool((self.request_slots >= 0).any())
 
     @property
+    def only_last_logits(self) -> bool:
+        """Every request gets the logits of its last row only (the CUDA graphs compute no others)."""
+        return bool((self.num_logits == 1).all())
+
+    @property
+    def logits_rows(self) -> np.ndarray:
+        """[num_logits.sum()] the token rows whose logits the step computes, in order."""
+        ends = self.query_start[1:]
+        if self.only_last_logits:
+            return ends - 1
+        return np.concatenate([np.arange(end - n, end) for end, n in zip(ends, self.num_logits)])
+
+    @property
     def any_fed(self) -> bool:
         return bool((self.fed_rows >= 0).any())
 
     @classmethod
     def build(cls, new_token_ids: list[list[int]], num_cached: list[int], pages: list[list[int]],
               slots: list[int], num_prefills: int, page_size: int, fed_rows: list[int] | None = None,
-              scales: list[float] | None = None) -> StepInput:
+              scales: list[float] | None = None, num_logits: list[int] | None = None) -> StepInput:
         """From each request's tokens to run this step (a prefill's uncached tokens; a decode's one
         token), how many of its tokens are cached before it, its pages and its adapter slot.
         `fed_rows`: one per decode, as the field (None: every token is on the host); `scales`: each
-        request's lora_scale (None: 1 for all)."""
+        request's lora_scale (None: 1 for all); `num_logits`: as the field (None: 1 for all)."""
         num_requests = len(new_token_ids)
         assert len(num_cached) == len(pages) == len(slots) == num_requests and 0 <= num_prefills <= num_requests
         query_lens = np.fromiter(map(len, new_token_ids), dtype=np.int64, count=num_requests)
@@ -112,22 +128,26 @@ class StepInput:
             assert len(fed_rows) == num_requests - num_prefills
             fed[query_start[num_prefills]:] = fed_rows
         token_ids = np.fromiter((t for ids in new_token_ids for t in ids), dtype=np.int64, count=num_tokens)
+        logits = np.ones(num_requests, dtype=np.int64) if num_logits is None else np.asarray(num_logits, np.int64)
+        assert logits.shape == (num_requests,) and ((logits >= 1) & (logits <= query_lens)).all()
         return cls(token_ids=token_ids, fed_rows=fed, positions=positions, kv_slots=kv_slots,
                    token_slots=request_slots[owner], token_scales=request_scales[owner], query_start=query_start,
                    context_lens=context_lens, request_slots=request_slots, request_scales=request_scales,
-                   page_table=page_table, num_prefills=num_prefills)
+                   page_table=page_table, num_prefills=num_prefills, num_logits=logits)
 
     @classmethod
     def from_requests(cls, prefills: list, decodes: list, page_size: int, fed_rows: list[int] | None = None
                       ) -> StepInput:
         """The step of these requests (punica.engine.request.Request): each prefill runs the
-        num_scheduled tokens after its cached ones, each decode its last token."""
+        num_scheduled tokens after its cached ones, each decode its last token; a request that asks
+        for prompt logprobs gets the logits of the rows that give them."""
         requests = prefills + decodes
         new_tokens = [r.token_ids[r.num_cached:r.num_cached + r.num_scheduled] for r in prefills]
         new_tokens += [[r.last_token_id] for r in decodes]
         cached = [r.num_cached for r in prefills] + [r.num_tokens - 1 for r in decodes]
         return cls.build(new_tokens, cached, [r.pages for r in requests], [r.slot for r in requests],
-                         len(prefills), page_size, fed_rows, [r.params.lora_scale for r in requests])
+                         len(prefills), page_size, fed_rows, [r.params.lora_scale for r in requests],
+                         [r.num_logits() for r in prefills] + [1] * len(decodes))
 
     # device views --------------------------------------------------------------------------
     def attn_batch(self, device: torch.device | str) -> AttnBatch:
@@ -140,7 +160,7 @@ class StepInput:
             page_table=tensor(self.page_table, torch.int32),
             query_start=tensor(self.query_start, torch.int32),
             context_lens=tensor(self.context_lens, torch.int32),
-            logits_indices=tensor(self.query_start[1:] - 1, torch.int64),
+            logits_indices=tensor(self.logits_rows, torch.int64),
             num_prefills=self.num_prefills,
             num_prefill_tokens=self.num_prefill_tokens,
         )

@@ -51,7 +51,7 @@ class ModelWorker:
                                   context_limit(model.config, config, num_pages), eager=config.enforce_eager)
 
     def run(self, step: StepInput) -> torch.Tensor:
-        """Logits [step.num_requests, V] float32 (see ModelRunner.run)."""
+        """Logits [step.num_logits.sum(), V] float32 (see ModelRunner.run)."""
         return self.runner.run(step)
 
     def keep_sampled(self, tokens: torch.Tensor) -> None:

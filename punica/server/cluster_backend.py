@@ -78,7 +78,9 @@ class ClusterBackend:
         await self.cluster.unload_adapter(name)
 
     def update_gauges(self, metrics) -> None:
+        """The queue, and the counters of what the workers count (as their last steps reported it)."""
         metrics.queue_length.set(self.num_waiting())
+        metrics.update_totals(self.cluster.worker_stats.values())
 
     async def start(self) -> None:
         await self.cluster.start()

@@ -5,11 +5,13 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
+from collections.abc import Iterable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from punica.engine.engine import Engine
 from punica.engine.outputs import RequestOutput
+from punica.engine.stats import EngineStats
 from punica.server.residency import ResidencyCollector
 
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
@@ -96,13 +98,22 @@ class Metrics:
         self.lora_slots.set(stats.num_adapter_slots_used)
         self.lora_slots_held.set(stats.num_adapter_slots_held)
         self.cached_pages.set(stats.num_kv_pages_cached)
-        # the engine counts from its start; the counters advance by what is new since the last update
+        self.update_totals([stats])
+
+    def update_totals(self, stats: Iterable[EngineStats]) -> None:
+        """Advance the counters of what engines count from their start (constrained requests, grammar
+        compile time, chunked steps, preemptions) to the sum over `stats`, one per engine (a cluster's
+        workers): each counter advances by what is new since the last update."""
+        stats = list(stats)
+        constrained = sum(s.num_constrained_requests for s in stats)
+        compile_seconds = sum(s.grammar_compile_seconds for s in stats)
+        chunked, preemptions = sum(s.num_chunked_steps for s in stats), sum(s.num_preemptions for s in stats)
         with self._totals_lock:
-            self.constrained.inc(max(0, stats.num_constrained_requests - self._constrained_seen))
-            self.grammar_compile.inc(max(0.0, stats.grammar_compile_seconds - self._compile_seen))
-            self._constrained_seen = max(self._constrained_seen, stats.num_constrained_requests)
-            self._compile_seen = max(self._compile_seen, stats.grammar_compile_seconds)
-            self.chunked_steps.inc(max(0, stats.num_chunked_steps - self._chunked_seen))
-            self._chunked_seen = max(self._chunked_seen, stats.num_chunked_steps)
-            self.preemptions.inc(max(0, stats.num_preemptions - self._preemptions_seen))
-            self._preemptions_seen = max(self._preemptions_seen, stats.num_preemptions)
+            self.constrained.inc(max(0, constrained - self._constrained_seen))
+            self.grammar_compile.inc(max(0.0, compile_seconds - self._compile_seen))
+            self._constrained_seen = max(self._constrained_seen, constrained)
+            self._compile_seen = max(self._compile_seen, compile_seconds)
+            self.chunked_steps.inc(max(0, chunked - self._chunked_seen))
+            self._chunked_seen = max(self._chunked_seen, chunked)
+            self.preemptions.inc(max(0, preemptions - self._preemptions_seen))
+            self._preemptions_seen = max(self._preemptions_seen, preemptions)

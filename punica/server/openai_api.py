@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import itertools
 import json
 import time
 import uuid
@@ -48,7 +49,7 @@ class OpenAIHandlers:
         prompts = await asyncio.to_thread(self._tokenize, body.prompts())  # off the event loop: it can take seconds
         max_tokens = body.max_tokens_or_default()
         choices = self._choices("cmpl", body, prompts, lambda ids: max_tokens, body.logprobs is not None,
-                                body.logprobs or 0, body.constraint())
+                                body.logprobs or 0, body.constraint(), body.logprobs if body.echo else None)
         if body.echo:
             texts = [self._echo_text(p, ids) for p, ids in zip(body.prompts(), prompts)]
             choices = [dataclasses.replace(c, echo=texts[c.index // body.num_choices]) for c in choices]
@@ -107,7 +108,7 @@ class OpenAIHandlers:
         return tok.encode(text, add_special_tokens=False)
 
     def _choices(self, prefix: str, body: SamplingFields, prompts: list[list[int]], max_tokens_of,
-                 logprobs: bool, top_logprobs: int, constraint) -> list[Choice]:
+                 logprobs: bool, top_logprobs: int, constraint, prompt_logprobs: int | None = None) -> list[Choice]:
         base = f"{prefix}-{uuid.uuid4().hex}"
         choices = []
         for p, ids in enumerate(prompts):
@@ -121,7 +122,7 @@ class OpenAIHandlers:
                     f"completion). Please reduce the prompt or max_tokens.", param="max_tokens")
             for j in range(body.num_choices):
                 index = p * body.num_choices + j
-                params = body.sampling_params(max_tokens, logprobs, j, top_logprobs, constraint)
+                params = body.sampling_params(max_tokens, logprobs, j, top_logprobs, constraint, prompt_logprobs)
                 choices.append(Choice(index, f"{base}-{index}", ids, params))
         return choices
 
@@ -206,7 +207,8 @@ class OpenAIHandlers:
                               "logprobs": self._chat_logprobs(out.token_ids, out.logprobs, out.top_logprobs)})
             else:
                 items.append({"index": c.index, "text": c.echo + out.text, "finish_reason": out.finish_reason,
-                              "logprobs": self._completion_logprobs(out.token_ids, out.logprobs, out.top_logprobs)})
+                              "logprobs": self._completion_logprobs(out.token_ids, out.logprobs, out.top_logprobs,
+                                                                    out)})
         return {**meta, "object": kind, "choices": items, "usage": _usage(choices, finals)}
 
     async def _stream(self, kind: str, meta: dict, choices: list[Choice], gens, head: RequestOutput | None,
@@ -278,8 +280,12 @@ class OpenAIHandlers:
             return {"index": c.index, "delta": delta, "finish_reason": reason,
                     "logprobs": self._chat_logprobs(out.new_token_ids, new_logprobs, new_tops)}
         echo, deltas.echo = deltas.echo, ""
-        return {"index": c.index, "text": echo + out.new_text, "finish_reason": reason,
-                "logprobs": self._completion_logprobs(out.new_token_ids, new_logprobs, new_tops)}
+        first, deltas.first = deltas.first, False
+        logprobs = self._completion_logprobs(out.new_token_ids, new_logprobs, new_tops, out if first else None,
+                                             deltas.text_offset)
+        if logprobs is not None and logprobs["tokens"]:
+            deltas.text_offset = logprobs["text_offset"][-1] + len(logprobs["tokens"][-1])
+        return {"index": c.index, "text": echo + out.new_text, "finish_reason": reason, "logprobs": logprobs}
 
     def _token_text(self, token_id: int) -> str:
         """A token's text; "token_id:N" (vLLM's form) for a model without a tokenizer."""
@@ -287,12 +293,21 @@ class OpenAIHandlers:
         return tokenizer.decode([token_id]) if tokenizer is not None else f"token_id:{token_id}"
 
     def _completion_logprobs(self, token_ids: list[int], logprobs: list[float] | None,
-                             tops: list[list[tuple[int, float]]] | None) -> dict | None:
+                             tops: list[list[tuple[int, float]]] | None, prompt: RequestOutput | None = None,
+                             offset: int = 0) -> dict | None:
+        """OpenAI's legacy logprobs of these tokens, after those of the prompt when `prompt` (echo)
+        has prompt logprobs (its first token's are null); text_offset: where each token's text starts
+        (vLLM's way: the lengths of the tokens' texts before it, from `offset`)."""
         if logprobs is None:
             return None
+        if prompt is not None and prompt.prompt_logprobs is not None:
+            token_ids, logprobs = prompt.prompt_token_ids + token_ids, prompt.prompt_logprobs + logprobs
+            tops = None if tops is None else prompt.prompt_top_logprobs + tops
         tokens = [self._token_text(t) for t in token_ids]
-        top = None if tops is None else [{self._token_text(t): lp for t, lp in row} for row in tops]
-        return {"tokens": tokens, "token_logprobs": logprobs, "top_logprobs": top, "text_offset": None}
+        top = None if tops is None else [
+            None if row is None else {self._token_text(t): lp for t, lp in row} for row in tops]
+        offsets = list(itertools.accumulate(map(len, tokens[:-1]), initial=offset)) if tokens else []
+        return {"tokens": tokens, "token_logprobs": logprobs, "top_logprobs": top, "text_offset": offsets}
 
     def _chat_logprobs(self, token_ids: list[int], logprobs: list[float] | None,
                        tops: list[list[tuple[int, float]]] | None) -> dict | None:
@@ -310,11 +325,13 @@ class OpenAIHandlers:
 
 
 class _Deltas:
-    """What a streamed choice has still to send: its echoed prompt, and its tool calls' state."""
+    """What a streamed choice has still to send: its echoed prompt (and its logprobs), and its tool calls' state."""
 
     def __init__(self, choice: Choice):
         self.choice = choice
         self.echo = choice.echo
+        self.first = True        # the first chunk: with the echoed prompt's logprobs
+        self.text_offset = 0     # of the next token's text, in the choice's text so far
         self.tools = ToolStream(choice.tools) if choice.tools is not None else None
 
 

@@ -147,7 +147,8 @@ class SamplingFields(RequestBody):
         return bias
 
     def sampling_params(self, max_tokens: int, logprobs: bool, choice: int, top_logprobs: int = 0,
-                        constraint: StructuredOutputs | None = None) -> SamplingParams:
+                        constraint: StructuredOutputs | None = None,
+                        prompt_logprobs: int | None = None) -> SamplingParams:
         """The SamplingParams of choice number `choice` (seeds differ per choice); a 400 naming the
         field for a value out of range."""
         values: dict[str, Any] = {
@@ -161,7 +162,8 @@ class SamplingFields(RequestBody):
         }
         try:
             return SamplingParams(max_tokens=max_tokens, logprobs=logprobs, top_logprobs=top_logprobs,
-                                  logit_bias=self.token_bias(), structured_outputs=constraint,
+                                  prompt_logprobs=prompt_logprobs, logit_bias=self.token_bias(),
+                                  structured_outputs=constraint,
                                   **{k: v for k, v in values.items() if v is not None})
         except SamplingParamsError as e:
             raise ProtocolError(str(e), param=e.field) from e
@@ -205,8 +207,6 @@ class CompletionRequest(SamplingFields):
             raise unsupported("best_of", "other than n is not supported")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
             raise ProtocolError(f"logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.logprobs}", param="logprobs")
-        if self.echo and self.logprobs is not None:
-            raise unsupported("echo", "with logprobs is not supported (no logprobs of prompt tokens)")
 
     def max_tokens_or_default(self) -> int:
         return completion_limit(self.max_tokens, "max_tokens", 16)

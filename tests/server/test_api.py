@@ -122,7 +122,7 @@ def still_serving(http: httpx.Client, server):
     ({"model": "tenant-0", "prompt": "x", "max_tokens": 0}, 400, "max_tokens"),
     ({"model": "tenant-0", "prompt": "x", "top_p": 7}, 400, "top_p"),
     ({"model": "tenant-0", "prompt": "x", "n": "many"}, 400, "n"),
-    ({"model": "tenant-0", "prompt": "x", "echo": True, "logprobs": 1}, 400, "echo"),
+    ({"model": "tenant-0", "prompt": "x", "echo": True, "logprobs": 21}, 400, "logprobs"),
     ({"model": "tenant-0", "prompt": "x", "logit_bias": {"1": 200}}, 400, "logit_bias"),
     ({"model": "tenant-0", "prompt": "x", "guided_regex": "("}, 400, "parenthesis"),
     ({"model": "tenant-0", "prompt": "x", "response_format": {"type": "json_schema", "json_schema": {

@@ -117,6 +117,22 @@ def test_metrics_count_the_cluster_requests_by_finish_reason(cluster_server):
         assert (total("length"), total("abort")) == (before[0] + 2, before[1] + 1)
 
 
+def test_metrics_sum_the_workers_constrained_requests_and_compile_time(cluster_server):
+    with httpx.Client(base_url=cluster_server.url, timeout=120) as http:
+        def totals() -> tuple[float, float]:
+            values = {s.name: s.value for f in text_string_to_metric_families(http.get("/metrics").text)
+                      for s in f.samples}
+            return values["punica_constrained_requests_total"], values["punica_grammar_compile_seconds_total"]
+
+        constrained, seconds = totals()
+        for choices in (["yes", "no"], ["left", "right"]):  # two grammars, one request each
+            r = http.post("/v1/completions", json={"model": "tenant-0", "prompt": "Hi", "max_tokens": 3,
+                                                   "guided_choice": choices})
+            assert r.status_code == 200 and r.json()["choices"][0]["text"] in choices
+        now = totals()
+        assert now[0] == constrained + 2 and now[1] > seconds
+
+
 def test_adapters_listing_reports_each_worker(cluster_server):
     """Each worker places and evicts adapters on its own: GET /v1/adapters gives its residency per worker."""
     with httpx.Client(base_url=cluster_server.url, timeout=120) as http:

@@ -96,6 +96,33 @@ def test_logit_bias_top_logprobs_and_echo(client, server):
     assert "".join(c.choices[0].text for c in streamed if c.choices) == echo.choices[0].text
 
 
+def test_echo_with_logprobs_covers_the_prompt_streamed_or_not(client, server):
+    """The prompt's tokens come first (the first without logprobs), then the generated ones with the
+    logprobs a plain request gets; a stream sends the prompt's with its first chunk."""
+    prompt = "The capital of France is"
+    ids = server.state.tokenizer.encode(prompt)
+    n = len(ids)
+    kwargs = {"model": "tenant-1", "prompt": prompt, "max_tokens": 3, "temperature": 0, "logprobs": 2}
+    echo = client.completions.create(echo=True, **kwargs).choices[0]
+    plain = client.completions.create(**kwargs).choices[0].logprobs
+    lp = echo.logprobs
+    assert lp.tokens == [server.state.tokenizer.decode([t]) for t in ids] + plain.tokens
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert all(value < 0 for value in lp.token_logprobs[1:n])
+    assert lp.token_logprobs[n:] == pytest.approx(plain.token_logprobs, abs=1e-4)
+    for token, value, top in zip(lp.tokens[1:], lp.token_logprobs[1:], lp.top_logprobs[1:]):
+        assert len(top) == 2
+        assert top[token] == pytest.approx(value, abs=1e-4) if token in top else min(top.values()) >= value
+    assert lp.text_offset[0] == 0
+    assert all(echo.text[o:o + len(t)] == t for o, t in zip(lp.text_offset[:n], lp.tokens[:n]))
+    chunks = [c.choices[0].logprobs for c in client.completions.create(echo=True, stream=True, **kwargs)
+              if c.choices and c.choices[0].logprobs]
+    assert chunks[0].tokens[:n] == lp.tokens[:n] and chunks[0].token_logprobs[1:n] == pytest.approx(
+        lp.token_logprobs[1:n], abs=1e-4)
+    for name in ("tokens", "text_offset"):
+        assert sum((getattr(c, name) for c in chunks), []) == getattr(lp, name)
+
+
 def reassembled(stream) -> tuple[str | None, list[dict], str]:
     """(content, tool calls, finish_reason) of a streamed chat completion, put together from its deltas."""
     content, calls, reason = None, {}, None
