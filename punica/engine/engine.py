@@ -49,9 +49,10 @@ from punica.engine.sampling_params import SamplingParams
 from punica.engine.scheduler import ScheduledBatch, Scheduler
 from punica.engine.stats import EngineStats, StepShape
 from punica.engine.step_input import StepInput
-from punica.engine.structured import GrammarCompiler, to_device
+from punica.engine.structured import GrammarCompiler
 from punica.engine.worker import context_limit
 from punica.lora.manager import AdapterManager
+from punica.ops.transfer import to_device
 
 log = logging.getLogger(__name__)
 NON_FINITE = ("the model's output for this request is not finite (NaN or inf): its activations overflowed, "

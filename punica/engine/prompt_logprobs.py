@@ -20,7 +20,7 @@ import torch
 
 from punica.engine.launched import to_host
 from punica.engine.request import Request
-from punica.engine.structured import to_device
+from punica.ops.transfer import to_device
 
 
 def start(request: Request) -> None:

@@ -8,7 +8,8 @@ from typing import NamedTuple
 import torch
 
 from punica.engine.request import Request
-from punica.engine.structured import apply_bitmasks, to_device
+from punica.engine.structured import apply_bitmasks
+from punica.ops.transfer import to_device
 
 SEED_STRIDE = 1_000_003
 SEED_MODULUS = 1 << 64  # torch generators take 64-bit seeds

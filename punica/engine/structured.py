@@ -88,14 +88,6 @@ class GrammarCompiler:
         return bitmask
 
 
-def to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A host tensor on `device`. On CUDA the copy goes through pinned memory and does not wait for
-    the work queued before it (a pageable copy would wait for the step's forward pass)."""
-    if device.type != "cuda":
-        return host.to(device)
-    return (host if host.is_pinned() else host.pin_memory()).to(device, non_blocking=True)
-
-
 def apply_bitmasks(logits: torch.Tensor, rows: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
     """logits [N, V] with the tokens each row `rows[i]` may not take set to -inf (bits of
     bitmask[i], on the logits' device); the other rows are as they were."""
