@@ -11,6 +11,7 @@ from punica.config import ceil_div
 from punica.engine.cuda_graphs import CudaGraphs, fed_token_ids
 from punica.engine.step_input import StepInput
 from punica.models.decoder import DecoderForCausalLM
+from punica.ops.transfer import to_device
 
 log = logging.getLogger(__name__)
 
@@ -62,7 +63,7 @@ class ModelRunner:
             logits = self.graphs.run(step)
             if logits is not None:
                 return logits
-        input_ids = torch.from_numpy(step.token_ids).to(self.device)
+        input_ids = to_device(torch.from_numpy(step.token_ids), self.device)
         if step.any_fed:
-            input_ids = fed_token_ids(input_ids, torch.from_numpy(step.fed_rows).to(self.device), self.sampled)
+            input_ids = fed_token_ids(input_ids, to_device(torch.from_numpy(step.fed_rows), self.device), self.sampled)
         return self.model(input_ids, step.attn_batch(self.device), step.lora_batch(self.device), self.kv_cache)

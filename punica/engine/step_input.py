@@ -32,6 +32,7 @@ import torch
 
 from punica.lora.batch import LoraBatch
 from punica.ops.attention import AttnBatch
+from punica.ops.transfer import to_device
 
 
 @dataclass(frozen=True, eq=False)
@@ -152,7 +153,7 @@ class StepInput:
     # device views --------------------------------------------------------------------------
     def attn_batch(self, device: torch.device | str) -> AttnBatch:
         def tensor(array: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
-            return torch.from_numpy(array).to(device=device, dtype=dtype)
+            return to_device(torch.from_numpy(array).to(dtype), device)
 
         return AttnBatch(
             positions=tensor(self.positions, torch.int64),

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from punica.ops.lora_shapes import sgmv_block_m
+from punica.ops.transfer import to_device
 
 KERNELS = ("auto", "sgmv", "bgmv")  # LoraBatch.build's choices of kernel
 
@@ -70,10 +71,10 @@ class LoraBatch:
         token_slots = [s for s, n in zip(request_slots, request_num_tokens) for _ in range(n)]
         token_scales = [scale for scale, n in zip(scales, request_num_tokens) for _ in range(n)]
         return cls(
-            seg_indptr=torch.tensor(indptr, dtype=torch.int32, device=device),
-            seg_slots=torch.tensor(slots, dtype=torch.int32, device=device),
-            token_slots=torch.tensor(token_slots, dtype=torch.int32, device=device),
-            token_scales=torch.tensor(token_scales, dtype=torch.float32, device=device),
+            seg_indptr=to_device(torch.tensor(indptr, dtype=torch.int32), device),
+            seg_slots=to_device(torch.tensor(slots, dtype=torch.int32), device),
+            token_slots=to_device(torch.tensor(token_slots, dtype=torch.int32), device),
+            token_scales=to_device(torch.tensor(token_scales, dtype=torch.float32), device),
             sgmv_tokens=indptr[-1],
             sgmv_block_m=block_m,
             any_lora=any(s >= 0 for s in request_slots),
