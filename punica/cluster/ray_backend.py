@@ -52,6 +52,11 @@ class Tracked:
     num_migrations: int = 0
     arrival_time: float = field(default_factory=time.monotonic)  # the driver's clock, as below
     first_token_time: float | None = None
+    # the logprobs (and top logprobs) of the output tokens made on earlier workers: a worker's
+    # outputs hold those of the tokens it made itself
+    logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+    last_output: RequestOutput | None = None  # the latest output passed on, earlier workers' logprobs in
 
 
 class ClusterEngine:
@@ -178,8 +183,9 @@ class ClusterEngine:
 
     @staticmethod
     def _timed(tracked: Tracked, out: RequestOutput, now: float) -> RequestOutput:
-        """A worker's output with the driver's prompt and latencies: the worker only saw the
-        request since it was last placed, so after a migration its own clock starts late."""
+        """A worker's output with the driver's prompt and latencies, and the logprobs of the tokens
+        earlier workers made before its own: the worker only saw the request since it was last
+        placed, so after a migration its own clock starts late and its logprobs start short."""
         if tracked.first_token_time is None and out.new_token_ids:
             tracked.first_token_time = now
         ttft = tpot = None
@@ -187,8 +193,14 @@ class ClusterEngine:
             ttft = tracked.first_token_time - tracked.arrival_time
             if out.finished and len(tracked.output_token_ids) > 1:
                 tpot = (now - tracked.first_token_time) / (len(tracked.output_token_ids) - 1)
-        return replace(out, prompt=tracked.prompt, prompt_token_ids=tracked.prompt_token_ids,
-                       time_to_first_token=ttft, time_per_output_token=tpot)
+        logprobs = {}
+        if out.logprobs is not None:
+            logprobs["logprobs"] = tracked.logprobs + out.logprobs
+        if out.top_logprobs is not None:
+            logprobs["top_logprobs"] = tracked.top_logprobs + out.top_logprobs
+        tracked.last_output = replace(out, prompt=tracked.prompt, prompt_token_ids=tracked.prompt_token_ids,
+                                      time_to_first_token=ttft, time_per_output_token=tpot, **logprobs)
+        return tracked.last_output
 
     def _output(self, tracked: Tracked, **fields) -> RequestOutput:
         return RequestOutput(request_id=tracked.request_id, prompt=tracked.prompt,
@@ -294,6 +306,10 @@ class ClusterEngine:
         self._place()
 
     def _moved(self, tracked: Tracked) -> None:
+        last = tracked.last_output
+        if last is not None:  # what its next worker's outputs are to follow
+            tracked.logprobs = list(last.logprobs or [])
+            tracked.top_logprobs = list(last.top_logprobs or [])
         tracked.gpu_id = None
         tracked.num_migrations += 1
         self.num_migrations += 1

@@ -47,7 +47,7 @@ def single_engine(model, requests, max_tokens):
 
 
 def greedy(max_tokens):
-    return SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+    return SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True, logprobs=True, top_logprobs=2)
 
 
 async def collect(cluster, request_id, prompt, adapter, max_tokens, progress):
@@ -55,6 +55,10 @@ async def collect(cluster, request_id, prompt, adapter, max_tokens, progress):
     async for out in cluster.generate(prompt, greedy(max_tokens), adapter, request_id):
         tokens.extend(out.new_token_ids)
         assert out.token_ids == tokens  # deltas add up, across migrations too
+        # one logprob per token, across migrations too: greedy's token is the top one, its logprob the top's
+        assert len(out.logprobs) == len(out.top_logprobs) == len(tokens)
+        assert [top[0][0] for top in out.top_logprobs] == tokens
+        assert out.logprobs == [top[0][1] for top in out.top_logprobs]
         progress[request_id] = len(tokens)
         first_seen = first_seen or time.monotonic()
     assert out.finished and out.finish_reason == "length"
