@@ -151,3 +151,16 @@ def test_no_request_lost_or_duplicated_batch_and_kv_within_limits(name, ops):
         if waiting:  # FCFS: the head fits on no GPU
             head = policy.num_tokens(waiting[0])
             assert all(g.batch_size == 3 or g.kv_free < head for g in policy.gpus.values())
+
+
+def test_a_wrong_cluster_policy_is_a_clear_error_naming_the_choices(capsys):
+    from punica.cli import build_parser
+    from punica.server.args import CLUSTER_POLICIES, ServerArgs
+
+    with pytest.raises(ValueError, match="cluster_policy must be one of punica, adapter-aware, round-robin, "
+                                         "least-loaded, got 'busiest'"):
+        ServerArgs(cluster_policy="busiest")
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--cluster-policy", "busiest"])
+    assert "--cluster-policy: invalid choice: 'busiest' (choose from" in capsys.readouterr().err
+    assert set(CLUSTER_POLICIES) == set(POLICIES)   # the server offers exactly the placement rules
