@@ -40,12 +40,18 @@ class PolicyConfig:
     max_loras: int = EngineConfig.max_loras  # adapter slots per GPU
     models_loads: bool = False      # placing a request whose adapter the GPU lacks starts a load it waits for
     max_gpus_per_adapter: int | None = None  # AdapterAwarePolicy: spread one adapter over at most this many
+    # KV-aware packing: a busy GPU takes a request only while its KV in use stays within this many
+    # tokens, which bounds the KV read (so the step time) of a packed GPU; an idle GPU takes any
+    max_packed_kv_tokens: int | None = None
+    scale_ahead: bool = False       # ask for a GPU once none is lightly loaded, before requests wait
 
     def __post_init__(self):
         if self.max_batch_size < 1 or self.min_gpus < 0 or self.idle_release_s < 0 or self.max_loras < 1:
             raise ValueError(f"invalid policy config {self}")
         if self.max_gpus_per_adapter is not None and self.max_gpus_per_adapter < 1:
             raise ValueError(f"max_gpus_per_adapter must be >= 1, got {self.max_gpus_per_adapter}")
+        if self.max_packed_kv_tokens is not None and self.max_packed_kv_tokens < 1:
+            raise ValueError(f"max_packed_kv_tokens must be >= 1, got {self.max_packed_kv_tokens}")
         if not 1 <= self.light_load_batch <= self.max_batch_size:
             raise ValueError(f"light_load_batch must be in [1, {self.max_batch_size}], got {self.light_load_batch}")
 
@@ -308,8 +314,16 @@ class ClusterPolicy:
 
     # ---- scale decisions ----------------------------------------------------------------
     def needs_gpu(self) -> bool:
-        """Requests that a new GPU could take wait and no GPU is lightly loaded: ask for one more GPU."""
-        return bool(self._waiting) and not any(self._buckets[b] for b in range(self.config.light_load_batch))
+        """No GPU is lightly loaded and requests that a new GPU could take wait (`scale_ahead`:
+        whether or not they do): ask for one more GPU. Lightly loaded: a batch below
+        `light_load_batch` and, under KV-aware packing, KV use below the same fraction of
+        `max_packed_kv_tokens`."""
+        if not (self._waiting or self.config.scale_ahead):
+            return False
+        cap = self.config.max_packed_kv_tokens
+        light_kv = None if cap is None else cap * self.config.light_load_batch / self.config.max_batch_size
+        return not any(light_kv is None or self.gpus[g].kv_used < light_kv
+                       for b in range(self.config.light_load_batch) for g in self._buckets[b])
 
     def release_idle(self, now: float) -> list[int]:
         """Remove and return GPUs idle for at least `idle_release_s` (keeping `min_gpus`)."""
@@ -333,9 +347,13 @@ class ClusterPolicy:
                 continue
             if self.sync is not None:
                 self.sync(gpu_id)
-            if gpu.kv_free >= request.num_tokens:
+            if gpu.kv_free >= request.num_tokens and self._packing_room(gpu, request):
                 return gpu
         return None
+
+    def _packing_room(self, gpu: GpuState, request: RequestState) -> bool:
+        cap = self.config.max_packed_kv_tokens
+        return cap is None or gpu.batch_size == 0 or gpu.kv_used + request.num_tokens <= cap
 
     def _candidates(self, request: RequestState) -> Iterator[int]:
         raise NotImplementedError

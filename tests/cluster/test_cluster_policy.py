@@ -99,6 +99,18 @@ def test_scale_up_when_requests_wait_and_no_gpu_is_lightly_loaded():
     assert policy.schedule() == [("r4", 1)] and not policy.needs_gpu()
 
 
+def test_kv_aware_packing_caps_a_busy_gpus_kv_and_scale_ahead_asks_before_anyone_waits():
+    policy = cluster(num_gpus=2, kv=1000, max_packed_kv_tokens=100, scale_ahead=True)  # light: batch < 2, KV < 50
+    assert not policy.needs_gpu()
+    assert submit(policy, "big", 150) == [("big", 0)]   # an idle GPU takes any request its KV holds
+    assert submit(policy, "a", 60) == [("a", 1)]        # GPU 0 is past the cap: the next busiest
+    assert policy.needs_gpu() and not policy.num_waiting  # no GPU is light; nobody waits yet
+    assert submit(policy, "b", 50) == []                # 60 + 50 would pass the cap on GPU 1
+    policy.finish("a")
+    assert policy.schedule() == [("b", 1)]
+
+
+
 def test_scale_down_releases_gpus_idle_long_enough_keeping_min_gpus():
     policy = PunicaPolicy(PolicyConfig(max_batch_size=4, light_load_batch=2, idle_release_s=10, min_gpus=2))
     for gpu_id in range(3):
