@@ -66,7 +66,8 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     from punica.cluster.step_time import load_model
 
     policy_config = PolicyConfig(args.max_batch_size, args.light_load_batch, args.idle_release_s,
-                                 max_loras=args.max_loras, max_gpus_per_adapter=args.max_gpus_per_adapter)
+                                 max_loras=args.max_loras, max_gpus_per_adapter=args.max_gpus_per_adapter,
+                                 max_packed_kv_tokens=args.max_packed_kv_tokens, scale_ahead=args.scale_ahead)
     plots = can_plot()
     results = simulate(args.gpus, args.requests, args.duration, args.kv_tokens, args.policy, Path(args.out),
                        load_model(args.step_time), policy_config, args.gpu_startup_s, args.max_total, args.seed,
@@ -139,6 +140,11 @@ def build_parser() -> argparse.ArgumentParser:
     sim.add_argument("--host-tier-adapters", type=int, default=48, help="adapters each GPU's host tier holds")
     sim.add_argument("--max-gpus-per-adapter", type=int, default=None,
                      help="adapter-aware: spread one adapter over at most this many GPUs")
+    sim.add_argument("--max-packed-kv-tokens", type=int, default=None,
+                     help="KV-aware packing: a busy GPU takes a request only while its KV in use stays within this "
+                          "many tokens (bounds a packed GPU's KV read per step; default: no bound)")
+    sim.add_argument("--scale-ahead", action="store_true",
+                     help="ask for a GPU once none is lightly loaded, before requests wait")
     sim.add_argument("--gpu-startup-s", type=float, default=30.0)
     sim.add_argument("--step-time", default=DEFAULT_MODEL, metavar="NAME|JSON",
                      help=f"the GPU model: {', '.join(MODELS)}, or a JSON file of its fields (default: %(default)s)")

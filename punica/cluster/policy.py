@@ -40,12 +40,18 @@ class PolicyConfig:
     max_loras: int = EngineConfig.max_loras  # adapter slots per GPU
     models_loads: bool = False      # placing a request whose adapter the GPU lacks starts a load it waits for
     max_gpus_per_adapter: int | None = None  # AdapterAwarePolicy: spread one adapter over at most this many
+    # KV-aware packing: a busy GPU takes a request only while its KV in use stays within this many
+    # tokens, which bounds the KV read (so the step time) of a packed GPU; an idle GPU takes any
+    max_packed_kv_tokens: int | None = None
+    scale_ahead: bool = False       # ask for a GPU once none is lightly loaded, before requests wait
 
     def __post_init__(self):
         if self.max_batch_size < 1 or self.min_gpus < 0 or self.idle_release_s < 0 or self.max_loras < 1:
             raise ValueError(f"invalid policy config {self}")
         if self.max_gpus_per_adapter is not None and self.max_gpus_per_adapter < 1:
             raise ValueError(f"max_gpus_per_adapter must be >= 1, got {self.max_gpus_per_adapter}")
+        if self.max_packed_kv_tokens is not None and self.max_packed_kv_tokens < 1:
+            raise ValueError(f"max_packed_kv_tokens must be >= 1, got {self.max_packed_kv_tokens}")
         if not 1 <= self.light_load_batch <= self.max_batch_size:
             raise ValueError(f"light_load_batch must be in [1, {self.max_batch_size}], got {self.light_load_batch}")
 
@@ -100,6 +106,7 @@ class ClusterPolicy:
         self.requests: dict[RequestId, RequestState] = {}
         self._buckets: list[list[int]] = [[] for _ in range(config.max_batch_size)]  # batch size -> ids
         self._waiting: list[tuple[int, RequestId]] = []       # heap of (seq, request_id)
+        self._held: dict[Hashable, list[tuple[int, RequestId]]] = {}  # adapter -> heap of its held-back requests
         self._idle: list[tuple[float, int]] = []        # heap of (idle_since, gpu_id), lazily pruned
         self._seq = itertools.count()
         self.num_evictions = 0
@@ -197,22 +204,35 @@ class ClusterPolicy:
 
     def schedule(self, now: float = 0.0) -> list[tuple[RequestId, int]]:
         """Place waiting requests in arrival order until the head fits nowhere: [(request_id, gpu_id)].
+
         A request held back by its placement rule alone (`_held_back`: its adapter's spread cap)
-        stays waiting without blocking those behind it."""
-        placed, held_back = [], []
+        waits apart, in a queue per adapter, without blocking those behind it: each schedule
+        tries only the head of each such queue (on the GPUs its rule allows), so held-back
+        requests cost one try per adapter, not one per request."""
+        placed = []
+        for adapter in list(self._held):
+            queue = self._held[adapter]
+            if not self._held_back(self.requests[queue[0][1]]):   # the adapter may spread again
+                for entry in self._held.pop(adapter):
+                    heapq.heappush(self._waiting, entry)
+                continue
+            while queue and (gpu := self._choose(self.requests[queue[0][1]])) is not None:
+                request_id = heapq.heappop(queue)[1]
+                self._join(gpu, self.requests[request_id])
+                placed.append((request_id, gpu.gpu_id))
+            if not queue:
+                del self._held[adapter]
         while self._waiting:
             request = self.requests[self._waiting[0][1]]
             gpu = self._choose(request)
             if gpu is None:
                 if not self._held_back(request):
                     break
-                held_back.append(heapq.heappop(self._waiting))
+                heapq.heappush(self._held.setdefault(request.adapter, []), heapq.heappop(self._waiting))
                 continue
             heapq.heappop(self._waiting)
             self._join(gpu, request)
             placed.append((request.request_id, gpu.gpu_id))
-        for entry in held_back:
-            heapq.heappush(self._waiting, entry)
         return placed
 
     def _held_back(self, request: RequestState) -> bool:
@@ -257,8 +277,12 @@ class ClusterPolicy:
         """A request finished or was aborted, running or waiting."""
         request = self.requests.pop(request_id)
         if request.gpu_id is None:
-            self._waiting.remove((request.seq, request_id))
-            heapq.heapify(self._waiting)
+            held = self._held.get(request.adapter, [])
+            queue = held if (request.seq, request_id) in held else self._waiting
+            queue.remove((request.seq, request_id))
+            heapq.heapify(queue)
+            if not held and request.adapter in self._held:
+                del self._held[request.adapter]
             return
         gpu = self.gpus[request.gpu_id]
         self._leave(gpu)
@@ -277,15 +301,29 @@ class ClusterPolicy:
 
     @property
     def num_waiting(self) -> int:
+        """Requests waiting to be placed, held back ones included."""
+        return len(self._waiting) + sum(len(queue) for queue in self._held.values())
+
+    @property
+    def num_placeable_waiting(self) -> int:
+        """Waiting requests that a new GPU could take (held-back ones wait for GPUs holding their adapter)."""
         return len(self._waiting)
 
     def waiting_ids(self) -> list[RequestId]:
-        return [request_id for _, request_id in sorted(self._waiting)]
+        return [request_id for _, request_id in sorted(self._waiting + [e for q in self._held.values() for e in q])]
 
     # ---- scale decisions ----------------------------------------------------------------
     def needs_gpu(self) -> bool:
-        """Requests wait and no GPU is lightly loaded: ask for one more GPU."""
-        return bool(self._waiting) and not any(self._buckets[b] for b in range(self.config.light_load_batch))
+        """No GPU is lightly loaded and requests that a new GPU could take wait (`scale_ahead`:
+        whether or not they do): ask for one more GPU. Lightly loaded: a batch below
+        `light_load_batch` and, under KV-aware packing, KV use below the same fraction of
+        `max_packed_kv_tokens`."""
+        if not (self._waiting or self.config.scale_ahead):
+            return False
+        cap = self.config.max_packed_kv_tokens
+        light_kv = None if cap is None else cap * self.config.light_load_batch / self.config.max_batch_size
+        return not any(light_kv is None or self.gpus[g].kv_used < light_kv
+                       for b in range(self.config.light_load_batch) for g in self._buckets[b])
 
     def release_idle(self, now: float) -> list[int]:
         """Remove and return GPUs idle for at least `idle_release_s` (keeping `min_gpus`)."""
@@ -309,9 +347,13 @@ class ClusterPolicy:
                 continue
             if self.sync is not None:
                 self.sync(gpu_id)
-            if gpu.kv_free >= request.num_tokens:
+            if gpu.kv_free >= request.num_tokens and self._packing_room(gpu, request):
                 return gpu
         return None
+
+    def _packing_room(self, gpu: GpuState, request: RequestState) -> bool:
+        cap = self.config.max_packed_kv_tokens
+        return cap is None or gpu.batch_size == 0 or gpu.kv_used + request.num_tokens <= cap
 
     def _candidates(self, request: RequestState) -> Iterator[int]:
         raise NotImplementedError

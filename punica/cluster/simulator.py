@@ -13,6 +13,11 @@ Adapters: every GPU has `policy_config.max_loras` slots and a host tier of `host
 adapters (LRU). A request placed on a GPU that lacks its adapter waits (holding its batch slot
 and prompt KV) for the load: the model's `adapter_load_s`, plus `adapter_read_s` when the adapter
 is not in that GPU's host tier; then it joins the step in flight like any placed request.
+
+A request whose prompt + output exceeds one GPU's KV cache could never finish anywhere: it is
+refused on arrival (`num_rejected` in the report; the latencies are of the served requests). Should
+requests still wait when nothing is left to run, load or start, the run ends with a RuntimeError
+naming them rather than simulate an idle cluster forever.
 """
 
 from __future__ import annotations
@@ -83,6 +88,7 @@ class Simulator:
         self.num_starting = 0
         self.now = 0.0
         self.num_finished = 0
+        self.rejected: list[int] = []
         self.held_since: dict[int, float] = {}
         self.gpu_seconds = 0.0
         self.bin_s = trace.duration_s / config.num_samples
@@ -112,6 +118,8 @@ class Simulator:
                     self._adapter_ready(key, version)
                 else:
                     self._sample(key)
+                    if i == len(arrivals) and len(self.events) == 1 and self.num_finished < len(arrivals):
+                        self._stalled()
             self._scale()
         for gpu_id in list(self.held_since):
             self._release(gpu_id)
@@ -119,6 +127,10 @@ class Simulator:
 
     def _arrive(self, i: int) -> None:
         self._count("arrivals", 1)
+        if self.trace.prompt_lens[i] + self.trace.output_lens[i] > self.config.kv_tokens:
+            self.rejected.append(i)     # would outgrow any GPU's KV cache: refused, as a server would
+            self.num_finished += 1
+            return
         self.policy.submit(i, self.trace.prompt_lens[i], self.trace.adapters[i])
         self._place()
 
@@ -153,7 +165,8 @@ class Simulator:
         for gpu_id in self.policy.release_idle(self.now):
             self._release(gpu_id)
         if self.free_ids and self.policy.needs_gpu():
-            wanted = math.ceil(self.policy.num_waiting / self.config.policy_config.max_batch_size)
+            config = self.config.policy_config
+            wanted = max(config.scale_ahead, math.ceil(self.policy.num_placeable_waiting / config.max_batch_size))
             while self.num_starting < min(wanted, len(self.free_ids)):
                 self.num_starting += 1
                 heapq.heappush(self.events, (self.now + self.config.gpu_startup_s, GPU_READY, 0, 0))
@@ -262,6 +275,15 @@ class Simulator:
             k += 1
         return min(k, seg.num_steps - 1)
 
+    def _stalled(self) -> None:
+        """Every request has arrived, nothing is running, loading or starting, yet some wait: no
+        event can ever place them."""
+        waiting = self.policy.waiting_ids()
+        raise RuntimeError(f"simulation stalled at t={self.now:.1f} s: {len(waiting)} requests can never be placed "
+                           f"(first: request {waiting[0]} with {self.policy.num_tokens(waiting[0])} tokens, adapter "
+                           f"{self.trace.adapters[waiting[0]]}; {len(self.policy.gpus)} GPUs of "
+                           f"{self.config.kv_tokens} KV tokens held)")
+
     # ---- output ---------------------------------------------------------------------------
     def _count(self, name: str, value: int) -> None:
         series, index = self.series[name], int(self.now / self.bin_s)
@@ -277,12 +299,18 @@ class Simulator:
             heapq.heappush(self.events, ((index + 1) * self.bin_s, SAMPLE, index + 1, 0))
 
     def _report(self, wall_s: float, cpu_s: float) -> dict:
-        latency = sorted(f - a for f, a in zip(self.finish, self.trace.arrivals))
-        ttft = sorted(f - a for f, a in zip(self.first_token, self.trace.arrivals))
-        makespan = max(self.finish)
-        tokens = sum(self.trace.output_lens)
+        served = [i for i, f in enumerate(self.finish) if not math.isnan(f)]
+        if not served:
+            raise RuntimeError(f"no request was served: all {len(self.rejected)} outgrow a GPU's KV cache "
+                               f"({self.config.kv_tokens} tokens)")
+        arrivals = self.trace.arrivals
+        latency = sorted(self.finish[i] - arrivals[i] for i in served)
+        ttft = sorted(self.first_token[i] - arrivals[i] for i in served)
+        makespan = max(self.finish[i] for i in served)
+        tokens = sum(self.trace.output_lens[i] for i in served)
         return {
             "policy": self.config.policy, "num_gpus": self.config.num_gpus, "num_requests": len(self.trace),
+            "num_rejected": len(self.rejected),
             "gpu_hours": self.gpu_seconds / 3600, "makespan_s": makespan, "output_tokens": tokens,
             "throughput_tokens_per_s": tokens / makespan, "num_evictions": self.policy.num_evictions,
             "adapter_loads": self.policy.num_loads, "adapter_reads": self.num_reads,

@@ -75,6 +75,23 @@ def test_holders_fill_busiest_first_then_the_cap_makes_requests_wait_for_them():
     assert policy.waiting_ids() == ["h9"]
 
 
+def test_held_back_requests_ask_for_no_gpu_and_cost_one_try_per_adapter_and_schedule():
+    policy = cluster(num_gpus=1, max_gpus_per_adapter=1, max_batch_size=2, light_load_batch=1)
+    assert [place(policy, f"h{i}", "hot") for i in range(2)] == [0, 0]
+    assert [place(policy, f"h{i}", "hot") for i in range(2, 20)] == [None] * 18
+    assert policy.num_waiting == 18 and policy.num_placeable_waiting == 0
+    assert not policy.needs_gpu()            # a new GPU could not take them: the cap holds them back
+    tries = []
+    choose = policy._choose
+    policy._choose = lambda request: tries.append(request.request_id) or choose(request)
+    assert policy.schedule() == [] and tries == ["h2"]  # only the head of the adapter's queue
+    assert place(policy, "cold", "c") is None and policy.needs_gpu() and policy.num_placeable_waiting == 1
+    policy.finish("h0")
+    assert policy.schedule() == [("h2", 0)]  # the oldest held-back request first
+    policy.finish("h3")                      # a waiting one leaves
+    assert policy.waiting_ids() == ["h4"] + [f"h{i}" for i in range(5, 20)] + ["cold"]
+
+
 def test_migration_prefers_gpus_holding_the_migrated_requests_adapter():
     policy = cluster(num_gpus=3, kv=40, max_batch_size=8)
     policy.set_adapters(2, ["a"])
@@ -132,9 +149,9 @@ def test_an_adapter_back_from_the_host_tier_costs_only_its_load():
     assert result["makespan_s"] == pytest.approx(20.15)
 
 
-@pytest.mark.parametrize("policy", ["punica", "adapter-aware"])
-def test_tokens_are_conserved_with_loads_and_evictions(policy):
+@pytest.mark.parametrize(("policy", "cap"), [("punica", None), ("adapter-aware", None), ("adapter-aware", 1)])
+def test_tokens_are_conserved_with_loads_and_evictions(policy, cap):
     trace = fig13_trace(400, duration_s=300.0, seed=3, max_total=512, num_adapters=50, zipf_alpha=1.1)
-    result = simulate(trace, policy, max_loras=4)
+    result = simulate(trace, policy, max_loras=4, max_gpus_per_adapter=cap)
     assert result["num_evictions"] >= 0 and result["adapter_loads"] > 0
     assert sum(result["series"]["tokens"]) == sum(trace.output_lens) == result["output_tokens"]

@@ -99,6 +99,18 @@ def test_scale_up_when_requests_wait_and_no_gpu_is_lightly_loaded():
     assert policy.schedule() == [("r4", 1)] and not policy.needs_gpu()
 
 
+def test_kv_aware_packing_caps_a_busy_gpus_kv_and_scale_ahead_asks_before_anyone_waits():
+    policy = cluster(num_gpus=2, kv=1000, max_packed_kv_tokens=100, scale_ahead=True)  # light: batch < 2, KV < 50
+    assert not policy.needs_gpu()
+    assert submit(policy, "big", 150) == [("big", 0)]   # an idle GPU takes any request its KV holds
+    assert submit(policy, "a", 60) == [("a", 1)]        # GPU 0 is past the cap: the next busiest
+    assert policy.needs_gpu() and not policy.num_waiting  # no GPU is light; nobody waits yet
+    assert submit(policy, "b", 50) == []                # 60 + 50 would pass the cap on GPU 1
+    policy.finish("a")
+    assert policy.schedule() == [("b", 1)]
+
+
+
 def test_scale_down_releases_gpus_idle_long_enough_keeping_min_gpus():
     policy = PunicaPolicy(PolicyConfig(max_batch_size=4, light_load_batch=2, idle_release_s=10, min_gpus=2))
     for gpu_id in range(3):
@@ -151,3 +163,16 @@ def test_no_request_lost_or_duplicated_batch_and_kv_within_limits(name, ops):
         if waiting:  # FCFS: the head fits on no GPU
             head = policy.num_tokens(waiting[0])
             assert all(g.batch_size == 3 or g.kv_free < head for g in policy.gpus.values())
+
+
+def test_a_wrong_cluster_policy_is_a_clear_error_naming_the_choices(capsys):
+    from punica.cli import build_parser
+    from punica.server.args import CLUSTER_POLICIES, ServerArgs
+
+    with pytest.raises(ValueError, match="cluster_policy must be one of punica, adapter-aware, round-robin, "
+                                         "least-loaded, got 'busiest'"):
+        ServerArgs(cluster_policy="busiest")
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--cluster-policy", "busiest"])
+    assert "--cluster-policy: invalid choice: 'busiest' (choose from" in capsys.readouterr().err
+    assert set(CLUSTER_POLICIES) == set(POLICIES)   # the server offers exactly the placement rules

@@ -104,3 +104,29 @@ def test_simulate_without_matplotlib_writes_json_and_says_how_to_get_plots(tmp_p
     data = json.loads((tmp_path / "simulate.json").read_text())
     assert [r["policy"] for r in data["results"]] == ["punica", "adapter-aware"]
     assert not list(tmp_path.glob("*.png"))
+
+
+def test_a_request_that_outgrows_every_gpu_is_rejected_and_the_rest_are_served():
+    trace = Trace([0.0, 1.0, 2.0], [100, 4000, 50], [10, 200, 5], [0, 0, 1], duration_s=10.0)
+    result = run(trace, kv_tokens=4096)
+    assert result["num_rejected"] == 1 and result["output_tokens"] == 15 == sum(result["series"]["tokens"])
+
+
+def test_requests_that_can_never_be_placed_end_the_run_with_an_error():
+    trace = Trace([0.0, 1.0], [100, 50], [10, 5], [0, 1], duration_s=10.0)
+    sim = Simulator(SimConfig(2, 4096, GROWING, "punica", PolicyConfig(8, 4), gpu_startup_s=5.0), trace)
+    sim.policy._candidates = lambda request: iter(())   # no GPU ever qualifies
+    with pytest.raises(RuntimeError, match="2 requests can never be placed"):
+        sim.run()
+
+
+def test_the_spread_cap_finishes_with_one_try_per_held_adapter_not_per_held_request():
+    trace = fig13_trace(1500, duration_s=300.0, seed=4, max_total=512, num_adapters=200, zipf_alpha=1.1)
+    policy_config = PolicyConfig(max_batch_size=8, light_load_batch=4, max_loras=8, max_gpus_per_adapter=1)
+    sim = Simulator(SimConfig(4, 8192, GROWING, "adapter-aware", policy_config, gpu_startup_s=5.0), trace)
+    tries = []
+    choose = sim.policy._choose
+    sim.policy._choose = lambda request: tries.append(1) or choose(request)
+    result = sim.run()
+    assert result["output_tokens"] == sum(trace.output_lens) == sum(result["series"]["tokens"])
+    assert len(tries) < 40 * len(trace), len(tries)   # 360 per request when each schedule tried every held one
