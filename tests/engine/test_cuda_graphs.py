@@ -93,13 +93,14 @@ def test_static_batch_matches_eager_step(setup, bucket, num_decodes, new_prompts
     worker, page_size = engine.executor.worker, engine.config.page_size
     runner = worker.runner
     num_pages = engine.allocator.num_pages
-    assert runner.kv_cache.shape[1] == num_pages + 1, "one scratch page beyond the allocator's"
-    before = runner.kv_cache.clone()
+    pages = runner.kv_cache.pages
+    assert pages.shape[1] == num_pages + 1, "one scratch page beyond the allocator's"
+    before = pages.clone()
     eager = runner.run(step)
-    eager_cache = runner.kv_cache.clone()
+    eager_cache = pages.clone()
 
-    runner.kv_cache.copy_(before)
-    runner.kv_cache[:, num_pages] = 1e3  # garbage in the scratch page is never read by real rows
+    pages.copy_(before)
+    pages[:, num_pages] = 1e3  # garbage in the scratch page is never read by real rows
     static = StaticBatch(bucket, ceil_div(engine.max_model_len, page_size), page_size, num_pages, runner.device)
     static.fill(step)
     with torch.inference_mode():
@@ -107,7 +108,7 @@ def test_static_batch_matches_eager_step(setup, bucket, num_decodes, new_prompts
     assert logits.shape == (bucket.num_requests, eager.shape[1])
     real_rows = list(range(len(prefills))) + [bucket.num_prefills + i for i in range(len(decodes))]
     torch.testing.assert_close(logits[real_rows], eager, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(runner.kv_cache[:, :num_pages], eager_cache[:, :num_pages], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(pages[:, :num_pages], eager_cache[:, :num_pages], rtol=1e-5, atol=1e-5)
     assert torch.isfinite(logits).all()
 
 
