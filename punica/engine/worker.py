@@ -17,7 +17,8 @@ CPU_KV_CACHE_BYTES = 1 << 30
 
 
 def kv_cache_pages(model: DecoderForCausalLM, config: EngineConfig) -> int:
-    """Pages from kv_cache_tokens, kv_cache_bytes, or the free-memory fraction (CUDA) / 1 GiB (CPU)."""
+    """Pages from kv_cache_tokens, or from kv_cache_bytes or the free-memory fraction (CUDA) / 1 GiB (CPU)
+    over the bytes a token takes in config.kv_cache_dtype (fp8: values and their scales)."""
     if config.kv_cache_tokens is not None:
         return ceil_div(config.kv_cache_tokens, config.page_size)
     budget = config.kv_cache_bytes

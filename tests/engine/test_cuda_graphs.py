@@ -113,7 +113,9 @@ def test_static_batch_matches_eager_step(setup, bucket, num_decodes, new_prompts
 
 
 @pytest.mark.cuda
-def test_graph_engine_generates_what_eager_engine_does(setup, monkeypatch, greedy, make_engine, run_all, workload):
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])  # fp8: the pages' scales are static buffers too
+def test_graph_engine_generates_what_eager_engine_does(setup, monkeypatch, greedy, make_engine, run_all, workload,
+                                                       kv_cache_dtype):
     replays = []
     run = CudaGraphs.run
 
@@ -128,7 +130,8 @@ def test_graph_engine_generates_what_eager_engine_does(setup, monkeypatch, greed
     base_only = [(prompt, None, max_tokens) for prompt, _, max_tokens in workload(6, seed=12)]
     outputs = {}
     for eager in (True, False):
-        engine = make_engine(setup, device="cuda", max_batch_size=12, kv_cache_tokens=4096, enforce_eager=eager)
+        engine = make_engine(setup, device="cuda", max_batch_size=12, kv_cache_tokens=4096, enforce_eager=eager,
+                             kv_cache_dtype=kv_cache_dtype)
         assert engine.executor.worker.uses_cuda_graphs != eager
         # the adapters resident first: the batches' shapes then do not depend on when a load completes
         run_all(engine, [([5, 6, 7], name, 1) for name in ("a", "b", "c")], greedy)

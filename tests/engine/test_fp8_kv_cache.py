@@ -40,6 +40,23 @@ def test_fp8_cache_with_mixed_adapters_and_preemption(setup, greedy, make_engine
     assert first >= 0.9 and sum(a == b for a, b in pairs) / len(pairs) >= 0.75, (first, pairs)
 
 
+@pytest.mark.cuda
+def test_fp8_cache_on_the_gpu_follows_the_bf16_cache(setup, greedy, make_engine, run_all, workload):
+    """bf16 on the GPU (the Triton append and attention kernels, CUDA graphs): fp8 against the bf16
+    cache, under preemption, with the bounds of the CPU test above and for the same reason."""
+    requests = workload(24, seed=1)
+    exact = run_all(make_engine(setup, device="cuda", dtype=torch.bfloat16, max_batch_size=8, page_size=4), requests,
+                    greedy)
+    tight = make_engine(setup, device="cuda", dtype=torch.bfloat16, max_batch_size=8, page_size=4, kv_cache_tokens=96,
+                        kv_cache_dtype="fp8")
+    outs = run_all(tight, requests, greedy)
+    assert tight.stats().num_preemptions > 0 and tight.allocator.num_free == tight.allocator.num_pages
+    assert all(len(o.token_ids) == m for o, (_, _, m) in zip(outs, requests))
+    first = sum(o.token_ids[0] == e.token_ids[0] for o, e in zip(outs, exact)) / len(requests)
+    pairs = [(a, b) for o, e in zip(outs, exact) for a, b in zip(o.token_ids, e.token_ids)]
+    assert first >= 0.9 and sum(a == b for a, b in pairs) / len(pairs) >= 0.75, (first, pairs)
+
+
 def test_fp8_cache_holds_about_twice_the_tokens_in_the_same_bytes(setup):
     """Same kv_cache_bytes: the fp8 cache's pages = bytes // (page_size * (2 L Hkv (D + 4))), the
     bf16 cache's bytes // (page_size * 2 L Hkv 2D); the tensors the runner allocates stay within
