@@ -12,14 +12,30 @@ import random
 import pytest
 import torch
 
+from punica.config import ceil_div
 from punica.ops import attention as ops
 from punica.ops import attention_triton as kernels
 from punica.ops import kv_append_triton
+from punica.ops.attention import AttnBatch
 from punica.ops.kv_cache import FP8_KV_DTYPE, KVCache, dequantize_kv_ref, kv_bytes_per_token
-from tests.ops.test_attention_triton import make_batch
-from tests.ops.test_kv_append_triton import rope_kv_inputs, split_qkv
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def make_batch(query_lens, context_lens, num_prefills, page_size, rng, spare_pages=5):
+    """AttnBatch whose requests hold random, scattered pages of a pool with spare pages; its page count."""
+    needed = [ceil_div(c, page_size) for c in context_lens]
+    pool = list(range(sum(needed) + spare_pages))
+    rng.shuffle(pool)
+    starts = [sum(needed[:i]) for i in range(len(needed))]
+    tables = [pool[s:s + n] for s, n in zip(starts, needed)]
+    return AttnBatch.build(query_lens, context_lens, tables, page_size, num_prefills, device=DEVICE), len(pool)
+
+
+def split_qkv(qkv, num_heads, num_kv_heads, head_dim):
+    """q, k, v as views of one fused qkv row, as the model has them."""
+    q, k, v = qkv.split([num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], dim=1)
+    return q.view(-1, num_heads, head_dim), k.view(-1, num_kv_heads, head_dim), v.view(-1, num_kv_heads, head_dim)
 
 
 def fp8_cache(num_pages, page_size, num_kv_heads, head_dim):
@@ -96,8 +112,12 @@ def test_write_kv_kernel_matches_reference_fp8():
 @pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(6, 3, 32), (4, 4, 16)])
 def test_rope_and_write_kv_kernel_matches_reference_fp8(num_heads, num_kv_heads, head_dim):
     heads = (num_heads, num_kv_heads, head_dim)
-    qkv, cos, sin, _, slots = rope_kv_inputs(7, *heads, 4, torch.float32, torch.float32, seed=head_dim)
-    num_pages = 5
+    gen = torch.Generator().manual_seed(head_dim)
+    num_tokens, num_pages = 7, 5
+    qkv = torch.randn(num_tokens, (num_heads + 2 * num_kv_heads) * head_dim, generator=gen).to(DEVICE)
+    angles = torch.rand(num_tokens, head_dim // 2, generator=gen) * 100
+    cos, sin = angles.cos().to(DEVICE), angles.sin().to(DEVICE)
+    slots = torch.randperm(num_pages * 4, generator=gen)[:num_tokens].to(DEVICE)
     expect, got = fp8_cache(num_pages, 4, num_kv_heads, head_dim), fp8_cache(num_pages, 4, num_kv_heads, head_dim)
     expect_qkv, got_qkv = qkv.clone(), qkv.clone()
     ops.rope_and_write_kv_ref(*split_qkv(expect_qkv, *heads), cos, sin, expect[0], slots, expect[1])
