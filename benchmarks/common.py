@@ -11,6 +11,21 @@ from punica.engine.sampling_params import SamplingParams
 WARM_UP_PROMPT = list(range(3, 67))  # 64 tokens: long enough that prefills run SGMV's tiled path
 
 
+# the formats of --quantizations (textgen, roofline): a base-weight format (punica.config.QUANTIZATIONS),
+# "+fp8kv" added for an fp8 KV cache
+FORMATS = ("none", "fp8", "none+fp8kv", "fp8+fp8kv")
+
+
+def format_fields(label: str) -> dict[str, str]:
+    """The EngineArgs fields of a FORMATS label: quantization and kv_cache_dtype."""
+    weights, _, kv = label.partition("+")
+    return {"quantization": weights, "kv_cache_dtype": "fp8" if kv == "fp8kv" else "auto"}
+
+
+def format_label(quantization: str, kv_cache_dtype: str) -> str:
+    return quantization + ("+fp8kv" if kv_cache_dtype == "fp8" else "")
+
+
 def percentile(values: list[float], q: float) -> float:
     """The q-quantile of values, nearest rank at or above q (p99: q = 0.99)."""
     ordered = sorted(values)

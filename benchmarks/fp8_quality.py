@@ -1,12 +1,14 @@
-"""FP8 base weights against the original on real weights: the embedded SmolLM2-135M-Instruct and its
-demo adapters, on the CPU.
+"""FP8 base weights and an FP8 KV cache against the original on real weights: the embedded
+SmolLM2-135M-Instruct and its demo adapters, on the CPU.
 
 python -m benchmarks.fp8_quality [--prompts 200] [--greedy-requests 32] [--max-tokens 48]
-    [--out results/fp8_quality]
+    [--quantization fp8|none] [--kv-cache-dtype auto|fp8] [--out results/fp8_quality]
 
-Both models load from the same checkpoint (bf16 weights, run in float32): the original, and with
-`quantization="fp8"` (the 7 projections in e4m3 with per-output-channel scales; on the CPU the
-reference path dequantizes them and multiplies in float32). Prompts: --prompts chat messages, each
+Both models load from the same checkpoint (bf16 weights, run in float32): the original (its KV
+cache in float32), and the variant: with --quantization fp8 (the default) the 7 projections in
+e4m3 with per-output-channel scales, with --kv-cache-dtype fp8 its KV cache in e4m3 with a scale
+per (token, KV head) (punica.ops.kv_cache); on the CPU the reference path dequantizes either and
+computes in float32. "fp8" below names the variant. Prompts: --prompts chat messages, each
 a question template about a topic (a seeded sample of TEMPLATES x TOPICS) through the model's chat
 template with the generation prompt; prompt i runs under the base model or a demo adapter
 (cycling None, signature, json, pirate), in mixed prefill batches of BATCH prompts.
@@ -35,7 +37,7 @@ from pathlib import Path
 import torch
 
 from benchmarks.common import format_table, save_figure, write_results
-from punica.config import EngineConfig
+from punica.config import KV_CACHE_DTYPES, QUANTIZATIONS, EngineConfig
 from punica.demo import demo_adapters
 from punica.engine.sampling_params import SamplingParams
 from punica.factory import engine_on_model, load_tokenizer
@@ -75,7 +77,8 @@ def attach_adapters(model, adapters: dict[str, str]) -> dict[str, int]:
 
 
 @torch.inference_mode()
-def query_logits(model, prompts: list[list[int]], slots: list[int], prefix_len: int) -> torch.Tensor:
+def query_logits(model, prompts: list[list[int]], slots: list[int], prefix_len: int,
+                 kv_cache_dtype: str = "auto") -> torch.Tensor:
     """Logits [sum of (length - prefix_len), V] float32 at every position past the first prefix_len
     (a multiple of PAGE_SIZE, a prefix all prompts share) of one mixed batch: the prefix's KV is
     prefilled once per adapter slot of the batch, into pages each prompt of that slot reads."""
@@ -88,7 +91,7 @@ def query_logits(model, prompts: list[list[int]], slots: list[int], prefix_len: 
         own = math.ceil(len(p) / PAGE_SIZE) - shared
         tables.append(prefix_pages[slots[len(tables)]] + list(range(first, first + own)))
         first += own
-    kv = model.new_kv_cache(first, PAGE_SIZE)
+    kv = model.new_kv_cache(first, PAGE_SIZE, kv_cache_dtype)
     if shared:
         lens = [prefix_len] * len(distinct)
         attn = AttnBatch.build(lens, lens, list(prefix_pages.values()), PAGE_SIZE, len(distinct))
@@ -109,15 +112,16 @@ def shared_prefix(prompts: list[list[int]]) -> int:
     return next((i for i, column in enumerate(zip(*prompts)) if len(set(column)) > 1), min(map(len, prompts)))
 
 
-def next_token_metrics(models: dict, prompts: list[list[int]], slots: list[int]
+def next_token_metrics(models: dict, kv_dtypes: dict[str, str], prompts: list[list[int]], slots: list[int]
                        ) -> tuple[dict[str, float], torch.Tensor, torch.Tensor]:
-    """(summary, each prompt's next-token agreement [P] bool and KL [P])."""
+    """(summary, each prompt's next-token agreement [P] bool and KL [P]); kv_dtypes: each model's
+    KV-cache dtype."""
     last_agree, last_kl, all_agree, all_kl = [], [], [], []
     skip = shared_prefix(prompts)
     prefix_len = skip // PAGE_SIZE * PAGE_SIZE
     for lo in range(0, len(prompts), BATCH):
         batch, batch_slots = prompts[lo:lo + BATCH], slots[lo:lo + BATCH]
-        ref, fp8 = (query_logits(m, batch, batch_slots, prefix_len) for m in (models["original"], models["fp8"]))
+        ref, fp8 = (query_logits(models[k], batch, batch_slots, prefix_len, kv_dtypes[k]) for k in ("original", "fp8"))
         ends = torch.tensor([len(p) - prefix_len for p in batch]).cumsum(0)
         agree, kl = compare(ref, fp8)
         last_agree.append(agree[ends - 1])
@@ -136,9 +140,10 @@ def next_token_metrics(models: dict, prompts: list[list[int]], slots: list[int]
 
 
 def greedy_outputs(model, adapters: dict[str, str], requests: list[tuple[list[int], str | None]],
-                   max_tokens: int) -> list[list[int]]:
+                   max_tokens: int, kv_cache_dtype: str = "auto") -> list[list[int]]:
     engine = engine_on_model(model, EngineConfig(max_batch_size=len(requests), max_loras=len(adapters),
-                                                 kv_cache_tokens=len(requests) * 256), adapters)
+                                                 kv_cache_tokens=len(requests) * 256, kv_cache_dtype=kv_cache_dtype),
+                             adapters)
     params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
     ids = [engine.add_request(prompt, params, adapter) for prompt, adapter in requests]
     finished = {}
@@ -152,7 +157,7 @@ def first_divergence(a: list[int], b: list[int]) -> int | None:
 
 
 def plot(rows: list[dict], divergences: list[int | None], adapters: list[str | None], max_tokens: int,
-         path: Path) -> None:
+         path: Path, label: str) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -161,7 +166,7 @@ def plot(rows: list[dict], divergences: list[int | None], adapters: list[str | N
     names = [r["adapter"] for r in rows]
     left.bar(names, [r["next_token_top1_agreement"] for r in rows])
     left.axhline(0.95, color="tab:red", linestyle="--", label="target 0.95")
-    left.set_title("next-token top-1 agreement, fp8 vs original", fontsize=9)
+    left.set_title(f"next-token top-1 agreement, {label} vs original", fontsize=9)
     left.set_ylim(0.8, 1.0)
     left.legend(fontsize=7)
     for i, name in enumerate(names):
@@ -171,7 +176,7 @@ def plot(rows: list[dict], divergences: list[int | None], adapters: list[str | N
     right.set_title(f"greedy: first differing output token ({max_tokens}: identical)", fontsize=9)
     for ax in (left, right):
         ax.grid(True, axis="y", alpha=0.3)
-    save_figure(fig, path, "fp8 weights vs original, SmolLM2-135M-Instruct + demo adapters, CPU")
+    save_figure(fig, path, f"{label} vs original, SmolLM2-135M-Instruct + demo adapters, CPU")
 
 
 def main() -> None:
@@ -179,24 +184,31 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=200)
     parser.add_argument("--greedy-requests", type=int, default=32)
     parser.add_argument("--max-tokens", type=int, default=48)
+    parser.add_argument("--quantization", choices=QUANTIZATIONS, default="fp8", help="the variant's base weights")
+    parser.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto", help="the variant's KV cache")
     parser.add_argument("--out", type=Path, default=Path("results/fp8_quality"))
     args = parser.parse_args()
+    if args.quantization == "none" and args.kv_cache_dtype == "auto":
+        parser.error("the variant must differ from the original: --quantization fp8 or --kv-cache-dtype fp8")
+    label = " + ".join(([] if args.quantization == "none" else ["fp8 weights"])
+                       + ([] if args.kv_cache_dtype == "auto" else ["fp8 KV cache"]))
     started = time.time()
     model_dir = resolve_model_dir(None)
     tokenizer = load_tokenizer(model_dir)
     adapters = demo_adapters()
     models = {"original": load_hf_dir(model_dir, torch.float32),
-              "fp8": load_hf_dir(model_dir, torch.float32, quantization="fp8")}
+              "fp8": load_hf_dir(model_dir, torch.float32, quantization=args.quantization)}
+    kv_dtypes = {"original": "auto", "fp8": args.kv_cache_dtype}
     prompts = chat_prompts(tokenizer, args.prompts)
     names = [None, *adapters]
     request_adapters = [names[i % len(names)] for i in range(len(prompts))]
     for model in models.values():
         slot_of = attach_adapters(model, adapters)
     slots = [-1 if a is None else slot_of[a] for a in request_adapters]
-    metrics, agree, kl = next_token_metrics(models, prompts, slots)
+    metrics, agree, kl = next_token_metrics(models, kv_dtypes, prompts, slots)
     print(f"next-token metrics of {len(prompts)} prompts: {time.time() - started:.1f} s", flush=True)
     requests = list(zip(prompts, request_adapters))[:args.greedy_requests]
-    outputs = {k: greedy_outputs(m, adapters, requests, args.max_tokens) for k, m in models.items()}
+    outputs = {k: greedy_outputs(m, adapters, requests, args.max_tokens, kv_dtypes[k]) for k, m in models.items()}
     divergences = [first_divergence(a, b) for a, b in zip(outputs["original"], outputs["fp8"])]
     diverged = [d for d in divergences if d is not None]
     rows = []
@@ -215,11 +227,12 @@ def main() -> None:
                          "greedy_first_divergence_mean": sum(diverged) / len(diverged) if diverged else None,
                          "greedy_first_divergence_min": min(diverged, default=None)}
     meta = {"device": "cpu", "cpu": platform.processor() or platform.machine(), "model": model_dir.name,
-            "adapters": list(adapters), "prompts": len(prompts), "dtype": "float32", "quantization": "fp8",
+            "adapters": list(adapters), "prompts": len(prompts), "dtype": "float32",
+            "quantization": args.quantization, "kv_cache_dtype": args.kv_cache_dtype, "variant": label,
             "seconds": time.time() - started, "date": time.strftime("%Y-%m-%d"), "torch": torch.__version__,
             "summary": summary}
     write_results(args.out, "fp8_quality", rows, meta)
-    plot(rows, divergences, [a for _, a in requests], args.max_tokens, args.out / "fp8_quality.png")
+    plot(rows, divergences, [a for _, a in requests], args.max_tokens, args.out / "fp8_quality.png", label)
     print(meta)
     print(format_table([{"metric": k, "value": f"{v:.4g}" if isinstance(v, float) else v} for k, v in summary.items()],
                        ["metric", "value"]))

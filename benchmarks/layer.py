@@ -132,7 +132,7 @@ def main() -> None:
     model, pool = build(args.preset, args.rank, max(args.batches), dtype, device)
     layer, config = model.layers[0], model.config
     num_pages = max(args.batches) * ceil_div(max(args.seq_lens) + 1, PAGE_SIZE)
-    kv_layer = model.new_kv_cache(num_pages, PAGE_SIZE)[0]
+    kv_layer = model.new_kv_cache(num_pages, PAGE_SIZE).pages[0]
     rng = random.Random(0)
     started = time.time()
     rows = []

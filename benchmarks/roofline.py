@@ -1,7 +1,7 @@
 """Decode-step roofline: the engine's decode step time against the memory floor.
 
     python -m benchmarks.roofline [--preset llama-2-7b] [--batches 1 2 4 8 16 32] [--contexts 512 2048]
-        [--quantizations none fp8]
+        [--quantizations none fp8 fp8+fp8kv]
 
 The full model of --preset with dummy weights (bf16 on CUDA, fp32 on CPU) in an Engine with
 max batch = the largest --batches, first without LoRA (every request slot -1), then with
@@ -18,9 +18,10 @@ context, and each distinct adapter's A and B for the 7 projections of every laye
 from memory at the device-to-device copy rate measured in the same run (CUDA:
 benchmarks.common.copy_bandwidth; CPU: median wall time of a 256 MiB copy). Activations and
 logits are left out. ratio = step_ms / floor_ms (issue target on an H200: <= 1.3 at batch 32).
---quantizations: all of it once per base-weight format of the same dummy weights (none: the
-dtype's; fp8: e4m3 projections with per-channel scales, whose floor counts their 1-byte weights
-and 4-byte scales); rows say which (`quantization`).
+--quantizations: all of it once per format of the same dummy weights (none: the dtype's; fp8:
+e4m3 projections with per-channel scales, whose floor counts their 1-byte weights and 4-byte
+scales; "+fp8kv": an fp8 KV cache, whose floor counts 1-byte K and V and a 4-byte scale per
+token, KV head and K|V); rows say which (`quantization`).
 Writes roofline.json and roofline.png under --out and prints a table last.
 
 --tensor-parallel-size N > 1: the tensor-parallel engine (punica.parallel.executor; rank r on
@@ -41,8 +42,18 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.common import copy_bandwidth, format_table, save_figure, style_axes, warm_up, write_results
-from punica.config import QUANTIZATIONS, EngineArgs, add_arguments, from_arguments, preset_config
+from benchmarks.common import (
+    FORMATS,
+    copy_bandwidth,
+    format_fields,
+    format_label,
+    format_table,
+    save_figure,
+    style_axes,
+    warm_up,
+    write_results,
+)
+from punica.config import EngineArgs, add_arguments, from_arguments, preset_config
 from punica.engine.engine import Engine
 from punica.engine.runner import kv_bytes_per_token
 from punica.engine.sampling_params import SamplingParams
@@ -139,8 +150,9 @@ def measure(engine_args: EngineArgs, config, dtype: torch.dtype, device: torch.d
             args: argparse.Namespace, bandwidth: float) -> tuple[list[dict], bool]:
     """Rows of both LoRA modes at every context and batch on one model (engine_args' quantization),
     and whether its engine replays CUDA graphs."""
-    tp, max_batch, quantization = engine_args.tensor_parallel_size, engine_args.max_batch_size, engine_args.quantization
-    model = dummy_model(config, dtype, device, quantization=quantization) if tp == 1 else None
+    tp, max_batch = engine_args.tensor_parallel_size, engine_args.max_batch_size
+    quantization = format_label(engine_args.quantization, engine_args.kv_cache_dtype)
+    model = dummy_model(config, dtype, device, quantization=engine_args.quantization) if tp == 1 else None
     rng = random.Random(0)
     rows = []
     if tp > 1:
@@ -150,7 +162,7 @@ def measure(engine_args: EngineArgs, config, dtype: torch.dtype, device: torch.d
             names = all_names if lora == "distinct" else {}
             engine = engine_on_model(model, engine_args.engine_config(), names) if tp == 1 else parallel_engine
             shard = engine.executor.worker.model  # rank 0's shard under tensor parallelism: one GPU's bytes
-            per_token_kv = kv_bytes_per_token(shard)
+            per_token_kv = kv_bytes_per_token(shard, engine_args.kv_cache_dtype)
             per_adapter = adapter_bytes(shard.config, args.rank, shard.embed.weight.element_size())
             warm_up(engine, list(names) or [None] * max_batch)  # compiled kernels, resident adapters
             for context in args.contexts:
@@ -191,8 +203,8 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--files", type=int, default=4, help="adapter files behind the distinct names")
-    parser.add_argument("--quantizations", nargs="+", choices=QUANTIZATIONS, default=["none"],
-                        help="measure once per base-weight format")
+    parser.add_argument("--quantizations", nargs="+", choices=FORMATS, default=["none"],
+                        help="measure once per format: base weights none|fp8, +fp8kv: an fp8 KV cache")
     add_arguments(parser, EngineArgs, only=("enforce_eager", "tensor_parallel_size"))
     parser.add_argument("--out", type=Path, default=Path("results/roofline"))
     args = parser.parse_args()
@@ -212,8 +224,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         files = [save_random_adapter(Path(tmp) / f"f{i}", config, args.rank, seed=i) for i in range(args.files)]
         all_names = {f"lora{i}": str(files[i % len(files)]) for i in range(max_batch)}
-        for quantization in args.quantizations:
-            q_rows, cuda_graphs = measure(dataclasses.replace(engine_args, quantization=quantization), config, dtype,
+        for label in args.quantizations:
+            q_rows, cuda_graphs = measure(dataclasses.replace(engine_args, **format_fields(label)), config, dtype,
                                           device, all_names, args, bandwidth)
             rows += q_rows
     device_name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"

@@ -4,7 +4,7 @@ against HuggingFace transformers + PEFT.
 
 python -m benchmarks.textgen [--preset llama-2-7b] [--requests 64] [--max-total 2048]
     [--workloads backbone distinct ...] [--hf-requests 32] [--hf-max-total 256] [--skip-hf]
-    [--tensor-parallel-size 1] [--enforce-eager] [--no-overlap-steps] [--dora] [--quantizations none fp8]
+    [--tensor-parallel-size 1] [--enforce-eager] [--no-overlap-steps] [--dora] [--quantizations none fp8 fp8+fp8kv]
 
 Requests follow the paper's generator (prompt ~ lognorm(0.8, -1, 18), total ~ uniform up to
 --max-total, fixed seed), FCFS, max batch 32, greedy with ignore_eos so every request runs its
@@ -15,9 +15,10 @@ work; each name still gets its own GPU slot and copy). The engines have one GPU 
 and every adapter of the workload is loaded before the clock starts (on-demand loading is
 benchmarks/adapter_load.py's question).
 
---quantizations: the engine's runs (every workload) once per base-weight format, on the same
-dummy weights: none (the dtype's), fp8 (e4m3, per-channel scales: punica.models.quantized);
-rows say which (`quantization`). The HF+PEFT baseline runs in the dtype.
+--quantizations: the engine's runs (every workload) once per format, on the same dummy weights:
+base weights none (the dtype's) or fp8 (e4m3, per-channel scales: punica.models.quantized), and
+with "+fp8kv" an fp8 KV cache (punica.ops.kv_cache; the same --kv-cache-tokens); rows say which
+(`quantization`). The HF+PEFT baseline runs in the dtype.
 
 --dora: every adapter workload runs twice on the same model, with plain LoRA adapters and then
 with DoRA adapters of the same A and B plus random magnitudes (punica.lora.dummy); rows say which
@@ -58,9 +59,8 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.common import format_table, percentile, warm_up, write_results
+from benchmarks.common import FORMATS, format_fields, format_label, format_table, percentile, warm_up, write_results
 from punica.config import (
-    QUANTIZATIONS,
     EngineArgs,
     EngineConfig,
     ModelConfig,
@@ -213,8 +213,8 @@ def engine_runs(engine_args: EngineArgs, config: ModelConfig, dtype: torch.dtype
     """The engine's rows of every (workload, adapter kind) run on one model (one tensor-parallel
     engine with all names registered, or one model in this process under an engine per run)."""
     tp, num_requests, rows = engine_args.tensor_parallel_size, len(prompts), []
-    quantization = engine_args.quantization
-    model = dummy_model(config, dtype, device, quantization=quantization) if tp == 1 else None
+    quantization = format_label(engine_args.quantization, engine_args.kv_cache_dtype)
+    model = dummy_model(config, dtype, device, quantization=engine_args.quantization) if tp == 1 else None
     if tp > 1:
         parallel_engine = build_engine(engine_args, names["lora"])
     try:
@@ -259,8 +259,8 @@ def main() -> None:
     parser.add_argument("--hf-max-total", type=int, default=256)
     parser.add_argument("--skip-hf", action="store_true")
     parser.add_argument("--dora", action="store_true", help="also run every adapter workload on DoRA adapters")
-    parser.add_argument("--quantizations", nargs="+", choices=QUANTIZATIONS, default=["none"],
-                        help="run the engine once per base-weight format")
+    parser.add_argument("--quantizations", nargs="+", choices=FORMATS, default=["none"],
+                        help="run the engine once per format: base weights none|fp8, +fp8kv: an fp8 KV cache")
     add_arguments(parser, EngineArgs, only=("enforce_eager", "overlap_steps", "tensor_parallel_size"))
     parser.add_argument("--out", type=Path, default=Path("results/textgen"))
     args = parser.parse_args()
@@ -284,8 +284,8 @@ def main() -> None:
             names[kind] = {f"{kind}{i}": str(files[i % len(files)]) for i in range(args.requests)}
         runs = [(w, kind) for w in ("backbone", *WORKLOADS) if w in args.workloads
                 for kind in (("lora",) if w == "backbone" else kinds)]
-        for quantization in args.quantizations:
-            rows += engine_runs(dataclasses.replace(engine_args, quantization=quantization), config, dtype, device,
+        for label in args.quantizations:
+            rows += engine_runs(dataclasses.replace(engine_args, **format_fields(label)), config, dtype, device,
                                 runs, names, prompts, lengths)
     hf_ran = not args.skip_hf and tp == 1 and config.family == "llama"
     if not args.skip_hf and tp > 1:

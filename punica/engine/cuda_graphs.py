@@ -30,7 +30,8 @@ the LoRA ops, replayed when no request of the step uses an adapter. The page tab
 as the longest context and the attention kernels read every length on the device, so one graph
 serves every context length. A decode row whose token the previous step sampled on the device
 reads it there (its fed row, else -1), so the next step can be launched before that token
-reaches the host.
+reaches the host. The KV cache's pages, and an fp8 cache's scales beside them, are static
+buffers the graphs read and write like any other.
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ from punica.engine.step_input import StepInput
 from punica.lora.batch import LoraBatch
 from punica.models.decoder import DecoderForCausalLM
 from punica.ops.attention import AttnBatch
+from punica.ops.kv_cache import KVCache
 from punica.ops.lora_shapes import sgmv_block_m
 
 MIXED_PREFILL_TOKENS = (32, 64, 128, 256, 512, 768, 1024, 1536, 2048)  # prefill tokens of the mixed buckets
@@ -162,7 +164,7 @@ class StaticBatch:
         if self.copied is not None:
             self.copied.record()
 
-    def forward(self, model: DecoderForCausalLM, kv_cache: torch.Tensor, sampled: torch.Tensor,
+    def forward(self, model: DecoderForCausalLM, kv_cache: KVCache, sampled: torch.Tensor,
                 with_lora: bool) -> torch.Tensor:
         """Logits [num_requests, V] float32 of every request row (LoRA deltas only if
         `with_lora`), fed rows read from `sampled`: only device ops, so it can be captured."""
@@ -191,9 +193,9 @@ class StaticBatch:
 class CudaGraphs:
     """Two captured steps per bucket (with and without LoRA), sharing one memory pool."""
 
-    def __init__(self, model: DecoderForCausalLM, kv_cache: torch.Tensor, sampled: torch.Tensor, page_size: int,
+    def __init__(self, model: DecoderForCausalLM, kv_cache: KVCache, sampled: torch.Tensor, page_size: int,
                  max_batch_size: int, max_pages: int, scratch_page: int):
-        device = kv_cache.device
+        device = kv_cache.pages.device
         self.batches = [StaticBatch(b, max_pages, page_size, scratch_page, device)
                         for b in buckets(max_batch_size, max_pages * page_size)]
         self.graphs: dict[tuple[Bucket, bool], torch.cuda.CUDAGraph] = {}

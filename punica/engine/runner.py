@@ -11,14 +11,16 @@ from punica.config import ceil_div
 from punica.engine.cuda_graphs import CudaGraphs, fed_token_ids
 from punica.engine.step_input import StepInput
 from punica.models.decoder import DecoderForCausalLM
+from punica.ops.kv_cache import kv_bytes_per_token as layer_bytes_per_token
 from punica.ops.transfer import to_device
 
 log = logging.getLogger(__name__)
 
 
-def kv_bytes_per_token(model: DecoderForCausalLM) -> int:
+def kv_bytes_per_token(model: DecoderForCausalLM, kv_cache_dtype: str = "auto") -> int:
+    """Bytes of KV cache (values and, fp8, scales) one token takes over all of the model's layers."""
     c = model.config
-    return 2 * c.num_layers * c.num_kv_heads * c.head_dim * model.embed.weight.element_size()
+    return layer_bytes_per_token(c.num_layers, c.num_kv_heads, c.head_dim, model.embed.weight.dtype, kv_cache_dtype)
 
 
 class ModelRunner:
@@ -28,16 +30,16 @@ class ModelRunner:
     A decode's last token may still be on the device, sampled by the previous step and kept by
     `keep_sampled`: the step's fed row of that token says where (punica.engine.step_input).
 
-    The KV cache holds `num_pages` pages for requests plus one scratch page (the last) that
-    padded rows of graph batches write to.
+    The KV cache (in `kv_cache_dtype`: punica.ops.kv_cache) holds `num_pages` pages for requests
+    plus one scratch page (the last) that padded rows of graph batches write to.
     """
 
     def __init__(self, model: DecoderForCausalLM, num_pages: int, page_size: int, max_batch_size: int,
-                 max_model_len: int | None = None, eager: bool = False):
+                 max_model_len: int | None = None, eager: bool = False, kv_cache_dtype: str = "auto"):
         self.model = model
         self.device = model.embed.weight.device
         self.page_size = page_size
-        self.kv_cache = model.new_kv_cache(num_pages + 1, page_size)
+        self.kv_cache = model.new_kv_cache(num_pages + 1, page_size, kv_cache_dtype)
         self.sampled = torch.zeros(max_batch_size, dtype=torch.int64, device=self.device)
         self.graphs: CudaGraphs | None = None
         if self.device.type == "cuda" and not eager:

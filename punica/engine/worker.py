@@ -17,7 +17,8 @@ CPU_KV_CACHE_BYTES = 1 << 30
 
 
 def kv_cache_pages(model: DecoderForCausalLM, config: EngineConfig) -> int:
-    """Pages from kv_cache_tokens, kv_cache_bytes, or the free-memory fraction (CUDA) / 1 GiB (CPU)."""
+    """Pages from kv_cache_tokens, or from kv_cache_bytes or the free-memory fraction (CUDA) / 1 GiB (CPU)
+    over the bytes a token takes in config.kv_cache_dtype (fp8: values and their scales)."""
     if config.kv_cache_tokens is not None:
         return ceil_div(config.kv_cache_tokens, config.page_size)
     budget = config.kv_cache_bytes
@@ -28,7 +29,7 @@ def kv_cache_pages(model: DecoderForCausalLM, config: EngineConfig) -> int:
             budget = int(free * config.kv_cache_memory_fraction)
         else:
             budget = CPU_KV_CACHE_BYTES
-    return max(1, budget // (kv_bytes_per_token(model) * config.page_size))
+    return max(1, budget // (kv_bytes_per_token(model, config.kv_cache_dtype) * config.page_size))
 
 
 def context_limit(model_config: ModelConfig, config: EngineConfig, num_pages: int) -> int:
@@ -48,7 +49,8 @@ class ModelWorker:
         self.pool.base_weight = model.group_weight  # DoRA's norms
         model.set_lora(self.pool)  # before the runner captures CUDA graphs that read the pool
         self.runner = ModelRunner(model, num_pages, config.page_size, config.max_batch_size,
-                                  context_limit(model.config, config, num_pages), eager=config.enforce_eager)
+                                  context_limit(model.config, config, num_pages), eager=config.enforce_eager,
+                                  kv_cache_dtype=config.kv_cache_dtype)
 
     def run(self, step: StepInput) -> torch.Tensor:
         """Logits [step.num_logits.sum(), V] float32 (see ModelRunner.run)."""

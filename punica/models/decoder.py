@@ -38,6 +38,7 @@ from punica.config import ModelConfig, RopeConfig
 from punica.lora.batch import LoraBatch
 from punica.models.quantized import Fp8Format, Fp8Linear, projection
 from punica.ops.attention import AttnBatch, paged_attention, rope_and_write_kv_, softcap_ref
+from punica.ops.kv_cache import KVCache
 from punica.ops.layers import gelu_tanh_and_mul, rms_norm, silu_and_mul
 from punica.ops.lora import lora_expand, lora_shrink
 
@@ -155,10 +156,12 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttnBatch,
                 lora: LoraBatch, kv_layer: torch.Tensor, lora_weights: LoraWeights | None,
-                residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                residual: torch.Tensor | None = None, kv_scales: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
         """x: [T, h], the previous layer's MLP output before its residual add (the embeddings
         for the first layer, with residual None)  ->  (this layer's MLP output, residual stream);
-        the stream after the layer is their sum, which the next norm computes."""
+        the stream after the layer is their sum, which the next norm computes. kv_layer, kv_scales:
+        this layer's part of the KVCache (KVCache.layer)."""
         num_tokens = x.shape[0]
         h, residual = (self.input_norm(x), x) if residual is None else self.input_norm(x, residual)
         qkv = self._project(self.qkv_proj, h, "qkv", lora, lora_weights)
@@ -169,8 +172,9 @@ class DecoderLayer(nn.Module):
         if self.q_norm is not None:  # over each head: rows of head_dim
             q = self.q_norm(q.reshape(-1, self.head_dim)).view(num_tokens, self.num_heads, self.head_dim)
             k = self.k_norm(k.reshape(-1, self.head_dim)).view(num_tokens, self.num_kv_heads, self.head_dim)
-        rope_and_write_kv_(q, k, v, cos, sin, kv_layer, attn.slot_mapping)  # q rotated in place, k into the cache
-        o = paged_attention(q, kv_layer, attn, self.scale, self.window, self.softcap).reshape(num_tokens, -1)
+        rope_and_write_kv_(q, k, v, cos, sin, kv_layer, attn.slot_mapping, kv_scales)  # q rotated in place
+        o = paged_attention(q, kv_layer, attn, self.scale, self.window, self.softcap, kv_scales)
+        o = o.reshape(num_tokens, -1)
         o = self._all_reduce(self._project(self.o_proj, o, "o", lora, lora_weights))
         if self.attn_out_norm is not None:
             o = self.attn_out_norm(o)
@@ -205,11 +209,12 @@ class DecoderForCausalLM(nn.Module):
         if self.config.tie_word_embeddings:
             self.lm_head.weight = self.embed.weight
 
-    def new_kv_cache(self, num_pages: int, page_size: int) -> torch.Tensor:
-        """An empty paged KV cache [L, num_pages, 2, page_size, Hkv, D] in the model's dtype."""
+    def new_kv_cache(self, num_pages: int, page_size: int, kv_cache_dtype: str = "auto") -> KVCache:
+        """An empty paged KV cache [L, num_pages, 2, page_size, Hkv, D] in the model's dtype ("auto")
+        or in e4m3 with its scales ("fp8"; punica.ops.kv_cache)."""
         c, w = self.config, self.embed.weight
-        return torch.zeros(c.num_layers, num_pages, 2, page_size, c.num_kv_heads, c.head_dim,
-                           dtype=w.dtype, device=w.device)
+        return KVCache.empty(c.num_layers, num_pages, page_size, c.num_kv_heads, c.head_dim, w.dtype, w.device,
+                             kv_cache_dtype)
 
     def set_lora(self, lora_weights: LoraWeights | None) -> None:
         self.lora_weights = lora_weights
@@ -231,16 +236,17 @@ class DecoderForCausalLM(nn.Module):
         return freqs.cos(), freqs.sin()
 
     def forward(self, input_ids: torch.Tensor, attn: AttnBatch, lora: LoraBatch,
-                kv_cache: torch.Tensor) -> torch.Tensor:
-        """input_ids: [T]; kv_cache: [L, P, 2, page_size, Hkv, D]  ->  logits [num_logits, V] float32."""
+                kv_cache: KVCache) -> torch.Tensor:
+        """input_ids: [T]; kv_cache: pages [L, P, 2, page_size, Hkv, D]  ->  logits [num_logits, V] float32."""
         x, residual = self.embed(input_ids), None
         if self.embed_multiplier != 1.0:
             x = x * self.embed_multiplier
         tables = {}
-        for layer, kv_layer in zip(self.layers, kv_cache):
+        for i, layer in enumerate(self.layers):
             if layer.rope not in tables:
                 tables[layer.rope] = self.rope_cos_sin(attn.positions, layer.rope)
-            x, residual = layer(x, *tables[layer.rope], attn, lora, kv_layer, self.lora_weights, residual)
+            kv_layer, kv_scales = kv_cache.layer(i)
+            x, residual = layer(x, *tables[layer.rope], attn, lora, kv_layer, self.lora_weights, residual, kv_scales)
         rows = attn.logits_indices
         x = self.norm(x[rows]) if residual is None else self.norm(x[rows], residual[rows])[0]
         return softcap_ref(self.lm_head(x).float(), self.config.final_softcap)

@@ -104,7 +104,8 @@ def _compressed_tensors(q: dict[str, Any], num_layers: int) -> Fp8Checkpoint:
     if q.get("format") != "float-quantized":
         raise _refuse("format", q.get("format"), "punica reads the float-quantized format only")
     if q.get("kv_cache_scheme") is not None:
-        raise _refuse("kv_cache_scheme", q["kv_cache_scheme"], "a quantized KV cache is not supported")
+        raise _refuse("kv_cache_scheme", q["kv_cache_scheme"],
+                      "a checkpoint's KV-cache scales are not loaded (--kv-cache-dtype fp8 computes its own)")
     groups = q.get("config_groups") or {}
     if len(groups) != 1:
         raise _refuse("config_groups", sorted(groups), "punica reads one quantization group (all Linear layers)")

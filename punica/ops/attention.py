@@ -2,7 +2,11 @@
 
 KV cache layout, per layer: [num_pages, 2, page_size, num_kv_heads, head_dim] (page outermost,
 as in the paper: any request's pages can be anywhere, so requests join and leave freely).
-The whole cache is one tensor [num_layers, num_pages, 2, page_size, num_kv_heads, head_dim].
+The whole cache is one tensor [num_layers, num_pages, 2, page_size, num_kv_heads, head_dim]
+(punica.ops.kv_cache.KVCache). An fp8 cache (float8_e4m3fn pages) comes with its scales
+`kv_scales` [num_pages, 2, page_size, num_kv_heads] fp32 per layer: every function here takes
+them beside the pages, writes e4m3(row / scale) with scale = amax(row) / 448 and reads
+value * scale (punica.ops.kv_cache).
 
 Batch order: prefill requests first, then decode requests. A request's queries are the last
 `query_len` of its `context_len` tokens (a prefill of a fresh prompt has query_len ==
@@ -31,22 +35,40 @@ import torch
 
 from punica.config import ceil_div
 from punica.ops.attention_batch import AttnBatch
+from punica.ops.kv_cache import FP8_KV_DTYPE, dequantize_kv_ref, quantize_kv_ref
 from punica.ops.layers import rope_ref
 
 
-def write_kv_ref(kv_layer: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """kv_layer[page, 0|1, offset] = k|v for each token's slot = page * page_size + offset."""
+def check_kv_scales(kv_layer: torch.Tensor, kv_scales: torch.Tensor | None) -> None:
+    fp8 = kv_layer.dtype == FP8_KV_DTYPE
+    assert fp8 == (kv_scales is not None), f"a {kv_layer.dtype} cache takes {'its' if fp8 else 'no'} scales"
+    assert kv_scales is None or kv_scales.shape == kv_layer.shape[:-1], (kv_layer.shape, kv_scales.shape)
+
+
+def write_kv_ref(kv_layer: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor,
+                 kv_scales: torch.Tensor | None = None) -> None:
+    """kv_layer[page, 0|1, offset] = k|v for each token's slot = page * page_size + offset
+    (fp8: e4m3(row / scale), and kv_scales[page, 0|1, offset] = scale per head)."""
     page_size = kv_layer.shape[2]
     pages, offsets = slot_mapping // page_size, slot_mapping % page_size
-    kv_layer[pages, 0, offsets] = k.to(kv_layer.dtype)
-    kv_layer[pages, 1, offsets] = v.to(kv_layer.dtype)
+    for which, x in ((0, k), (1, v)):
+        if kv_scales is None:
+            kv_layer[pages, which, offsets] = x.to(kv_layer.dtype)
+        else:
+            kv_layer[pages, which, offsets], kv_scales[pages, which, offsets] = quantize_kv_ref(x)
 
 
 def rope_and_write_kv_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
-                          sin: torch.Tensor, kv_layer: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+                          sin: torch.Tensor, kv_layer: torch.Tensor, slot_mapping: torch.Tensor,
+                          kv_scales: torch.Tensor | None = None) -> None:
     q_rot, k_rot = rope_ref(q, k, cos, sin)
     q.copy_(q_rot)
-    write_kv_ref(kv_layer, k_rot, v, slot_mapping)
+    write_kv_ref(kv_layer, k_rot, v, slot_mapping, kv_scales)
+
+
+def _cached(kv_layer: torch.Tensor, kv_scales: torch.Tensor | None, pages: torch.Tensor, which: int) -> torch.Tensor:
+    """K (which 0) or V (1) of `pages` in fp32: [*pages.shape, page_size, Hkv, D]."""
+    return dequantize_kv_ref(kv_layer[pages, which], None if kv_scales is None else kv_scales[pages, which])
 
 
 def _attend_ref(scores: torch.Tensor, seen: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -76,7 +98,7 @@ def softcap_ref(scores: torch.Tensor, softcap: float) -> torch.Tensor:
 
 
 def paged_attention_ref(q: torch.Tensor, kv_layer: torch.Tensor, batch: AttnBatch, scale: float,
-                        window: int = 0, softcap: float = 0.0) -> torch.Tensor:
+                        window: int = 0, softcap: float = 0.0, kv_scales: torch.Tensor | None = None) -> torch.Tensor:
     """Causal GQA attention of each request's queries over its cached keys and values.
 
         q: [T, Hq, D], kv_layer: [P, 2, page_size, Hkv, D]  ->  out: [T, Hq, D]
@@ -99,8 +121,8 @@ def paged_attention_ref(q: torch.Tensor, kv_layer: torch.Tensor, batch: AttnBatc
     for i in range(batch.num_prefills):
         q_len, ctx = starts[i + 1] - starts[i], context_lens[i]
         pages = batch.page_table[i, : ceil_div(ctx, page_size)].long()
-        k = kv_layer[pages, 0].reshape(-1, num_kv_heads, head_dim)[:ctx].float()
-        v = kv_layer[pages, 1].reshape(-1, num_kv_heads, head_dim)[:ctx].float()
+        k = _cached(kv_layer, kv_scales, pages, 0).reshape(-1, num_kv_heads, head_dim)[:ctx]
+        v = _cached(kv_layer, kv_scales, pages, 1).reshape(-1, num_kv_heads, head_dim)[:ctx]
         k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
         qi = q[start:start + q_len].float()
         scores = softcap_ref(torch.einsum("qhd,khd->hqk", qi, k) * scale, softcap)
@@ -116,8 +138,8 @@ def paged_attention_ref(q: torch.Tensor, kv_layer: torch.Tensor, batch: AttnBatc
         key_pos = torch.arange(max_ctx, device=q.device)[None, :]
         decode_lens = batch.context_lens[batch.num_prefills:, None]
         seen = (key_pos < decode_lens) & ((key_pos >= decode_lens - window) if window else True)
-        k = kv_layer[pages, 0].reshape(num_decodes, max_ctx, num_kv_heads, head_dim).float()
-        v = kv_layer[pages, 1].reshape(num_decodes, max_ctx, num_kv_heads, head_dim).float()
+        k = _cached(kv_layer, kv_scales, pages, 0).reshape(num_decodes, max_ctx, num_kv_heads, head_dim)
+        v = _cached(kv_layer, kv_scales, pages, 1).reshape(num_decodes, max_ctx, num_kv_heads, head_dim)
         v = torch.where(seen[:, :, None, None], v, 0.0)  # all of a request's heads see the same keys
         qd = q[start:].float().reshape(num_decodes, num_kv_heads, group, head_dim)
         scores = softcap_ref(torch.einsum("bkgd,blkd->bkgl", qd, k) * scale, softcap)
@@ -127,22 +149,28 @@ def paged_attention_ref(q: torch.Tensor, kv_layer: torch.Tensor, batch: AttnBatc
     return out
 
 
-def write_kv(kv_layer: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+def write_kv(kv_layer: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor,
+             kv_scales: torch.Tensor | None = None) -> None:
     """Append each token's key and value to the paged cache, in place.
 
-        kv_layer: [P, 2, page_size, Hkv, D], k, v: [T, Hkv, D], slot_mapping: [T] int64
+        kv_layer: [P, 2, page_size, Hkv, D], k, v: [T, Hkv, D], slot_mapping: [T] int64,
+        kv_scales: [P, 2, page_size, Hkv] fp32 with an fp8 cache, else None
         for t in range(T):
             page, offset = divmod(slot_mapping[t], page_size)
             kv_layer[page, 0, offset] = k[t];  kv_layer[page, 1, offset] = v[t]   (cast to the cache dtype)
+            fp8: for each head h, kv_scales[page, 0, offset, h] = s = max(amax|k[t, h]| / 448, FLT_MIN)
+                 and kv_layer[page, 0, offset, h] = e4m3(k[t, h] / s); the same for v in [.., 1, ..]
     """
+    check_kv_scales(kv_layer, kv_scales)
     if kv_layer.is_cuda:
         from punica.ops.kv_append_triton import write_kv_triton
-        return write_kv_triton(kv_layer, k, v, slot_mapping)
-    return write_kv_ref(kv_layer, k, v, slot_mapping)
+        return write_kv_triton(kv_layer, k, v, slot_mapping, kv_scales)
+    return write_kv_ref(kv_layer, k, v, slot_mapping, kv_scales)
 
 
 def rope_and_write_kv_(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
-                       sin: torch.Tensor, kv_layer: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+                       sin: torch.Tensor, kv_layer: torch.Tensor, slot_mapping: torch.Tensor,
+                       kv_scales: torch.Tensor | None = None) -> None:
     """Rotary embedding of q in place, and each token's rotated key and its value appended to
     the paged cache: `rope_` then `write_kv` in one kernel (one launch instead of two).
 
@@ -150,7 +178,8 @@ def rope_and_write_kv_(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: t
         float32, kv_layer: [P, 2, page_size, Hkv, D], slot_mapping: [T] int64
         q_rot, k_rot = rope_ref(q, k, cos, sin)       (punica.ops.layers.rope_: rotated, rounded to
         q[:] = q_rot                                    their dtype)
-        write_kv(kv_layer, k_rot, v, slot_mapping)     (then cast to the cache dtype)
+        write_kv(kv_layer, k_rot, v, slot_mapping,     (then cast to the cache dtype, or to e4m3
+                 kv_scales)                             with a scale per row)
 
     k itself is left as given (unrotated): after this the model reads only q and the cache, so
     the kernel saves writing k back. A caller that needs rotated k calls rope_ and write_kv.
@@ -158,14 +187,15 @@ def rope_and_write_kv_(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: t
     assert q.shape[0] == k.shape[0] == cos.shape[0] and q.shape[2] == k.shape[2] == 2 * cos.shape[1], \
         (q.shape, k.shape, cos.shape)
     assert v.shape == k.shape and kv_layer.shape[3:] == k.shape[1:], (k.shape, v.shape, kv_layer.shape)
+    check_kv_scales(kv_layer, kv_scales)
     if q.is_cuda:
         from punica.ops.kv_append_triton import rope_and_write_kv_triton_
-        return rope_and_write_kv_triton_(q, k, v, cos, sin, kv_layer, slot_mapping)
-    rope_and_write_kv_ref(q, k, v, cos, sin, kv_layer, slot_mapping)
+        return rope_and_write_kv_triton_(q, k, v, cos, sin, kv_layer, slot_mapping, kv_scales)
+    rope_and_write_kv_ref(q, k, v, cos, sin, kv_layer, slot_mapping, kv_scales)
 
 
 def paged_attention(q: torch.Tensor, kv_layer: torch.Tensor, batch: AttnBatch, scale: float,
-                    window: int = 0, softcap: float = 0.0) -> torch.Tensor:
+                    window: int = 0, softcap: float = 0.0, kv_scales: torch.Tensor | None = None) -> torch.Tensor:
     """Causal GQA attention of every request's queries over its pages (prefills first, then decodes),
     over the whole context or (window > 0) a sliding window of the last `window` positions, its
     scores optionally softcapped (softcap > 0: s -> softcap * tanh(s / softcap), before the softmax).
@@ -173,14 +203,16 @@ def paged_attention(q: torch.Tensor, kv_layer: torch.Tensor, batch: AttnBatch, s
         q: [T, Hq, D], kv_layer: [P, 2, page_size, Hkv, D], Hq % Hkv == 0  ->  out: [T, Hq, D] (q's dtype)
         for request i: rows = query_start[i] : query_start[i+1], q_i = len(rows), c_i = context_lens[i]
             pages = page_table[i, : ceil(c_i / page_size)]
-            K, V = kv_layer[pages, 0|1] flattened to [c_i, Hkv, D]   (cached tokens 0 .. c_i-1)
+            K, V = kv_layer[pages, 0|1] flattened to [c_i, Hkv, D]   (cached tokens 0 .. c_i-1;
+                   fp8: times kv_scales[pages, 0|1], each row by its scale)
             for query j, head h (its key head h // (Hq / Hkv)), position p = c_i - q_i + j:
                 out[rows[j], h] = softmax(scale * q[rows[j], h] @ K[w:p+1, kv].T) @ V[w:p+1, kv]
                 with w = max(0, p - window + 1) under a window, else 0 (transformers' sliding window)
         accumulated in fp32; no other position of the cache reaches out[rows[j]], whatever it
         holds (NaN and inf too: see Isolation in the module docstring)
     """
+    check_kv_scales(kv_layer, kv_scales)
     if q.is_cuda:
         from punica.ops.attention_triton import paged_attention_triton
-        return paged_attention_triton(q, kv_layer, batch, scale, window=window, softcap=softcap)
-    return paged_attention_ref(q, kv_layer, batch, scale, window, softcap)
+        return paged_attention_triton(q, kv_layer, batch, scale, window=window, softcap=softcap, kv_scales=kv_scales)
+    return paged_attention_ref(q, kv_layer, batch, scale, window, softcap, kv_scales)

@@ -1,5 +1,10 @@
 """The Triton kernels of paged attention; their schedules, and the launches that pick them:
 punica.ops.attention_triton.
+
+FP8 (an e4m3 cache with one scale per key row, punica.ops.kv_cache): a K tile is converted to
+q's dtype for Q K^T and each score column multiplied by its key's scale; a V tile likewise, its
+scales folded into P's columns before P @ V (the softmax sum takes P unscaled). So each tile
+reads 1-byte elements plus one 4-byte scale per key for K and for V.
 """
 
 from __future__ import annotations
@@ -9,11 +14,11 @@ import triton.language as tl
 
 
 @triton.jit
-def _attend(acc, m, l, qt, kv_head, pages_row, lo, hi, query_pos, window, qk_scale, softcap,
-            stride_kv_page, stride_kv_kv, stride_kv_token, stride_kv_dim,
+def _attend(acc, m, l, qt, kv_head, scale_head, pages_row, lo, hi, query_pos, window, qk_scale, softcap,
+            stride_kv_page, stride_kv_kv, stride_kv_token, stride_kv_dim, stride_s_page, stride_s_kv, stride_s_token,
             HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
             MASKED: tl.constexpr, SLIDING: tl.constexpr, SOFTCAP: tl.constexpr, UPCAST: tl.constexpr,
-            PRECISION: tl.constexpr, MAY_BE_EMPTY: tl.constexpr):
+            PRECISION: tl.constexpr, MAY_BE_EMPTY: tl.constexpr, FP8: tl.constexpr):
     """Online softmax of the query rows qt over keys lo..hi-1 of one request and KV head.
 
     acc [rows, HEAD_DIM], m, l [rows] fp32 (max and sum in the log2 domain). MASKED: keys at
@@ -21,7 +26,8 @@ def _attend(acc, m, l, qt, kv_head, pages_row, lo, hi, query_pos, window, qk_sca
     query_pos - window); else every key is attended. MAY_BE_EMPTY (with SLIDING, or a key
     partition after a row's query): a row may see no key of a tile, and then its max stays at
     most 0 and nothing is added. SOFTCAP: qk_scale is the plain scale, and each score becomes
-    softcap * tanh(score / softcap), then goes to the log2 domain.
+    softcap * tanh(score / softcap), then goes to the log2 domain. FP8: scale_head points at the
+    KV head's scales (the module docstring); masked keys' scales load as 0.
     """
     dims = tl.arange(0, HEAD_DIM)
     for start in range(lo, hi, BLOCK_N):
@@ -40,10 +46,23 @@ def _attend(acc, m, l, qt, kv_head, pages_row, lo, hi, query_pos, window, qk_sca
         else:
             kt = tl.load(k_ptrs)
             vt = tl.load(v_ptrs)
-        if UPCAST:
+        if FP8:
+            scale_ptrs = scale_head + pages.to(tl.int64) * stride_s_page + (keys % PAGE_SIZE) * stride_s_token
+            if MASKED:
+                k_scale = tl.load(scale_ptrs, mask=key_ok, other=0.0)
+                v_scale = tl.load(scale_ptrs + stride_s_kv, mask=key_ok, other=0.0)
+            else:
+                k_scale = tl.load(scale_ptrs)
+                v_scale = tl.load(scale_ptrs + stride_s_kv)
+            kt = kt.to(qt.dtype)
+            vt = vt.to(qt.dtype)
+        elif UPCAST:
             kt = kt.to(tl.float32)
             vt = vt.to(tl.float32)
-        s = tl.dot(qt, kt, input_precision=PRECISION) * qk_scale
+        s = tl.dot(qt, kt, input_precision=PRECISION)
+        if FP8:
+            s = s * k_scale[None, :]
+        s = s * qk_scale
         if SOFTCAP:  # tanh(x) = 2 sigmoid(2x) - 1; log2(e) as a literal (a jitted function reads no globals)
             s = (softcap * 1.4426950408889634) * (2.0 * tl.sigmoid(2.0 * s / softcap) - 1.0)
         if MASKED:
@@ -57,6 +76,8 @@ def _attend(acc, m, l, qt, kv_head, pages_row, lo, hi, query_pos, window, qk_sca
         alpha = tl.exp2(m - m_new)
         p = tl.exp2(s - m_new[:, None])
         l = l * alpha + tl.sum(p, axis=1)
+        if FP8:
+            p = p * v_scale[None, :]
         acc = acc * alpha[:, None] + tl.dot(p.to(vt.dtype), vt, input_precision=PRECISION)
         m = m_new
     return acc, m, l
@@ -79,15 +100,16 @@ def _prefill_tile(query_start, num_prefills, tile, BLOCK_M: tl.constexpr, MAX_PR
 
 @triton.jit
 def prefill_kernel(
-    q, kv, out, part_acc, part_max, part_sum, page_table, context_lens, query_start, num_prefills, group,
+    q, kv, kv_scales, out, part_acc, part_max, part_sum, page_table, context_lens, query_start, num_prefills, group,
     qk_scale, partition_size, window, softcap,
     stride_q_token, stride_q_head, stride_q_dim, stride_o_token, stride_o_head, stride_o_dim,
-    stride_kv_page, stride_kv_kv, stride_kv_token, stride_kv_head, stride_kv_dim, stride_table,
+    stride_kv_page, stride_kv_kv, stride_kv_token, stride_kv_head, stride_kv_dim,
+    stride_s_page, stride_s_kv, stride_s_token, stride_s_head, stride_table,
     stride_pa_token, stride_pa_head, stride_pa_split, stride_pa_dim,
     stride_pm_token, stride_pm_head, stride_pm_split,
     HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, MAX_PREFILLS: tl.constexpr, SPLIT: tl.constexpr, SLIDING: tl.constexpr,
-    SOFTCAP: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+    SOFTCAP: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr, FP8: tl.constexpr,
 ):
     """One query tile of one prefill request and query head: its normalised output, or with SPLIT
     its unnormalised partial over key partition program_id(2) (keys split * partition_size ..
@@ -130,15 +152,18 @@ def prefill_kernel(
     m = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l = tl.zeros([BLOCK_M], tl.float32)
     kv_head = kv + (head // group) * stride_kv_head
+    scale_head = kv_scales + (head // group) * stride_s_head
     pages_row = page_table + request.to(tl.int64) * stride_table
     if not SLIDING:
-        acc, m, l = _attend(acc, m, l, qt, kv_head, pages_row, lo, tl.minimum(hi, unmasked_end), query_pos, window,
-                            qk_scale, softcap, stride_kv_page, stride_kv_kv, stride_kv_token, stride_kv_dim,
-                            HEAD_DIM, PAGE_SIZE, BLOCK_N, False, False, SOFTCAP, UPCAST, PRECISION, False)
+        acc, m, l = _attend(acc, m, l, qt, kv_head, scale_head, pages_row, lo, tl.minimum(hi, unmasked_end),
+                            query_pos, window, qk_scale, softcap, stride_kv_page, stride_kv_kv, stride_kv_token,
+                            stride_kv_dim, stride_s_page, stride_s_kv, stride_s_token,
+                            HEAD_DIM, PAGE_SIZE, BLOCK_N, False, False, SOFTCAP, UPCAST, PRECISION, False, FP8)
     # a partition after a row's query may hold no key it sees, as may a window
-    acc, m, l = _attend(acc, m, l, qt, kv_head, pages_row, tl.maximum(lo, unmasked_end), hi, query_pos, window,
-                        qk_scale, softcap, stride_kv_page, stride_kv_kv, stride_kv_token, stride_kv_dim,
-                        HEAD_DIM, PAGE_SIZE, BLOCK_N, True, SLIDING, SOFTCAP, UPCAST, PRECISION, SLIDING or SPLIT)
+    acc, m, l = _attend(acc, m, l, qt, kv_head, scale_head, pages_row, tl.maximum(lo, unmasked_end), hi, query_pos,
+                        window, qk_scale, softcap, stride_kv_page, stride_kv_kv, stride_kv_token, stride_kv_dim,
+                        stride_s_page, stride_s_kv, stride_s_token, HEAD_DIM, PAGE_SIZE, BLOCK_N, True, SLIDING,
+                        SOFTCAP, UPCAST, PRECISION, SLIDING or SPLIT, FP8)
     if SPLIT:
         stats = tokens * stride_pm_token + head * stride_pm_head + split * stride_pm_split
         tl.store(part_max + stats, m, mask=row_ok)
@@ -179,15 +204,16 @@ def prefill_merge_kernel(
 
 @triton.jit
 def decode_partition_kernel(
-    q, kv, out, part_acc, part_max, part_sum, page_table, context_lens, query_start, num_prefills,
+    q, kv, kv_scales, out, part_acc, part_max, part_sum, page_table, context_lens, query_start, num_prefills,
     group, qk_scale, partition_size, window, softcap,
     stride_q_token, stride_q_head, stride_q_dim, stride_o_token, stride_o_head, stride_o_dim,
-    stride_kv_page, stride_kv_kv, stride_kv_token, stride_kv_head, stride_kv_dim, stride_table,
+    stride_kv_page, stride_kv_kv, stride_kv_token, stride_kv_head, stride_kv_dim,
+    stride_s_page, stride_s_kv, stride_s_token, stride_s_head, stride_table,
     stride_pa_request, stride_pa_head, stride_pa_split, stride_pa_dim,
     stride_pm_request, stride_pm_head, stride_pm_split,
     HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_G: tl.constexpr,
     BLOCK_N: tl.constexpr, SINGLE_SPLIT: tl.constexpr, SLIDING: tl.constexpr, SOFTCAP: tl.constexpr,
-    UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr, PRECISION: tl.constexpr, FP8: tl.constexpr,
 ):
     """One partition of one decode request and KV head: its partial output and statistics, or
     with SINGLE_SPLIT (one partition covers every context) the normalised output itself. Under a
@@ -216,14 +242,17 @@ def decode_partition_kernel(
     m = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l = tl.zeros([BLOCK_G], tl.float32)
     kv_head = kv + kv_head_index * stride_kv_head
+    scale_head = kv_scales + kv_head_index * stride_s_head
     pages_row = page_table + request.to(tl.int64) * stride_table
     query_pos = tl.full([BLOCK_G], 0, tl.int32) + context_len - 1
-    acc, m, l = _attend(acc, m, l, qt, kv_head, pages_row, lo, full_end, query_pos, window, qk_scale, softcap,
-                        stride_kv_page, stride_kv_kv, stride_kv_token, stride_kv_dim,
-                        HEAD_DIM, PAGE_SIZE, BLOCK_N, False, False, SOFTCAP, UPCAST, PRECISION, False)
-    acc, m, l = _attend(acc, m, l, qt, kv_head, pages_row, full_end, hi, query_pos, window, qk_scale, softcap,
-                        stride_kv_page, stride_kv_kv, stride_kv_token, stride_kv_dim,
-                        HEAD_DIM, PAGE_SIZE, BLOCK_N, True, False, SOFTCAP, UPCAST, PRECISION, False)
+    acc, m, l = _attend(acc, m, l, qt, kv_head, scale_head, pages_row, lo, full_end, query_pos, window, qk_scale,
+                        softcap, stride_kv_page, stride_kv_kv, stride_kv_token, stride_kv_dim,
+                        stride_s_page, stride_s_kv, stride_s_token,
+                        HEAD_DIM, PAGE_SIZE, BLOCK_N, False, False, SOFTCAP, UPCAST, PRECISION, False, FP8)
+    acc, m, l = _attend(acc, m, l, qt, kv_head, scale_head, pages_row, full_end, hi, query_pos, window, qk_scale,
+                        softcap, stride_kv_page, stride_kv_kv, stride_kv_token, stride_kv_dim,
+                        stride_s_page, stride_s_kv, stride_s_token,
+                        HEAD_DIM, PAGE_SIZE, BLOCK_N, True, False, SOFTCAP, UPCAST, PRECISION, False, FP8)
     if SINGLE_SPLIT:
         o = acc / l[:, None]
         tl.store(out + token * stride_o_token + heads[:, None] * stride_o_head + dims[None, :] * stride_o_dim,

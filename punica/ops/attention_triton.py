@@ -53,7 +53,7 @@ from punica.ops.attention_kernels import (
     prefill_kernel,
     prefill_merge_kernel,
 )
-from punica.ops.kv_append_triton import check_head_dim
+from punica.ops.kv_append_triton import check_head_dim, scale_strides
 from punica.ops.triton_env import interpreting, num_sms
 
 LOG2E = 1.4426950408889634
@@ -139,9 +139,10 @@ def _partials(out: torch.Tensor, num_rows: int, splits: int) -> tuple:
 
 def paged_attention_triton(q: torch.Tensor, kv_layer: torch.Tensor, batch: AttnBatch, scale: float,
                            num_splits: int | None = None, window: int = 0, softcap: float = 0.0,
-                           prefill_splits: int | None = None) -> torch.Tensor:
+                           prefill_splits: int | None = None, kv_scales: torch.Tensor | None = None) -> torch.Tensor:
     """punica.ops.attention.paged_attention; `num_splits` overrides the decode split count,
-    `prefill_splits` the prefill tiles' (prefill_partition)."""
+    `prefill_splits` the prefill tiles' (prefill_partition). An fp8 cache takes the tile sizes of
+    bf16, its elements converted to q's dtype as they load."""
     assert window >= 0 and softcap >= 0, (window, softcap)
     num_tokens, num_heads, head_dim = q.shape
     page_size, num_kv_heads = kv_layer.shape[2], kv_layer.shape[3]
@@ -151,11 +152,13 @@ def paged_attention_triton(q: torch.Tensor, kv_layer: torch.Tensor, batch: AttnB
     num_prefills = batch.num_prefills
     num_decodes = batch.page_table.shape[0] - num_prefills
     out = torch.empty_like(q)
+    scales, s_strides, fp8 = scale_strides(kv_layer, kv_scales)
+    tile_dtype = q.dtype if fp8 else kv_layer.dtype
     common = dict(HEAD_DIM=head_dim, PAGE_SIZE=page_size, SLIDING=window > 0, SOFTCAP=softcap > 0,
-                  UPCAST=interpreting(), PRECISION=_precision(q.dtype))
+                  UPCAST=interpreting(), PRECISION=_precision(q.dtype), FP8=fp8)
     qk_scale = scale if softcap else scale * LOG2E  # a softcapped score goes to the log2 domain after the cap
     if num_prefills:
-        block_m, block_n, warps, stages = _prefill_blocks(head_dim, kv_layer.dtype)
+        block_m, block_n, warps, stages = _prefill_blocks(head_dim, tile_dtype)
         num_prefill_tokens = num_tokens - num_decodes
         num_tiles = num_prefill_tokens // block_m + num_prefills
         max_context = batch.page_table.shape[1] * page_size
@@ -163,9 +166,9 @@ def paged_attention_triton(q: torch.Tensor, kv_layer: torch.Tensor, batch: AttnB
                                               q.device, prefill_splits)
         part_acc, part_max, part_sum, pa_strides, pm_strides = _partials(out, num_prefill_tokens, splits)
         prefill_kernel[(num_tiles, num_heads, splits)](
-            q, kv_layer, out, part_acc, part_max, part_sum, batch.page_table, batch.context_lens, batch.query_start,
-            num_prefills, group, qk_scale, partition, window, softcap, *q.stride(), *out.stride(),
-            *kv_layer.stride(), batch.page_table.stride(0), *pa_strides, *pm_strides, BLOCK_M=block_m,
+            q, kv_layer, scales, out, part_acc, part_max, part_sum, batch.page_table, batch.context_lens,
+            batch.query_start, num_prefills, group, qk_scale, partition, window, softcap, *q.stride(), *out.stride(),
+            *kv_layer.stride(), *s_strides, batch.page_table.stride(0), *pa_strides, *pm_strides, BLOCK_M=block_m,
             BLOCK_N=block_n, MAX_PREFILLS=max(16, triton.next_power_of_2(num_prefills)), SPLIT=splits > 1,
             num_warps=warps, num_stages=stages, **common,
         )
@@ -175,17 +178,16 @@ def paged_attention_triton(q: torch.Tensor, kv_layer: torch.Tensor, batch: AttnB
                 HEAD_DIM=head_dim, BLOCK_S=max(2, triton.next_power_of_2(splits)), num_warps=4,
             )
     if num_decodes:
-        block_n, warps, stages = _decode_blocks(head_dim, kv_layer.dtype)
+        block_n, warps, stages = _decode_blocks(head_dim, tile_dtype)
         max_context = batch.page_table.shape[1] * page_size
         partition, splits = decode_partition(num_decodes, num_kv_heads, max_context, block_n, q.device,
                                              num_splits)
         single = splits == 1  # the partition kernel writes the output: no partials, no merge
         part_acc, part_max, part_sum, pa_strides, pm_strides = _partials(out, num_decodes, splits)
         decode_partition_kernel[(num_decodes, num_kv_heads, splits)](
-            q, kv_layer, out, part_acc, part_max, part_sum, batch.page_table, batch.context_lens,
+            q, kv_layer, scales, out, part_acc, part_max, part_sum, batch.page_table, batch.context_lens,
             batch.query_start, num_prefills, group, qk_scale, partition, window, softcap, *q.stride(),
-            *out.stride(),
-            *kv_layer.stride(), batch.page_table.stride(0), *pa_strides, *pm_strides,
+            *out.stride(), *kv_layer.stride(), *s_strides, batch.page_table.stride(0), *pa_strides, *pm_strides,
             BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n, SINGLE_SPLIT=single,
             num_warps=warps, num_stages=stages, **common,
         )

@@ -3,6 +3,12 @@
 * KV append: one program per token copies its K and V rows into its slot.
 * Rotary + KV append: one program per (token, block of heads) rotates q in place and writes
   rotated K and V into the token's slot.
+* FP8 (an e4m3 cache, FP8): each program holds whole rows (all D of a head), so it takes each
+  row's amax, stores scale = max(amax / 448, FLT_MIN) beside the pages and e4m3(row / scale)
+  into them (punica.ops.kv_cache). Triton's interpreter converts fp32 to e4m3 wrongly (it rounds
+  ties away and drops a rounding carry into the exponent: 127 becomes 64), so under it (EXACT) the
+  kernels first round each value to e4m3's grid in fp32 arithmetic, which leaves the conversion
+  exact; compiled for a GPU the conversion rounds itself (to nearest, ties to even).
 
 Grids depend only on tensor shapes; each token's slot is read on the device (CUDA-graph safe).
 """
@@ -19,11 +25,30 @@ ROPE_TILE = 512  # elements (heads x D/2) of q, and of k, one rotary + KV-append
 
 
 @triton.jit
+def fp8_row_scale(amax):
+    """punica.ops.kv_cache.quantize_kv_ref's scale: max(amax / 448, FLT_MIN)."""
+    return tl.maximum(amax / 448.0, 1.1754943508222875e-38)
+
+
+@triton.jit
+def to_e4m3(x, EXACT: tl.constexpr):
+    """x (fp32, |x| <= 448) as e4m3; EXACT: rounded to e4m3's grid first, to nearest in fp32
+    arithmetic: normal values (|x| >= 2^-6) to 4 significant bits by Veltkamp's split (2^20 + 1),
+    subnormal ones to a multiple of 2^-9 by adding and subtracting 1.5 * 2^14."""
+    if EXACT:
+        split = x * 1048577.0
+        x = tl.where(tl.abs(x) < 0.015625, (x + 24576.0) - 24576.0, split - (split - x))
+    return x.to(tl.float8e4nv)
+
+
+@triton.jit
 def _write_kv_kernel(
-    k, v, kv, slot_mapping, num_kv_heads,
+    k, v, kv, scales, slot_mapping, num_kv_heads,
     stride_k_token, stride_k_head, stride_k_dim, stride_v_token, stride_v_head, stride_v_dim,
     stride_kv_page, stride_kv_kv, stride_kv_token, stride_kv_head, stride_kv_dim,
-    HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_H: tl.constexpr,
+    stride_s_page, stride_s_kv, stride_s_token, stride_s_head,
+    HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_H: tl.constexpr, FP8: tl.constexpr,
+    EXACT: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_mapping + t).to(tl.int64)
@@ -34,16 +59,30 @@ def _write_kv_kernel(
            + heads[:, None] * stride_kv_head + dims[None, :] * stride_kv_dim)
     kt = tl.load(k + t * stride_k_token + heads[:, None] * stride_k_head + dims[None, :] * stride_k_dim, mask=ok)
     vt = tl.load(v + t * stride_v_token + heads[:, None] * stride_v_head + dims[None, :] * stride_v_dim, mask=ok)
-    tl.store(dst, kt.to(kv.dtype.element_ty), mask=ok)
-    tl.store(dst + stride_kv_kv, vt.to(kv.dtype.element_ty), mask=ok)
+    if FP8:
+        scale_dst = (scales + (slot // PAGE_SIZE) * stride_s_page + (slot % PAGE_SIZE) * stride_s_token
+                     + heads * stride_s_head)
+        kt = kt.to(tl.float32)
+        vt = vt.to(tl.float32)
+        k_scale = fp8_row_scale(tl.max(tl.abs(kt), axis=1))
+        v_scale = fp8_row_scale(tl.max(tl.abs(vt), axis=1))
+        tl.store(scale_dst, k_scale, mask=heads < num_kv_heads)
+        tl.store(scale_dst + stride_s_kv, v_scale, mask=heads < num_kv_heads)
+        tl.store(dst, to_e4m3(kt / k_scale[:, None], EXACT), mask=ok)
+        tl.store(dst + stride_kv_kv, to_e4m3(vt / v_scale[:, None], EXACT), mask=ok)
+    else:
+        tl.store(dst, kt.to(kv.dtype.element_ty), mask=ok)
+        tl.store(dst + stride_kv_kv, vt.to(kv.dtype.element_ty), mask=ok)
 
 
 @triton.jit
 def _rope_and_write_kv_kernel(
-    q, k, v, kv, cos, sin, slot_mapping, num_heads, num_kv_heads, half,
+    q, k, v, kv, scales, cos, sin, slot_mapping, num_heads, num_kv_heads, half,
     stride_q_token, stride_q_head, stride_k_token, stride_k_head, stride_v_token, stride_v_head,
     stride_kv_page, stride_kv_kv, stride_kv_token, stride_kv_head, stride_cos, stride_sin,
-    PAGE_SIZE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+    stride_s_page, stride_s_kv, stride_s_token, stride_s_head,
+    PAGE_SIZE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, FP8: tl.constexpr,
+    EXACT: tl.constexpr,
 ):
     """Heads of one block of one token: q's rotated in place, k's rotated and v's copied into
     the token's slot (k rounded to its own dtype first, as rope_ then write_kv round)."""
@@ -66,32 +105,61 @@ def _rope_and_write_kv_kernel(
     first = k + token * stride_k_token + heads[:, None] * stride_k_head + dims[None, :]
     x1 = tl.load(first, mask=kv_ok, other=0.0).to(tl.float32)
     x2 = tl.load(first + half, mask=kv_ok, other=0.0).to(tl.float32)
-    tl.store(dst, (x1 * c - x2 * s).to(k.dtype.element_ty).to(kv.dtype.element_ty), mask=kv_ok)
-    tl.store(dst + half, (x2 * c + x1 * s).to(k.dtype.element_ty).to(kv.dtype.element_ty), mask=kv_ok)
+    k1 = (x1 * c - x2 * s).to(k.dtype.element_ty)
+    k2 = (x2 * c + x1 * s).to(k.dtype.element_ty)
     first = v + token * stride_v_token + heads[:, None] * stride_v_head + dims[None, :]
-    tl.store(dst + stride_kv_kv, tl.load(first, mask=kv_ok).to(kv.dtype.element_ty), mask=kv_ok)
-    tl.store(dst + stride_kv_kv + half, tl.load(first + half, mask=kv_ok).to(kv.dtype.element_ty), mask=kv_ok)
+    v1 = tl.load(first, mask=kv_ok, other=0.0)
+    v2 = tl.load(first + half, mask=kv_ok, other=0.0)
+    if FP8:  # masked elements load as 0, so each row's amax is its own
+        k1, k2, v1, v2 = k1.to(tl.float32), k2.to(tl.float32), v1.to(tl.float32), v2.to(tl.float32)
+        k_scale = fp8_row_scale(tl.maximum(tl.max(tl.abs(k1), axis=1), tl.max(tl.abs(k2), axis=1)))
+        v_scale = fp8_row_scale(tl.maximum(tl.max(tl.abs(v1), axis=1), tl.max(tl.abs(v2), axis=1)))
+        head_ok = heads < num_kv_heads
+        scale_dst = (scales + (slot // PAGE_SIZE) * stride_s_page + (slot % PAGE_SIZE) * stride_s_token
+                     + heads * stride_s_head)
+        tl.store(scale_dst, k_scale, mask=head_ok)
+        tl.store(scale_dst + stride_s_kv, v_scale, mask=head_ok)
+        tl.store(dst, to_e4m3(k1 / k_scale[:, None], EXACT), mask=kv_ok)
+        tl.store(dst + half, to_e4m3(k2 / k_scale[:, None], EXACT), mask=kv_ok)
+        tl.store(dst + stride_kv_kv, to_e4m3(v1 / v_scale[:, None], EXACT), mask=kv_ok)
+        tl.store(dst + stride_kv_kv + half, to_e4m3(v2 / v_scale[:, None], EXACT), mask=kv_ok)
+    else:
+        tl.store(dst, k1.to(kv.dtype.element_ty), mask=kv_ok)
+        tl.store(dst + half, k2.to(kv.dtype.element_ty), mask=kv_ok)
+        tl.store(dst + stride_kv_kv, v1.to(kv.dtype.element_ty), mask=kv_ok)
+        tl.store(dst + stride_kv_kv + half, v2.to(kv.dtype.element_ty), mask=kv_ok)
 
 
 def check_head_dim(head_dim: int) -> None:
     assert head_dim in (16, 32, 64, 128, 256), f"head_dim {head_dim}: the kernels take powers of 2 in 16..256"
 
 
-def write_kv_triton(kv_layer: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+def scale_strides(kv_layer: torch.Tensor, kv_scales: torch.Tensor | None) -> tuple[torch.Tensor, tuple, bool]:
+    """(scales pointer, its 4 strides, FP8) for a kernel: with no scales, the pages and zeros."""
+    if kv_scales is None:
+        return kv_layer, (0, 0, 0, 0), False
+    return kv_scales, kv_scales.stride(), True
+
+
+def write_kv_triton(kv_layer: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor,
+                    kv_scales: torch.Tensor | None = None) -> None:
     """punica.ops.attention.write_kv."""
     num_tokens, num_kv_heads, head_dim = k.shape
     check_head_dim(head_dim)
     assert v.shape == k.shape and kv_layer.shape[3:] == (num_kv_heads, head_dim), (k.shape, v.shape, kv_layer.shape)
     if num_tokens == 0:
         return
+    scales, s_strides, fp8 = scale_strides(kv_layer, kv_scales)
     _write_kv_kernel[(num_tokens,)](
-        k, v, kv_layer, slot_mapping, num_kv_heads, *k.stride(), *v.stride(), *kv_layer.stride(),
-        HEAD_DIM=head_dim, PAGE_SIZE=kv_layer.shape[2], BLOCK_H=triton.next_power_of_2(num_kv_heads),
+        k, v, kv_layer, scales, slot_mapping, num_kv_heads, *k.stride(), *v.stride(), *kv_layer.stride(), *s_strides,
+        HEAD_DIM=head_dim, PAGE_SIZE=kv_layer.shape[2], BLOCK_H=triton.next_power_of_2(num_kv_heads), FP8=fp8,
+        EXACT=interpreting(),
     )
 
 
 def rope_and_write_kv_triton_(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
-                              sin: torch.Tensor, kv_layer: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+                              sin: torch.Tensor, kv_layer: torch.Tensor, slot_mapping: torch.Tensor,
+                              kv_scales: torch.Tensor | None = None) -> None:
     """punica.ops.attention.rope_and_write_kv_ (q in place, k untouched). Grid: (token, block of
     heads), each program rotating ROPE_TILE elements (heads x D/2) of q and as many of k."""
     num_tokens, num_heads, head_dim = q.shape
@@ -104,9 +172,10 @@ def rope_and_write_kv_triton_(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     block_d = triton.next_power_of_2(half)
     max_heads = max(num_heads, num_kv_heads)
     block_h = min(2 if interpreting() else max(1, ROPE_TILE // block_d), triton.next_power_of_2(max_heads))
+    scales, s_strides, fp8 = scale_strides(kv_layer, kv_scales)
     _rope_and_write_kv_kernel[(num_tokens, triton.cdiv(max_heads, block_h))](
-        q, k, v, kv_layer, cos, sin, slot_mapping, num_heads, num_kv_heads, half,
+        q, k, v, kv_layer, scales, cos, sin, slot_mapping, num_heads, num_kv_heads, half,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        *kv_layer.stride()[:4], cos.stride(0), sin.stride(0),
-        PAGE_SIZE=kv_layer.shape[2], BLOCK_H=block_h, BLOCK_D=block_d,
+        *kv_layer.stride()[:4], cos.stride(0), sin.stride(0), *s_strides,
+        PAGE_SIZE=kv_layer.shape[2], BLOCK_H=block_h, BLOCK_D=block_d, FP8=fp8, EXACT=interpreting(),
     )

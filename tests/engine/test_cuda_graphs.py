@@ -93,13 +93,14 @@ def test_static_batch_matches_eager_step(setup, bucket, num_decodes, new_prompts
     worker, page_size = engine.executor.worker, engine.config.page_size
     runner = worker.runner
     num_pages = engine.allocator.num_pages
-    assert runner.kv_cache.shape[1] == num_pages + 1, "one scratch page beyond the allocator's"
-    before = runner.kv_cache.clone()
+    pages = runner.kv_cache.pages
+    assert pages.shape[1] == num_pages + 1, "one scratch page beyond the allocator's"
+    before = pages.clone()
     eager = runner.run(step)
-    eager_cache = runner.kv_cache.clone()
+    eager_cache = pages.clone()
 
-    runner.kv_cache.copy_(before)
-    runner.kv_cache[:, num_pages] = 1e3  # garbage in the scratch page is never read by real rows
+    pages.copy_(before)
+    pages[:, num_pages] = 1e3  # garbage in the scratch page is never read by real rows
     static = StaticBatch(bucket, ceil_div(engine.max_model_len, page_size), page_size, num_pages, runner.device)
     static.fill(step)
     with torch.inference_mode():
@@ -107,12 +108,14 @@ def test_static_batch_matches_eager_step(setup, bucket, num_decodes, new_prompts
     assert logits.shape == (bucket.num_requests, eager.shape[1])
     real_rows = list(range(len(prefills))) + [bucket.num_prefills + i for i in range(len(decodes))]
     torch.testing.assert_close(logits[real_rows], eager, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(runner.kv_cache[:, :num_pages], eager_cache[:, :num_pages], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(pages[:, :num_pages], eager_cache[:, :num_pages], rtol=1e-5, atol=1e-5)
     assert torch.isfinite(logits).all()
 
 
 @pytest.mark.cuda
-def test_graph_engine_generates_what_eager_engine_does(setup, monkeypatch, greedy, make_engine, run_all, workload):
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])  # fp8: the pages' scales are static buffers too
+def test_graph_engine_generates_what_eager_engine_does(setup, monkeypatch, greedy, make_engine, run_all, workload,
+                                                       kv_cache_dtype):
     replays = []
     run = CudaGraphs.run
 
@@ -127,7 +130,8 @@ def test_graph_engine_generates_what_eager_engine_does(setup, monkeypatch, greed
     base_only = [(prompt, None, max_tokens) for prompt, _, max_tokens in workload(6, seed=12)]
     outputs = {}
     for eager in (True, False):
-        engine = make_engine(setup, device="cuda", max_batch_size=12, kv_cache_tokens=4096, enforce_eager=eager)
+        engine = make_engine(setup, device="cuda", max_batch_size=12, kv_cache_tokens=4096, enforce_eager=eager,
+                             kv_cache_dtype=kv_cache_dtype)
         assert engine.executor.worker.uses_cuda_graphs != eager
         # the adapters resident first: the batches' shapes then do not depend on when a load completes
         run_all(engine, [([5, 6, 7], name, 1) for name in ("a", "b", "c")], greedy)

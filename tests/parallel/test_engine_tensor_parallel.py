@@ -96,7 +96,7 @@ def test_two_ranks_match_one_process(setup):
     engine = tensor_parallel_engine(base, paths, timeout_s=60)
     try:
         got = run_workload(engine)
-        assert engine.executor.worker.runner.kv_cache.shape[-2] == 1  # rank 0 caches its one kv head
+        assert engine.executor.worker.runner.kv_cache.pages.shape[-2] == 1  # rank 0 caches its one kv head
         assert engine.stats().num_preemptions > 0
         assert engine.adapters.num_loads == len(ADAPTERS)  # every adapter read once, written into 2 slots
     finally:

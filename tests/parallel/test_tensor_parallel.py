@@ -44,7 +44,7 @@ def step(model, kv, requests, free_pages, all_logits=False):
     return model(torch.tensor(ids), attn, LoraBatch.build(slots, query_lens), kv)
 
 
-def scenario(group, base_dir, adapter_paths, prompts):
+def scenario(group, base_dir, adapter_paths, prompts, kv_cache_dtype="auto"):
     """Build the model and pool, shard them when `group` is given, run a mixed batch and greedy decoding."""
     torch.set_num_threads(1)
     model = load_hf_dir(base_dir, dtype=torch.float32)
@@ -62,7 +62,7 @@ def scenario(group, base_dir, adapter_paths, prompts):
     row_slots = list(range(len(adapters))) + [-1]  # every adapter, then a base-model row
 
     # 1. one mixed prefill batch, every position's logits
-    kv = model.new_kv_cache(num_pages=64, page_size=PAGE_SIZE)
+    kv = model.new_kv_cache(num_pages=64, page_size=PAGE_SIZE, kv_cache_dtype=kv_cache_dtype)
     free = list(range(64))
     random.Random(0).shuffle(free)
     with torch.no_grad():
@@ -70,7 +70,7 @@ def scenario(group, base_dir, adapter_paths, prompts):
                        all_logits=True)
 
     # 2. greedy decoding with requests joining every other step: fused prefill + decode batches
-    kv = model.new_kv_cache(num_pages=96, page_size=PAGE_SIZE)
+    kv = model.new_kv_cache(num_pages=96, page_size=PAGE_SIZE, kv_cache_dtype=kv_cache_dtype)
     free = list(range(96))
     random.Random(1).shuffle(free)
     seqs, pages = [list(p) for p in prompts], [[] for _ in prompts]
@@ -85,13 +85,17 @@ def scenario(group, base_dir, adapter_paths, prompts):
         decode_logits.append(logits)
         for i, row in zip(active, logits):
             seqs[i].append(int(row.argmax()))
-    return {"prefill": prefill, "decode": decode_logits, "tokens": seqs, "kv_heads": kv.shape[-2]}
+    return {"prefill": prefill, "decode": decode_logits, "tokens": seqs, "kv_heads": kv.pages.shape[-2],
+            "kv_dtype": kv.pages.dtype}
 
 
 # Llama; Qwen2 with its q/k/v bias split with the heads, tied embeddings and a sliding-window layer;
-# Qwen3 with its per-head q/k norms replicated; Gemma 2 with its sandwich norms, softcaps and local layers
-@pytest.mark.parametrize("tp_family", ["llama", "qwen2-sliding", "qwen3", "gemma2"])
-def test_tensor_parallel_2_ranks_match_1(tmp_path, make_peft_adapter, tiny_family_model, tp_family):
+# Qwen3 with its per-head q/k norms replicated, over an fp8 KV cache (each rank's pages and scales
+# of its kv heads: a scale per (token, kv head) quantizes a shard's rows as the whole model's);
+# Gemma 2 with its sandwich norms, softcaps and local layers
+@pytest.mark.parametrize("tp_family,kv_cache_dtype", [("llama", "auto"), ("qwen2-sliding", "auto"), ("qwen3", "fp8"),
+                                                      ("gemma2", "auto")])
+def test_tensor_parallel_2_ranks_match_1(tmp_path, make_peft_adapter, tiny_family_model, tp_family, kv_cache_dtype):
     hf_model = tiny_family_model(tp_family, seed=3)  # 4 heads, 2 kv heads, intermediate 96
     hf_model.save_pretrained(tmp_path / "base")
     paths = {name: make_peft_adapter(hf_model, tmp_path / name, r=r, alpha=alpha, targets=targets,
@@ -100,10 +104,11 @@ def test_tensor_parallel_2_ranks_match_1(tmp_path, make_peft_adapter, tiny_famil
     rng = random.Random(0)
     prompts = [[rng.randrange(3, 128) for _ in range(rng.randint(8, 15))] for _ in range(5)]  # past window 8
 
-    expect = scenario(None, tmp_path / "base", paths, prompts)
-    got = run_parallel(scenario, 2, tmp_path / "base", paths, prompts, backend="gloo", timeout_s=120)
+    expect = scenario(None, tmp_path / "base", paths, prompts, kv_cache_dtype)
+    got = run_parallel(scenario, 2, tmp_path / "base", paths, prompts, kv_cache_dtype, backend="gloo", timeout_s=120)
 
     assert (expect["kv_heads"], got["kv_heads"]) == (2, 1)  # each rank caches its own kv head
+    assert got["kv_dtype"] == (torch.float8_e4m3fn if kv_cache_dtype == "fp8" else torch.float32)
     torch.testing.assert_close(got["prefill"], expect["prefill"], rtol=1e-5, atol=1e-5)
     for got_step, expect_step in zip(got["decode"], expect["decode"], strict=True):
         torch.testing.assert_close(got_step, expect_step, rtol=1e-5, atol=1e-5)
