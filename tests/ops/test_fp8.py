@@ -6,11 +6,6 @@ Without a GPU the Triton kernel runs under the interpreter (tests/conftest.py) a
 tests marked `cuda` run bf16 at real shapes on the GPU, through the public function.
 """
 
-import os
-import subprocess
-import sys
-import textwrap
-from pathlib import Path
 
 import pytest
 import torch
@@ -81,51 +76,25 @@ def test_block_k_divides_the_scale_blocks():
     assert [kernels.block_k_for((128, b1)) for b1 in (128, 256, 64, 48, 24)] == [128, 128, 64, 16, None]
 
 
-COMPILE_SCRIPT = textwrap.dedent('''
-    import itertools, sys
-    try:
-        from triton._C.libtriton import ir
-        from triton.backends.compiler import GPUTarget
-        from triton.compiler import ASTSource
-        from triton.compiler.compiler import make_backend
-        backend = make_backend(GPUTarget("cuda", 90, 32))
-    except Exception as e:  # no CUDA backend in this Triton build
-        print(f"no CUDA backend: {e!r}")
-        sys.exit(77)
-    from punica.ops.fp8_triton import DECODE_BLOCK_K, MAX_BLOCK_K
-    from punica.ops.fp8_triton import _fp8_gemm_kernel as fn
+COMPILE_SCRIPT = """
+import itertools
 
-    POINTERS = {"x": "*bf16", "out": "*bf16", "bias": "*bf16", "w": "*fp8e4nv", "scales": "*fp32"}
-    for per_channel, has_bias in itertools.product((False, True), repeat=2):
-        consts = dict(PER_CHANNEL=per_channel, HAS_BIAS=has_bias, UPCAST=False, PRECISION="tf32", BLOCK_M=16,
-                      BLOCK_N=32, BLOCK_K=DECODE_BLOCK_K if per_channel else MAX_BLOCK_K)
-        signature, constexprs = {}, {}
-        for i, name in enumerate(fn.arg_names):
-            if name in consts:
-                signature[name], constexprs[(i,)] = "constexpr", consts[name]
-            else:
-                signature[name] = POINTERS.get(name, "i32")
-        options = backend.parse_options({})
-        context = ir.context()
-        ir.load_dialects(context)
-        backend.load_dialects(context)
-        ASTSource(fn=fn, signature=signature, constexprs=constexprs).make_ir(
-            backend.target, options, backend.get_codegen_implementation(options), backend.get_module_map(), context)
-    print("compiled")
-''')
+from punica.ops.fp8_triton import DECODE_BLOCK_K, MAX_BLOCK_K
+from punica.ops.fp8_triton import _fp8_gemm_kernel as fn
+
+POINTERS = {"x": "*bf16", "out": "*bf16", "bias": "*bf16", "w": "*fp8e4nv", "scales": "*fp32"}
+for per_channel, has_bias in itertools.product((False, True), repeat=2):
+    consts = dict(PER_CHANNEL=per_channel, HAS_BIAS=has_bias, UPCAST=False, PRECISION="tf32", BLOCK_M=16,
+                  BLOCK_N=32, BLOCK_K=DECODE_BLOCK_K if per_channel else MAX_BLOCK_K)
+    compile_ttir(fn, consts, lambda name, consts: POINTERS.get(name, "i32"))
+"""
 
 
 @pytest.mark.slow
-def test_weight_only_kernel_compiles_for_cuda():
+def test_weight_only_kernel_compiles_for_cuda(compile_for_cuda):
     """Triton's front end (to TTIR, on the CPU) accepts the kernel in every variant: the interpreter
     above accepts code the compiler rejects."""
-    env = {name: value for name, value in os.environ.items() if name != "TRITON_INTERPRET"}
-    root = Path(__file__).resolve().parents[2]
-    done = subprocess.run([sys.executable, "-c", COMPILE_SCRIPT], cwd=root, env=env | {"PYTHONPATH": str(root)},
-                          capture_output=True, text=True, timeout=300)
-    if done.returncode == 77:
-        pytest.skip(done.stdout.strip())
-    assert done.returncode == 0 and "compiled" in done.stdout, done.stderr[-3000:]
+    compile_for_cuda(COMPILE_SCRIPT)
 
 
 # ---- CUDA: real shapes, bf16 ----------------------------------------------------------------------
