@@ -61,8 +61,11 @@ class Metrics:
         self.adapter_residency = ResidencyCollector()  # punica_adapter_* per adapter, set before each scrape
         r.register(self.adapter_residency)
         self._recent: deque[tuple[float, int]] = deque()
-        self._constrained_seen, self._compile_seen = 0, 0.0  # the engine's totals at the last update
-        self._chunked_seen = self._preemptions_seen = 0
+        # counters of what engines count from their start: (counter, its EngineStats field)
+        self._totals = ((self.constrained, "num_constrained_requests"),
+                        (self.grammar_compile, "grammar_compile_seconds"),
+                        (self.chunked_steps, "num_chunked_steps"), (self.preemptions, "num_preemptions"))
+        self._seen = {name: 0 for _, name in self._totals}  # the engines' totals at the last update
         self._totals_lock = threading.Lock()  # the engine thread and /metrics both update them
 
     def on_step(self, engine: Engine, outputs: list[RequestOutput], seconds: float) -> None:
@@ -105,15 +108,8 @@ class Metrics:
         compile time, chunked steps, preemptions) to the sum over `stats`, one per engine (a cluster's
         workers): each counter advances by what is new since the last update."""
         stats = list(stats)
-        constrained = sum(s.num_constrained_requests for s in stats)
-        compile_seconds = sum(s.grammar_compile_seconds for s in stats)
-        chunked, preemptions = sum(s.num_chunked_steps for s in stats), sum(s.num_preemptions for s in stats)
         with self._totals_lock:
-            self.constrained.inc(max(0, constrained - self._constrained_seen))
-            self.grammar_compile.inc(max(0.0, compile_seconds - self._compile_seen))
-            self._constrained_seen = max(self._constrained_seen, constrained)
-            self._compile_seen = max(self._compile_seen, compile_seconds)
-            self.chunked_steps.inc(max(0, chunked - self._chunked_seen))
-            self._chunked_seen = max(self._chunked_seen, chunked)
-            self.preemptions.inc(max(0, preemptions - self._preemptions_seen))
-            self._preemptions_seen = max(self._preemptions_seen, preemptions)
+            for counter, name in self._totals:
+                total = sum(getattr(s, name) for s in stats)
+                counter.inc(max(0, total - self._seen[name]))
+                self._seen[name] = max(self._seen[name], total)
