@@ -4,12 +4,17 @@ steps that also run a chunk of a long prompt.
 
     python -m benchmarks.step_profile [--preset llama-2-7b] [--decodes 31] [--prompt 16384]
         [--budgets 158 512] [--at 0 2048 15000] [--steps 10] [--out results/step_profile]
+    python -m benchmarks.step_profile --decode-only --batches 1 32 --context 512 [--steps 10]
 
 One engine (random weights, CUDA graphs, overlapped steps, rank-16 adapters on all 7 projections,
 request i on its own adapter) serves --decodes requests that decode from 64-token prompts. Per
 budget (max_num_batched_tokens): --steps steady decode steps are profiled; then one --prompt-token
 prompt (on one more adapter) is added and, when its cached tokens first reach each --at point,
 the next --steps steps (decodes + one chunk each) are profiled.
+
+With --decode-only, steady decode steps alone are profiled for each of --batches requests decoding
+from --context-token prompts, once on distinct adapters and once on the base model, each kernel
+listed with its launches per step.
 
 Per profiled point: wall ms per step (host scheduling, the graph replay, sampling), GPU ms per step
 (the sum of kernel durations), the host's time in CUDA synchronize calls per step (reading each
@@ -66,6 +71,7 @@ def profile_steps(engine, steps: int, trace_dir: Path) -> dict:
     events = json.loads(path.read_text())["traceEvents"]
     by_group: dict[str, float] = defaultdict(float)
     by_kernel: dict[str, float] = defaultdict(float)
+    launches: dict[str, int] = defaultdict(int)
     waited = 0.0
     for event in events:
         if event.get("cat") == "cuda_runtime" and "Synchronize" in event["name"]:
@@ -73,11 +79,34 @@ def profile_steps(engine, steps: int, trace_dir: Path) -> dict:
         if event.get("cat") == "kernel":
             by_group[group_of(event["name"])] += event["dur"]
             by_kernel[event["name"][:80]] += event["dur"]
-    top = sorted(by_kernel.items(), key=lambda kv: -kv[1])[:12]
+            launches[event["name"][:80]] += 1
+    top = sorted(by_kernel.items(), key=lambda kv: -kv[1])[:16]
     return {"wall_ms": 1e3 * wall / steps, "gpu_ms": sum(by_group.values()) / 1e3 / steps,
-            "host_waits_ms": waited / 1e3 / steps,
+            "host_waits_ms": waited / 1e3 / steps, "launches_per_step": sum(launches.values()) / steps,
             "groups_us": {g: us / steps for g, us in sorted(by_group.items(), key=lambda kv: -kv[1])},
-            "top_kernels_us": {k: us / steps for k, us in top}}
+            "top_kernels_us": {k: us / steps for k, us in top},
+            "top_kernels_launches": {k: launches[k] / steps for k, _ in top}}
+
+
+def profile_decodes(engine, config, batches: list[int], context: int, steps: int, trace_dir: Path,
+                    rng: random.Random) -> list[dict]:
+    """Steady decode steps of each batch size, on distinct adapters and on the base model."""
+    rows = []
+    params = SamplingParams(max_tokens=100_000, temperature=0, ignore_eos=True)
+    for batch in batches:
+        for adapters in ("distinct", "none"):
+            ids = [engine.add_request([rng.randrange(3, config.vocab_size) for _ in range(context)], params,
+                                      f"lora{i}" if adapters == "distinct" else None)
+                   for i in range(batch)]
+            for _ in range(20):
+                engine.step()
+            rows.append({"batch": batch, "context": context, "adapters": adapters, "point": "decode",
+                         **profile_steps(engine, steps, trace_dir)})
+            for rid in ids:
+                engine.abort(rid)
+            while engine.has_unfinished():
+                engine.step()
+    return rows
 
 
 def main() -> None:
@@ -88,14 +117,23 @@ def main() -> None:
     parser.add_argument("--budgets", type=int, nargs="+", default=[158, 512])
     parser.add_argument("--at", type=int, nargs="+", default=[0, 2048, 15000])
     parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--decode-only", action="store_true")
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 32])
+    parser.add_argument("--context", type=int, default=512)
     parser.add_argument("--out", type=Path, default=Path("results/step_profile"))
     args = parser.parse_args()
+    if args.decode_only and args.context > 1024:
+        parser.error("--context: at most 1024 (the KV room per decode)")
     rng = random.Random(0)
     rows = []
-    setup = decodes_engine(args.preset, args.decodes, args.prompt, args.budgets[0], torch.bfloat16, "cuda")
+    decodes = max(args.batches) if args.decode_only else args.decodes
+    setup = decodes_engine(args.preset, decodes, args.prompt, args.budgets[0], torch.bfloat16, "cuda")
     with setup as (engine, config), tempfile.TemporaryDirectory() as tmp:
         trace_dir = Path(tmp)
-        for budget in args.budgets:
+        if args.decode_only:
+            engine.scheduler.max_num_batched_tokens = max(args.budgets[0], max(args.batches) * args.context)
+            rows = profile_decodes(engine, config, args.batches, args.context, args.steps, trace_dir, rng)
+        for budget in [] if args.decode_only else args.budgets:
             engine.scheduler.max_num_batched_tokens = budget
             params = SamplingParams(max_tokens=100_000, temperature=0, ignore_eos=True)
             ids = [engine.add_request([rng.randrange(3, config.vocab_size) for _ in range(64)], params, f"lora{i}")
@@ -116,12 +154,14 @@ def main() -> None:
             while engine.has_unfinished():
                 engine.step()
     for row in rows:
-        print(f"budget {row['budget']}, {row['point']}: wall {row['wall_ms']:.2f} ms/step, "
+        where = (f"batch {row['batch']}, context {row['context']}, {row['adapters']} adapters"
+                 if args.decode_only else f"budget {row['budget']}")
+        print(f"{where}, {row['point']}: {row['launches_per_step']:.0f} kernels, wall {row['wall_ms']:.2f} ms/step, "
               f"GPU {row['gpu_ms']:.2f} ms/step, host waiting on the device {row['host_waits_ms']:.2f} ms/step")
         print(format_table([{"group": g, "us_per_step": us} for g, us in row["groups_us"].items()],
                            ["group", "us_per_step"]))
-        print(format_table([{"kernel": k, "us_per_step": us} for k, us in row["top_kernels_us"].items()],
-                           ["kernel", "us_per_step"]))
+        print(format_table([{"kernel": k, "us_per_step": us, "launches": row["top_kernels_launches"][k]}
+                            for k, us in row["top_kernels_us"].items()], ["kernel", "us_per_step", "launches"]))
     meta = {"device": torch.cuda.get_device_name(), "preset": args.preset, "decodes": args.decodes,
             "prompt": args.prompt, "date": time.strftime("%Y-%m-%d"), "torch": torch.__version__}
     write_results(args.out, "step_profile", rows, meta)

@@ -110,7 +110,7 @@ def bf16_close(got, expect, rel):
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("block_size", [None, (128, 128)], ids=str)
-@pytest.mark.parametrize("num_tokens", [1, 7, 32, 64, 300])
+@pytest.mark.parametrize("num_tokens", [1, 7, 16, 17, 32, 64, 256, 300])
 @pytest.mark.parametrize("n,k", CUDA_SHAPES)
 def test_weight_only_kernel_real_shapes(block_size, num_tokens, n, k):
     gen = torch.Generator().manual_seed(n + k + num_tokens)
@@ -121,7 +121,7 @@ def test_weight_only_kernel_real_shapes(block_size, num_tokens, n, k):
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("num_tokens", [65, 256, 1000])
+@pytest.mark.parametrize("num_tokens", [fp8.WEIGHT_ONLY_MAX_TOKENS + 1, 1000])
 @pytest.mark.parametrize("n,k", CUDA_SHAPES)
 def test_scaled_mm_path_real_shapes(num_tokens, n, k):
     """Per-token fp8 activations: the error of rounding x to e4m3 (~2^-5 relative per element) averages
