@@ -17,7 +17,8 @@ from --context-token prompts, once on distinct adapters and once on the base mod
 listed with its launches per step.
 
 Per profiled point: wall ms per step (host scheduling, the graph replay, sampling), GPU ms per step
-(the sum of kernel durations), the host's time in CUDA synchronize calls per step (reading each
+(the sum of kernel durations), the GPU's idle time per step (no kernel running; the largest gaps
+with the kernels around them), the host's time in CUDA synchronize calls per step (reading each
 step's tokens waits for the step before it; any other wait stalls the overlap), and each kernel
 group's us per step. Writes step_profile.json under
 --out and prints a table per point.
@@ -69,6 +70,7 @@ def profile_steps(engine, steps: int, trace_dir: Path) -> dict:
     path = trace_dir / "trace.json"
     prof.export_chrome_trace(str(path))
     events = json.loads(path.read_text())["traceEvents"]
+    kernels = sorted((e for e in events if e.get("cat") == "kernel"), key=lambda e: e["ts"])
     by_group: dict[str, float] = defaultdict(float)
     by_kernel: dict[str, float] = defaultdict(float)
     launches: dict[str, int] = defaultdict(int)
@@ -81,8 +83,15 @@ def profile_steps(engine, steps: int, trace_dir: Path) -> dict:
             by_kernel[event["name"][:80]] += event["dur"]
             launches[event["name"][:80]] += 1
     top = sorted(by_kernel.items(), key=lambda kv: -kv[1])[:16]
+    gaps, busy_until = [], kernels[0]["ts"] if kernels else 0.0
+    for before, event in zip([None] + kernels, kernels):
+        if before is not None and event["ts"] > busy_until:
+            gaps.append((event["ts"] - busy_until, before["name"][:60], event["name"][:60]))
+        busy_until = max(busy_until, event["ts"] + event["dur"])
     return {"wall_ms": 1e3 * wall / steps, "gpu_ms": sum(by_group.values()) / 1e3 / steps,
             "host_waits_ms": waited / 1e3 / steps, "launches_per_step": sum(launches.values()) / steps,
+            "gpu_idle_ms": sum(g for g, _, _ in gaps) / 1e3 / steps,
+            "largest_gaps_us": [{"us": g, "after": a, "before": b} for g, a, b in sorted(gaps, reverse=True)[:6]],
             "groups_us": {g: us / steps for g, us in sorted(by_group.items(), key=lambda kv: -kv[1])},
             "top_kernels_us": {k: us / steps for k, us in top},
             "top_kernels_launches": {k: launches[k] / steps for k, _ in top}}
@@ -157,7 +166,10 @@ def main() -> None:
         where = (f"batch {row['batch']}, context {row['context']}, {row['adapters']} adapters"
                  if args.decode_only else f"budget {row['budget']}")
         print(f"{where}, {row['point']}: {row['launches_per_step']:.0f} kernels, wall {row['wall_ms']:.2f} ms/step, "
-              f"GPU {row['gpu_ms']:.2f} ms/step, host waiting on the device {row['host_waits_ms']:.2f} ms/step")
+              f"GPU {row['gpu_ms']:.2f} ms/step, idle {row['gpu_idle_ms']:.2f} ms/step, "
+              f"host waiting on the device {row['host_waits_ms']:.2f} ms/step")
+        for gap in row["largest_gaps_us"]:
+            print(f"  gap {gap['us']:.0f} us after {gap['after']} before {gap['before']}")
         print(format_table([{"group": g, "us_per_step": us} for g, us in row["groups_us"].items()],
                            ["group", "us_per_step"]))
         print(format_table([{"kernel": k, "us_per_step": us, "launches": row["top_kernels_launches"][k]}

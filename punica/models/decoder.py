@@ -40,7 +40,7 @@ from punica.models.quantized import Fp8Format, Fp8Linear, projection
 from punica.ops.attention import AttnBatch, paged_attention, rope_and_write_kv_, softcap_ref
 from punica.ops.kv_cache import KVCache
 from punica.ops.layers import gelu_tanh_and_mul, rms_norm, silu_and_mul
-from punica.ops.lora import lora_expand, lora_shrink
+from punica.ops.lora import add_delta, bgmv_delta, lora_expand, lora_shrink
 
 
 class LoraWeights(Protocol):
@@ -59,6 +59,11 @@ class LoraWeights(Protocol):
 
 
 _side_streams: dict[torch.device, torch.cuda.Stream] = {}
+
+
+# BGMV batches compute the expand's delta on the side stream too, beside the base GEMM; the main
+# stream then only adds it (punica.ops.lora.bgmv_delta; benchmarks.rowwise_sweep --compare-delta)
+SIDE_STREAM_DELTA = True
 
 
 def side_stream(device: torch.device) -> torch.cuda.Stream | None:
@@ -132,20 +137,28 @@ class DecoderLayer(nn.Module):
         if w is None:
             return linear(x)
         lora_a, lora_b, slice_bounds = w
+        scales, dora = lora_weights.scales, lora_weights.dora(self.index, group)
         stream = side_stream(x.device)
         if stream is None:
             y = linear(x)
+            lora_expand(y, lora_shrink(x, lora_a, lora), lora_b, scales, lora, slice_bounds, dora)
+            return y
+        # The shrink (and for BGMV batches, whose float32 delta is small, the expand's delta too)
+        # runs on the side stream beside the base GEMM. v and the delta are freed on the main
+        # stream after their last use, which the side stream's next work waits for; x lives until
+        # the join.
+        main = torch.cuda.current_stream(x.device)
+        stream.wait_stream(main)
+        with torch.cuda.stream(stream):
             v = lora_shrink(x, lora_a, lora)
+            delta = (bgmv_delta(v, lora_b, lora.token_slots, scales, slice_bounds, lora.token_scales)
+                     if SIDE_STREAM_DELTA and lora.sgmv_tokens == 0 else None)
+        y = linear(x)
+        main.wait_stream(stream)
+        if delta is None:
+            lora_expand(y, v, lora_b, scales, lora, slice_bounds, dora)
         else:
-            # v is freed on the main stream after the expand, which the side stream's next
-            # shrink waits for; x lives until the join
-            main = torch.cuda.current_stream(x.device)
-            stream.wait_stream(main)
-            with torch.cuda.stream(stream):
-                v = lora_shrink(x, lora_a, lora)
-            y = linear(x)
-            main.wait_stream(stream)
-        lora_expand(y, v, lora_b, lora_weights.scales, lora, slice_bounds, lora_weights.dora(self.index, group))
+            add_delta(y, delta, lora.token_slots, dora)
         return y
 
     def _all_reduce(self, y: torch.Tensor) -> torch.Tensor:

@@ -118,6 +118,19 @@ def bgmv_expand_ref(y, v, lora_b, token_slots, scales, slice_bounds=None, token_
             y[rows] = _dora_scaled(y[rows].float() + delta, slot, dora).to(y.dtype)
 
 
+def bgmv_delta_ref(v, lora_b, token_slots, scales, slice_bounds=None, token_scales=None):
+    d = torch.zeros(v.shape[0], lora_b.shape[1], dtype=torch.float32, device=v.device)
+    bgmv_expand_ref(d, v, lora_b, token_slots, scales, slice_bounds, token_scales)
+    return d
+
+
+def add_delta_ref(y, d, token_slots, dora=None):
+    for slot in torch.unique(token_slots).tolist():
+        if slot >= 0:
+            rows = (token_slots == slot).nonzero().squeeze(1)
+            y[rows] = _dora_scaled(y[rows].float() + d[rows], slot, dora).to(y.dtype)
+
+
 def _into(out: torch.Tensor | None, v: torch.Tensor) -> torch.Tensor:
     """v, or `out` holding it (the references build v; the Triton kernels write `out` directly)."""
     return v if out is None else out.copy_(v)
@@ -197,6 +210,32 @@ def bgmv_expand(y: torch.Tensor, v: torch.Tensor, lora_b: torch.Tensor, token_sl
         return bgmv_expand_triton(y, v, lora_b, token_slots, scales, slice_bounds=slice_bounds,
                                   token_scales=token_scales, dora=dora)
     return bgmv_expand_ref(y, v, lora_b, token_slots, scales, slice_bounds, token_scales, dora)
+
+
+def bgmv_delta(v: torch.Tensor, lora_b: torch.Tensor, token_slots: torch.Tensor, scales: torch.Tensor,
+               slice_bounds: tuple[int, ...] | None = None,
+               token_scales: torch.Tensor | None = None) -> torch.Tensor:
+    """bgmv_expand's delta alone, without y: d [T, h_out] float32, zero for tokens of slot -1.
+
+        d[t, cols] = (scales[s] * token_scales[t]) * v[t, j*R : (j+1)*R] @ lora_b[s, cols].T
+                     for each slice j, where s = token_slots[t] >= 0
+
+    add_delta(y, d, token_slots, dora) then leaves y as bgmv_expand(y, v, ...) would, bit for bit,
+    so the delta can run beside the base GEMM that writes y."""
+    if v.is_cuda:
+        from punica.ops.lora_triton import bgmv_delta_triton
+        return bgmv_delta_triton(v, lora_b, token_slots, scales, slice_bounds, token_scales)
+    return bgmv_delta_ref(v, lora_b, token_slots, scales, slice_bounds, token_scales)
+
+
+def add_delta(y: torch.Tensor, d: torch.Tensor, token_slots: torch.Tensor,
+              dora: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+    """y[t] = y[t] + d[t] in float32, times out_scales[s] if s = token_slots[t] is a DoRA slot,
+    rounded once to y's dtype, in place (d: bgmv_delta's)."""
+    if y.is_cuda:
+        from punica.ops.lora_triton import add_delta_triton
+        return add_delta_triton(y, d, token_slots, dora)
+    return add_delta_ref(y, d, token_slots, dora)
 
 
 def lora_shrink(x: torch.Tensor, lora_a: torch.Tensor, indices: LoraIndices) -> torch.Tensor:

@@ -123,8 +123,10 @@ def expand_rowwise_kernel(
     num_steps, h_out, max_rank, slice1_start, slice2_start, stride_yt, stride_yn, stride_vt, stride_vr, stride_bs,
     stride_bn, stride_br, stride_os, stride_on,
     SEGMENTED: tl.constexpr, FAN: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
-    TOKEN_SCALES: tl.constexpr, DORA: tl.constexpr, PDL: tl.constexpr,
+    TOKEN_SCALES: tl.constexpr, DORA: tl.constexpr, ACCUMULATE: tl.constexpr, PDL: tl.constexpr,
 ):
+    """y += delta (ACCUMULATE), or y = delta with zeros for tokens of no slot; DoRA only when
+    accumulating."""
     t = tl.program_id(0)
     col0 = tl.program_id(1) * BLOCK_N
     cols = col0 + tl.arange(0, BLOCK_N)
@@ -150,11 +152,37 @@ def expand_rowwise_kernel(
         delta = tl.where(col_slice == i, tl.sum(b * vt.to(tl.float32)[None, :], axis=1), delta)
     delta = delta * scale
     y_row = y + t.to(tl.int64) * stride_yt + cols * stride_yn
-    old = tl.load(y_row, mask=col_ok, other=0.0)
-    out = old.to(tl.float32) + delta
+    if ACCUMULATE:
+        old = tl.load(y_row, mask=col_ok, other=0.0)
+        out = old.to(tl.float32) + delta
+        if DORA:
+            out = out * _dora_out_scales(out_scales, dora_slots, safe_slot, cols, tl.where(valid, h_out, 0),
+                                         stride_os, stride_on)
+        tl.store(y_row, out.to(y.dtype.element_ty), mask=col_ok)
+    else:
+        tl.store(y_row, delta.to(y.dtype.element_ty), mask=cols < h_out)
+
+
+@triton.jit
+def add_delta_rowwise_kernel(
+    y, d, out_scales, dora_slots, token_slots, h_out, stride_yt, stride_yn, stride_dt, stride_dn, stride_os,
+    stride_on, BLOCK_N: tl.constexpr, DORA: tl.constexpr, PDL: tl.constexpr,
+):
+    """y = y + d, then rows of DoRA slots times their out_scales: the accumulating expand's epilogue
+    with the delta precomputed (expand_rowwise_kernel with ACCUMULATE off)."""
+    t = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < h_out
     if DORA:
-        out = out * _dora_out_scales(out_scales, dora_slots, safe_slot, cols, tl.where(valid, h_out, 0), stride_os,
-                                     stride_on)
+        slot = tl.load(token_slots + t)
+        scales = _dora_out_scales(out_scales, dora_slots, tl.maximum(slot, 0), cols, tl.where(slot >= 0, h_out, 0),
+                                  stride_os, stride_on)
+    _previous_kernel_done(PDL)  # y and d are read after it
+    y_row = y + t.to(tl.int64) * stride_yt + cols * stride_yn
+    out = tl.load(y_row, mask=col_ok, other=0.0).to(tl.float32)
+    out = out + tl.load(d + t.to(tl.int64) * stride_dt + cols * stride_dn, mask=col_ok, other=0.0)
+    if DORA:
+        out = out * scales
     tl.store(y_row, out.to(y.dtype.element_ty), mask=col_ok)
 
 

@@ -39,6 +39,7 @@ import torch
 import triton
 
 from punica.ops.lora_kernels import (
+    add_delta_rowwise_kernel,
     expand_rowwise_kernel,
     sgmv_expand_tile_kernel,
     sgmv_shrink_tile_kernel,
@@ -48,8 +49,9 @@ from punica.ops.lora_shapes import check_slice_bounds, sgmv_block_m  # noqa: F40
 from punica.ops.triton_env import interpreting, num_sms
 
 FAN = 64              # probes per step of the segment search
-ROWWISE_TILE = 8192   # elements a row-wise program multiplies per loop step (4 warps)
-ROWWISE_WARPS = 4
+# row-wise programs: elements multiplied per loop step, and warps (benchmarks.rowwise_sweep)
+SHRINK_ROWWISE_TILE, SHRINK_ROWWISE_WARPS = 8192, 4
+EXPAND_ROWWISE_TILE, EXPAND_ROWWISE_WARPS = 8192, 4
 TILE_BLOCK_K = 64      # shrink tiles: h_in per loop step
 TILE_BLOCK_N = 128     # expand tiles: h_out columns per program
 TILE_WARPS = 4
@@ -79,14 +81,14 @@ def _precision(dtype: torch.dtype) -> str:
 
 
 def _rowwise_shrink_blocks(h_in: int, max_rank: int) -> tuple[int, int]:
-    block_k = min(triton.next_power_of_2(h_in), ROWWISE_TILE // 2)
-    block_r = min(triton.next_power_of_2(max_rank), max(1, ROWWISE_TILE // block_k))
+    block_k = min(triton.next_power_of_2(h_in), SHRINK_ROWWISE_TILE // 2)
+    block_r = min(triton.next_power_of_2(max_rank), max(1, SHRINK_ROWWISE_TILE // block_k))
     return block_r, block_k
 
 
 def _rowwise_expand_blocks(h_out: int, max_rank: int) -> tuple[int, int]:
     block_r = triton.next_power_of_2(max_rank)
-    block_n = min(triton.next_power_of_2(h_out), max(16, ROWWISE_TILE // block_r))
+    block_n = min(triton.next_power_of_2(h_out), max(16, EXPAND_ROWWISE_TILE // block_r))
     return block_n, block_r
 
 
@@ -126,7 +128,7 @@ def _shrink_rowwise(x, lora_a, v, token_slots, seg_indptr, seg_slots, segmented)
         x, lora_a, v, token_slots, seg_indptr, seg_slots, num_segments, _search_steps(num_segments),
         h_in, max_rank, *x.stride(), *lora_a.stride(), *v.stride(),
         SEGMENTED=segmented, FAN=FAN, BLOCK_R=block_r, BLOCK_K=block_k, PDL=_pdl(x.device),
-        num_warps=ROWWISE_WARPS, launch_pdl=_pdl(x.device),
+        num_warps=SHRINK_ROWWISE_WARPS, launch_pdl=_pdl(x.device),
     )
     return v
 
@@ -140,33 +142,35 @@ def _check_token_scales(token_scales: torch.Tensor | None, num_tokens: int) -> t
     return token_scales, True
 
 
-def _check_dora(dora: tuple[torch.Tensor, torch.Tensor] | None, lora_b: torch.Tensor, h_out: int) -> tuple:
-    """(out_scales, dora_slots, its two strides, whether the kernel reads them) for a launch."""
+def _check_dora(dora: tuple[torch.Tensor, torch.Tensor] | None, num_slots: int | None, h_out: int) -> tuple:
+    """(out_scales, dora_slots, its two strides, whether the kernel reads them) for a launch;
+    num_slots: the pool's slots (None: out_scales' rows)."""
     if dora is None:
         return None, None, 0, 0, False
     out_scales, dora_slots = dora
-    assert out_scales.shape == (lora_b.shape[0], h_out) and out_scales.dtype == torch.float32, (
+    num_slots = out_scales.shape[0] if num_slots is None else num_slots
+    assert out_scales.shape == (num_slots, h_out) and out_scales.dtype == torch.float32, (
         out_scales.shape, out_scales.dtype)
-    assert dora_slots.shape == (lora_b.shape[0],) and dora_slots.dtype == torch.int32, dora_slots
+    assert dora_slots.shape == (num_slots,) and dora_slots.dtype == torch.int32, dora_slots
     return out_scales, dora_slots, *out_scales.stride(), True
 
 
 def _expand_rowwise(y, v, lora_b, scales, token_scales, dora, token_slots, seg_indptr, seg_slots, segmented,
-                    starts):
+                    starts, accumulate=True):
     num_tokens, h_out = y.shape
     max_rank = lora_b.shape[2]
     block_n, block_r = _rowwise_expand_blocks(h_out, max_rank)
     num_segments = seg_slots.numel()
     token_scales, has_token_scales = _check_token_scales(token_scales, num_tokens)
-    out_scales, dora_slots, stride_os, stride_on, has_dora = _check_dora(dora, lora_b, h_out)
+    out_scales, dora_slots, stride_os, stride_on, has_dora = _check_dora(dora, lora_b.shape[0], h_out)
     grid = (num_tokens, triton.cdiv(h_out, block_n))
     expand_rowwise_kernel[grid](
         y, v, lora_b, scales, token_scales, out_scales, dora_slots, token_slots, seg_indptr, seg_slots, num_segments,
         _search_steps(num_segments), h_out, max_rank, *starts, *y.stride(), *v.stride(),
         *lora_b.stride(), stride_os, stride_on,
         SEGMENTED=segmented, FAN=FAN, BLOCK_N=block_n, BLOCK_R=block_r, TOKEN_SCALES=has_token_scales,
-        DORA=has_dora, PDL=_pdl(y.device),
-        num_warps=ROWWISE_WARPS, launch_pdl=_pdl(y.device),
+        DORA=has_dora, ACCUMULATE=accumulate, PDL=_pdl(y.device),
+        num_warps=EXPAND_ROWWISE_WARPS, launch_pdl=_pdl(y.device),
     )
 
 
@@ -223,7 +227,7 @@ def sgmv_expand_triton(y: torch.Tensor, v: torch.Tensor, lora_b: torch.Tensor,
         _expand_rowwise(y, v, lora_b, scales, token_scales, dora, seg_slots, seg_indptr, seg_slots, True, starts)
         return
     token_scales, has_token_scales = _check_token_scales(token_scales, num_tokens)
-    out_scales, dora_slots, stride_os, stride_on, has_dora = _check_dora(dora, lora_b, h_out)
+    out_scales, dora_slots, stride_os, stride_on, has_dora = _check_dora(dora, lora_b.shape[0], h_out)
     block_r = max(16, triton.next_power_of_2(max_rank))
     block_n = max(16, min(TILE_BLOCK_N, triton.next_power_of_2(h_out)))
     grid = (triton.cdiv(num_tokens, block_m), triton.cdiv(h_out, block_n))
@@ -255,3 +259,32 @@ def bgmv_expand_triton(y: torch.Tensor, v: torch.Tensor, lora_b: torch.Tensor,
     if y.shape[0] == 0:
         return
     _expand_rowwise(y, v, lora_b, scales, token_scales, dora, token_slots, token_slots, token_slots, False, starts)
+
+
+def bgmv_delta_triton(v: torch.Tensor, lora_b: torch.Tensor, token_slots: torch.Tensor, scales: torch.Tensor,
+                      slice_bounds: tuple[int, ...] | None = None,
+                      token_scales: torch.Tensor | None = None) -> torch.Tensor:
+    """punica.ops.lora.bgmv_delta."""
+    d = torch.empty(v.shape[0], lora_b.shape[1], dtype=torch.float32, device=v.device)
+    starts = _check_expand(d, v, lora_b, slice_bounds)
+    if d.shape[0] > 0:
+        _expand_rowwise(d, v, lora_b, scales, token_scales, None, token_slots, token_slots, token_slots, False,
+                        starts, accumulate=False)
+    return d
+
+
+def add_delta_triton(y: torch.Tensor, d: torch.Tensor, token_slots: torch.Tensor,
+                     dora: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+    """punica.ops.lora.add_delta."""
+    assert d.shape == y.shape and d.dtype == torch.float32 and token_slots.shape == y.shape[:1], (
+        y.shape, d.shape, d.dtype, token_slots.shape)
+    num_tokens, h_out = y.shape
+    if num_tokens == 0:
+        return
+    out_scales, dora_slots, stride_os, stride_on, has_dora = _check_dora(dora, None, h_out)
+    block_n = min(triton.next_power_of_2(h_out), EXPAND_ROWWISE_TILE // 16)
+    add_delta_rowwise_kernel[(num_tokens, triton.cdiv(h_out, block_n))](
+        y, d, out_scales, dora_slots, token_slots, h_out, *y.stride(), *d.stride(), stride_os, stride_on,
+        BLOCK_N=block_n, DORA=has_dora, PDL=_pdl(y.device), num_warps=EXPAND_ROWWISE_WARPS,
+        launch_pdl=_pdl(y.device),
+    )

@@ -27,7 +27,7 @@ def test_token_scales_and_dora_match_reference(slice_bounds=(0, 23, 30, 41)):
     x = torch.randn(sum(lens), 19, generator=gen).to(DEVICE)
     y0 = torch.randn(sum(lens), h_out, generator=gen).to(DEVICE)
     check_all_kernels(x, y0, a, b, scales, batch, Y_TOL[torch.float32], block_ms=(1, 16), slice_bounds=slice_bounds,
-                      token_scales=batch.token_scales, dora=dora)
+                      token_scales=batch.token_scales, dora=dora, delta=True)
     v = ops.sgmv_shrink_ref(x, a, batch.seg_indptr, batch.seg_slots)
     plain_slot = batch.token_slots == 1
     zero, one = plain_slot & (batch.token_scales == 0), plain_slot & (batch.token_scales == 1)

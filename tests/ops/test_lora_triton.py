@@ -49,10 +49,11 @@ def make_requests(workload, num_requests, max_len, rng):
 
 
 def check_all_kernels(x, y0, a, b, scales, batch, y_tol, block_ms=(None,), slice_bounds=None, token_scales=None,
-                      dora=None):
+                      dora=None, delta=False):
     """Every kernel (both SGMV schedules when asked) equals its reference; with slice_bounds, a
     projection group: shrink over the stacked A, sliced expand; with token_scales, each token's;
-    with dora, DoRA's out_scales."""
+    with dora, DoRA's out_scales; with delta, the BGMV expand split into bgmv_delta + add_delta
+    equals it bit for bit."""
     v_ref = ops.sgmv_shrink_ref(x, a, batch.seg_indptr, batch.seg_slots)
     y_ref = y0.clone()
     ops.sgmv_expand_ref(y_ref, v_ref, b, batch.seg_indptr, batch.seg_slots, scales, slice_bounds, token_scales, dora)
@@ -69,11 +70,29 @@ def check_all_kernels(x, y0, a, b, scales, batch, y_tol, block_ms=(None,), slice
     kernels.bgmv_expand_triton(y, v_ref, b, batch.token_slots, scales, slice_bounds=slice_bounds,
                                token_scales=token_scales, dora=dora)
     results.append(("bgmv", v, y))
+    if delta:
+        check_delta_and_add(y0, y, v_ref, b, scales, batch, slice_bounds, token_scales, dora)
     for name, v, y in results:
         torch.testing.assert_close(v, v_ref, rtol=1e-4, atol=1e-4, msg=lambda m: f"{name} shrink: {m}")
         torch.testing.assert_close(y, y_ref, rtol=y_tol[0], atol=y_tol[1], msg=lambda m: f"{name} expand: {m}")
         assert torch.equal(v[no_lora], torch.zeros_like(v[no_lora])), name
         assert torch.equal(y[no_lora], y0[no_lora]), name
+
+
+def check_delta_and_add(y0, y_bgmv, v, b, scales, batch, slice_bounds, token_scales, dora):
+    """bgmv_delta then add_delta leave y as the BGMV expand does (y_bgmv), bit for bit, kernels and
+    references alike; the delta is zero for tokens without LoRA."""
+    d = kernels.bgmv_delta_triton(v, b, batch.token_slots, scales, slice_bounds, token_scales)
+    y = y0.clone()
+    kernels.add_delta_triton(y, d, batch.token_slots, dora)
+    assert torch.equal(y, y_bgmv)
+    no_lora = batch.token_slots < 0
+    assert torch.equal(d[no_lora], torch.zeros_like(d[no_lora]))
+    y_ref, y_expand_ref = y0.clone(), y0.clone()
+    ops.add_delta_ref(y_ref, ops.bgmv_delta_ref(v, b, batch.token_slots, scales, slice_bounds, token_scales),
+                      batch.token_slots, dora)
+    ops.bgmv_expand_ref(y_expand_ref, v, b, batch.token_slots, scales, slice_bounds, token_scales, dora)
+    assert torch.equal(y_ref, y_expand_ref)
 
 
 @pytest.mark.slow
@@ -191,6 +210,24 @@ def test_group_kernels_match_reference(workload, h_in, slice_bounds, rank):
     check_group_kernels(slots, lens, max(slots) + 2, rank, h_in, slice_bounds, dtype, rng, gen, block_ms=(1, 16))
 
 
+def test_delta_and_add_equal_the_bgmv_expand_in_bf16():
+    """A q/k/v-like group in bf16 with a DoRA slot, token scales and a token without LoRA: the
+    expand split into bgmv_delta + add_delta rounds y exactly as the expand does."""
+    gen = torch.Generator().manual_seed(5)
+    slice_bounds = (0, 24, 32, 40)
+    a, b, scales = make_group_pool(3, [8, 4, 6], 16, slice_bounds, torch.bfloat16, gen)
+    dora = (torch.rand(3, 40, generator=gen).to(DEVICE) + 0.5,
+            torch.tensor([0, 1, 0], dtype=torch.int32, device=DEVICE))
+    batch = LoraBatch.build([0, 1, -1, 2, 1], [1] * 5, device=DEVICE, request_scales=[1.0, 0.5, 1.0, 1.0, 0.0],
+                            kernel="bgmv")
+    x = torch.randn(5, 16, generator=gen).to(torch.bfloat16).to(DEVICE)
+    y0 = torch.randn(5, 40, generator=gen).to(torch.bfloat16).to(DEVICE)
+    v = ops.bgmv_shrink_ref(x, a, batch.token_slots)
+    y = y0.clone()
+    kernels.bgmv_expand_triton(y, v, b, batch.token_slots, scales, slice_bounds, batch.token_scales, dora)
+    check_delta_and_add(y0, y, v, b, scales, batch, slice_bounds, batch.token_scales, dora)
+
+
 @pytest.mark.slow
 def test_group_sliced_expand_equals_one_expand_per_projection():
     """The sliced expand into the fused output equals one plain expand per column slice."""
@@ -259,7 +296,7 @@ def test_real_shapes(hidden, rank, workload):
             batch = LoraBatch.build(slots, lens, device=DEVICE, kernel="sgmv")
             x = torch.randn(sum(lens), h_in, generator=gen).to(dtype).to(DEVICE)
             y0 = torch.randn(sum(lens), h_out, generator=gen).to(dtype).to(DEVICE)
-            check_all_kernels(x, y0, a, b, scales, batch, Y_TOL[dtype], block_ms=(None, 1, 64))
+            check_all_kernels(x, y0, a, b, scales, batch, Y_TOL[dtype], block_ms=(None, 1, 64), delta=True)
 
 
 @pytest.mark.cuda

@@ -46,3 +46,32 @@ for fp8 in (False, True):
 
 def test_attention_kernels_compile_for_cuda_in_every_variant(compile_for_cuda):
     compile_for_cuda(SCRIPT)
+
+
+LORA_SCRIPT = """
+from punica.ops import lora_kernels as k
+
+INT_POINTERS = {"token_slots", "seg_indptr", "seg_slots", "dora_slots"}
+INTS = {"num_segments", "num_steps", "h_out", "max_rank", "slice1_start", "slice2_start"}
+
+
+def types(name, consts):
+    if name in INT_POINTERS:
+        return "*i32"
+    if name in INTS or name.startswith("stride"):
+        return "i32"
+    if name == "y":
+        return "*bf16" if consts.get("ACCUMULATE", True) else "*fp32"
+    return "*bf16" if name == "lora_b" else "*fp32"
+
+
+rowwise = dict(SEGMENTED=False, FAN=64, BLOCK_N=512, BLOCK_R=16, TOKEN_SCALES=True, PDL=True)
+for accumulate, dora in ((True, False), (True, True), (False, False)):
+    compile_ttir(k.expand_rowwise_kernel, rowwise | dict(ACCUMULATE=accumulate, DORA=dora), types)
+for dora in (False, True):
+    compile_ttir(k.add_delta_rowwise_kernel, dict(BLOCK_N=512, DORA=dora, PDL=True), types)
+"""
+
+
+def test_rowwise_lora_expand_and_delta_kernels_compile_for_cuda(compile_for_cuda):
+    compile_for_cuda(LORA_SCRIPT)
