@@ -335,10 +335,12 @@ class ClusterEngine:
 
 
 def build_cluster_engine(args: EngineArgs, adapters: dict[str, str], max_workers: int | None = None,
-                         policy_config: PolicyConfig | None = None, policy: str = "punica") -> ClusterEngine:
+                         policy_config: PolicyConfig | None = None, policy: str = "punica",
+                         max_packed_kv_tokens: int | None = None) -> ClusterEngine:
     """A ClusterEngine over `args.workers` Ray actors, each an engine of `args` (one GPU each, or
     `args.tensor_parallel_size` GPUs each, where there are GPUs; CPU workers otherwise), growing to
-    `max_workers`, placing requests by the policy named `policy` (punica.cluster.placement.POLICIES).
+    `max_workers`, placing requests by the policy named `policy` (punica.cluster.placement.POLICIES),
+    with KV-aware packing at `max_packed_kv_tokens` (PolicyConfig's) when given without `policy_config`.
     Call `await engine.start()` in the server's loop; Ray must be initialised first."""
     if policy not in POLICIES:
         raise ValueError(f"unknown cluster policy {policy!r}; known: {', '.join(POLICIES)}")
@@ -350,6 +352,6 @@ def build_cluster_engine(args: EngineArgs, adapters: dict[str, str], max_workers
     max_workers = max_workers or args.workers
     config = policy_config or PolicyConfig(max_batch_size=args.max_batch_size,
                                            light_load_batch=max(1, args.max_batch_size // 2), min_gpus=args.workers,
-                                           max_loras=args.max_loras)
+                                           max_loras=args.max_loras, max_packed_kv_tokens=max_packed_kv_tokens)
     return ClusterEngine(lambda: actor_class.remote(args, adapters), args.workers, max_workers,
                          POLICIES[policy](config), load_tokenizer(model_source(args)[1]), adapters)

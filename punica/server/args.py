@@ -31,6 +31,10 @@ class ServerArgs:
                                               "with room; adapter-aware: workers holding the request's adapter "
                                               "first; round-robin; least-loaded)",
                                     choices=CLUSTER_POLICIES)
+    max_packed_kv_tokens: int | None = described(None, "with --workers: KV-aware packing, a busy worker takes a "
+                                                       "request only while its KV in use stays within this many "
+                                                       "tokens (bounds a packed worker's KV read per step; an idle "
+                                                       "worker takes any request; default: no bound)")
     shutdown_timeout: float = described(DEFAULT_SHUTDOWN_TIMEOUT_S, "on SIGTERM, seconds in-flight requests may "
                                                                     "still run before they end with finish_reason "
                                                                     "'abort'")
@@ -43,5 +47,7 @@ class ServerArgs:
         if self.cluster_policy not in CLUSTER_POLICIES:
             raise ValueError(f"cluster_policy must be one of {', '.join(CLUSTER_POLICIES)}, "
                              f"got {self.cluster_policy!r}")
+        if self.max_packed_kv_tokens is not None and self.max_packed_kv_tokens < 1:
+            raise ValueError(f"max_packed_kv_tokens must be >= 1 tokens, got {self.max_packed_kv_tokens}")
         if self.shutdown_timeout < 0:
             raise ValueError(f"shutdown_timeout must be >= 0 seconds, got {self.shutdown_timeout}")

@@ -49,6 +49,8 @@ def build_state(args: EngineArgs, adapters: dict[str, str] | None = None, server
                 ) -> ServerState:
     """The server's state: one engine in this process (over `args.tensor_parallel_size` devices), or
     `args.workers` Ray workers behind the Punica cluster scheduler."""
+    if server.max_packed_kv_tokens is not None and not args.workers:
+        raise ValueError("--max-packed-kv-tokens places requests over Ray workers: it needs --workers N")
     dirs = [Path(d) for d in server.adapter_dir]
     api_key, max_queue = server.api_key, server.max_queue
     max_rank = max([args.max_lora_rank, *map(adapter_rank, (adapters or {}).values())])
@@ -67,7 +69,8 @@ def build_state(args: EngineArgs, adapters: dict[str, str] | None = None, server
         from punica.server.cluster_backend import ClusterBackend, start_ray
 
         start_ray()
-        cluster = build_cluster_engine(args, all_adapters, policy=server.cluster_policy)
+        cluster = build_cluster_engine(args, all_adapters, policy=server.cluster_policy,
+                                       max_packed_kv_tokens=server.max_packed_kv_tokens)
         log.info("model %s on %d workers (%s placement, migration)", name, args.workers, server.cluster_policy)
         state = ServerState(ClusterBackend(cluster), load_tokenizer(model_dir), name, dirs, api_key, max_queue)
         state.backend.on_finished = state.metrics.finished

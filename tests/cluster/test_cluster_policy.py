@@ -176,3 +176,27 @@ def test_a_wrong_cluster_policy_is_a_clear_error_naming_the_choices(capsys):
         build_parser().parse_args(["serve", "--cluster-policy", "busiest"])
     assert "--cluster-policy: invalid choice: 'busiest' (choose from" in capsys.readouterr().err
     assert set(CLUSTER_POLICIES) == set(POLICIES)   # the server offers exactly the placement rules
+
+
+def test_serve_max_packed_kv_tokens_is_checked_and_reaches_the_ray_policy(capsys, monkeypatch):
+    import ray
+
+    from punica.cli import build_parser, main
+    from punica.cluster.ray_backend import build_cluster_engine
+    from punica.config import EngineArgs
+    from punica.server.args import ServerArgs
+    from punica.server.serve import build_state
+
+    with pytest.raises(ValueError, match="max_packed_kv_tokens must be >= 1 tokens, got 0"):
+        ServerArgs(max_packed_kv_tokens=0)
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--max-packed-kv-tokens", "many"])
+    assert "--max-packed-kv-tokens: invalid int value: 'many'" in capsys.readouterr().err
+    assert main(["serve", "--max-packed-kv-tokens", "-5"]) == 2   # refused before anything starts
+    assert "max_packed_kv_tokens must be >= 1 tokens, got -5" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="needs --workers N"):
+        build_state(EngineArgs(), server=ServerArgs(max_packed_kv_tokens=14000))
+    monkeypatch.setattr(ray, "cluster_resources", lambda: {})   # no Ray started: only the policy is built
+    engine = build_cluster_engine(EngineArgs(workers=2), {}, policy="adapter-aware", max_packed_kv_tokens=14000)
+    assert engine.policy.name == "adapter-aware" and engine.policy.config.max_packed_kv_tokens == 14000
+    assert build_cluster_engine(EngineArgs(workers=2), {}).policy.config.max_packed_kv_tokens is None
