@@ -174,8 +174,10 @@ def main() -> None:
                            ["group", "us_per_step"]))
         print(format_table([{"kernel": k, "us_per_step": us, "launches": row["top_kernels_launches"][k]}
                             for k, us in row["top_kernels_us"].items()], ["kernel", "us_per_step", "launches"]))
-    meta = {"device": torch.cuda.get_device_name(), "preset": args.preset, "decodes": args.decodes,
-            "prompt": args.prompt, "date": time.strftime("%Y-%m-%d"), "torch": torch.__version__}
+    shape = ({"batches": args.batches, "context": args.context} if args.decode_only
+             else {"decodes": args.decodes, "prompt": args.prompt})
+    meta = {"device": torch.cuda.get_device_name(), "preset": args.preset, **shape,
+            "date": time.strftime("%Y-%m-%d"), "torch": torch.__version__}
     write_results(args.out, "step_profile", rows, meta)
 
 
