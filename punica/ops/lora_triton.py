@@ -18,6 +18,10 @@ plain ints (h_out for slices that do not exist; at most MAX_SLICES slices). A pr
 block may straddle a slice boundary: it loops over the slices its columns touch (almost
 always one), each time with that slice's ranks of v and its columns of B.
 
+The row-wise expand and add_delta launch without floating-point contraction: an accumulating
+expand then rounds delta * scale before adding it to y, exactly as bgmv_delta + add_delta do
+(with contraction the compiler would fuse the expand's multiply and add into one FMA).
+
 A DoRA expand (`dora`) multiplies each output row of a DoRA slot by its out_scales as it stores
 it; the slot's flag (dora_slots) masks that load, so plain-LoRA slots read no out_scales.
 
@@ -170,7 +174,7 @@ def _expand_rowwise(y, v, lora_b, scales, token_scales, dora, token_slots, seg_i
         *lora_b.stride(), stride_os, stride_on,
         SEGMENTED=segmented, FAN=FAN, BLOCK_N=block_n, BLOCK_R=block_r, TOKEN_SCALES=has_token_scales,
         DORA=has_dora, ACCUMULATE=accumulate, PDL=_pdl(y.device),
-        num_warps=EXPAND_ROWWISE_WARPS, launch_pdl=_pdl(y.device),
+        num_warps=EXPAND_ROWWISE_WARPS, launch_pdl=_pdl(y.device), enable_fp_fusion=False,
     )
 
 
@@ -286,5 +290,5 @@ def add_delta_triton(y: torch.Tensor, d: torch.Tensor, token_slots: torch.Tensor
     add_delta_rowwise_kernel[(num_tokens, triton.cdiv(h_out, block_n))](
         y, d, out_scales, dora_slots, token_slots, h_out, *y.stride(), *d.stride(), stride_os, stride_on,
         BLOCK_N=block_n, DORA=has_dora, PDL=_pdl(y.device), num_warps=EXPAND_ROWWISE_WARPS,
-        launch_pdl=_pdl(y.device),
+        launch_pdl=_pdl(y.device), enable_fp_fusion=False,
     )
