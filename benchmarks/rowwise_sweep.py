@@ -13,8 +13,8 @@ is timed once per batch. lora_us = the layer's us - the no-LoRA layer's. Writes
 rowwise_sweep.json under --out and prints the configurations best first.
 
 With --compare-delta, the kernels keep the module's configurations and the layer runs with the
-expand's delta beside the base GEMM (punica.models.decoder.SIDE_STREAM_DELTA) and without, twice
-each in turn.
+expand's delta beside the base GEMM (punica.models.decoder.SIDE_STREAM_DELTA_MAX_TOKENS) and
+without, twice each in turn.
 """
 
 from __future__ import annotations
@@ -77,12 +77,13 @@ def main() -> None:
         return row
 
     if args.compare_delta:
+        max_tokens = decoder.SIDE_STREAM_DELTA_MAX_TOKENS
         for _ in range(2):
             for side_delta in (True, False):
-                decoder.SIDE_STREAM_DELTA = side_delta
+                decoder.SIDE_STREAM_DELTA_MAX_TOKENS = max_tokens if side_delta else 0
                 rows.append(lora_row({"kernel": "side-stream delta" if side_delta else "expand after the GEMM",
                                       "tile": in_use["EXPAND"][0], "warps": in_use["EXPAND"][1], "in_use": True}))
-        decoder.SIDE_STREAM_DELTA = True
+        decoder.SIDE_STREAM_DELTA_MAX_TOKENS = max_tokens
     for kernel in () if args.compare_delta else ("SHRINK", "EXPAND"):
         for tile in args.tiles:
             for warps in args.warps:

@@ -61,9 +61,11 @@ class LoraWeights(Protocol):
 _side_streams: dict[torch.device, torch.cuda.Stream] = {}
 
 
-# BGMV batches compute the expand's delta on the side stream too, beside the base GEMM; the main
-# stream then only adds it (punica.ops.lora.bgmv_delta; benchmarks.rowwise_sweep --compare-delta)
-SIDE_STREAM_DELTA = True
+# BGMV batches of up to this many tokens compute the expand's delta on the side stream too,
+# beside the base GEMM, into a float32 [tokens, h_out] buffer that the main stream then adds
+# (punica.ops.lora.bgmv_delta; benchmarks.rowwise_sweep --compare-delta); larger batches, whose
+# buffer would cost activation memory, expand after the GEMM
+SIDE_STREAM_DELTA_MAX_TOKENS = 256
 
 
 def side_stream(device: torch.device) -> torch.cuda.Stream | None:
@@ -143,8 +145,8 @@ class DecoderLayer(nn.Module):
             y = linear(x)
             lora_expand(y, lora_shrink(x, lora_a, lora), lora_b, scales, lora, slice_bounds, dora)
             return y
-        # The shrink (and for BGMV batches, whose float32 delta is small, the expand's delta too)
-        # runs on the side stream beside the base GEMM. v and the delta are freed on the main
+        # The shrink (and for small BGMV batches the expand's delta too) runs on the side stream
+        # beside the base GEMM. v and the delta are freed on the main
         # stream after their last use, which the side stream's next work waits for; x lives until
         # the join.
         main = torch.cuda.current_stream(x.device)
@@ -152,7 +154,7 @@ class DecoderLayer(nn.Module):
         with torch.cuda.stream(stream):
             v = lora_shrink(x, lora_a, lora)
             delta = (bgmv_delta(v, lora_b, lora.token_slots, scales, slice_bounds, lora.token_scales)
-                     if SIDE_STREAM_DELTA and lora.sgmv_tokens == 0 else None)
+                     if lora.sgmv_tokens == 0 and x.shape[0] <= SIDE_STREAM_DELTA_MAX_TOKENS else None)
         y = linear(x)
         main.wait_stream(stream)
         if delta is None:
