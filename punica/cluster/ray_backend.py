@@ -182,10 +182,11 @@ class ClusterEngine:
         return tracked
 
     @staticmethod
-    def _timed(tracked: Tracked, out: RequestOutput, now: float) -> RequestOutput:
+    def _record_output(tracked: Tracked, out: RequestOutput, now: float) -> RequestOutput:
         """A worker's output with the driver's prompt and latencies, and the logprobs of the tokens
-        earlier workers made before its own: the worker only saw the request since it was last
-        placed, so after a migration its own clock starts late and its logprobs start short."""
+        earlier workers made before its own, kept as the request's last output and returned. The
+        worker only saw the request since it was last placed, so after a migration its own clock
+        starts late and its logprobs start short."""
         if tracked.first_token_time is None and out.new_token_ids:
             tracked.first_token_time = now
         ttft = tpot = None
@@ -285,7 +286,7 @@ class ClusterEngine:
             if tracked is None or tracked.gpu_id != gpu_id:
                 continue  # aborted, or handed back meanwhile
             tracked.output_token_ids.extend(out.new_token_ids)
-            tracked.outputs.put_nowait(self._timed(tracked, out, now))
+            tracked.outputs.put_nowait(self._record_output(tracked, out, now))
             if out.finished:
                 del self.requests[out.request_id]
                 self.policy.finish(out.request_id, now)

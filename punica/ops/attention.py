@@ -35,14 +35,8 @@ import torch
 
 from punica.config import ceil_div
 from punica.ops.attention_batch import AttnBatch
-from punica.ops.kv_cache import FP8_KV_DTYPE, dequantize_kv_ref, quantize_kv_ref
+from punica.ops.kv_cache import check_kv_scales, dequantize_kv_ref, quantize_kv_ref
 from punica.ops.layers import rope_ref
-
-
-def check_kv_scales(kv_layer: torch.Tensor, kv_scales: torch.Tensor | None) -> None:
-    fp8 = kv_layer.dtype == FP8_KV_DTYPE
-    assert fp8 == (kv_scales is not None), f"a {kv_layer.dtype} cache takes {'its' if fp8 else 'no'} scales"
-    assert kv_scales is None or kv_scales.shape == kv_layer.shape[:-1], (kv_layer.shape, kv_scales.shape)
 
 
 def write_kv_ref(kv_layer: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor,

@@ -28,8 +28,8 @@ from dataclasses import dataclass
 
 import torch
 
-FP8_KV_DTYPE = torch.float8_e4m3fn
-FP8_MAX = 448.0
+from punica.ops.fp8 import FP8_DTYPE, FP8_MAX
+
 MIN_SCALE = torch.finfo(torch.float32).tiny  # an all-zero row's scale: quantizes to 0, not 0 / 0
 SCALE_BYTES = 4  # fp32
 
@@ -48,7 +48,7 @@ def quantize_kv_ref(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x [..., D] -> (e4m3 values [..., D], fp32 scales [...]): one scale per row, amax / 448."""
     x = x.float()
     scale = (x.abs().amax(-1) / FP8_MAX).clamp(min=MIN_SCALE)
-    return (x / scale[..., None]).to(FP8_KV_DTYPE), scale
+    return (x / scale[..., None]).to(FP8_DTYPE), scale
 
 
 def dequantize_kv_ref(values: torch.Tensor, scales: torch.Tensor | None) -> torch.Tensor:
@@ -57,16 +57,22 @@ def dequantize_kv_ref(values: torch.Tensor, scales: torch.Tensor | None) -> torc
     return values.float() if scales is None else values.float() * scales[..., None]
 
 
+def check_kv_scales(pages: torch.Tensor, scales: torch.Tensor | None) -> None:
+    """fp8 pages (a cache's, or one layer's) come with their float32 scales, one per row of
+    head_dim (shape pages.shape[:-1]); other pages with none."""
+    fp8 = pages.dtype == FP8_DTYPE
+    assert fp8 == (scales is not None), f"a {pages.dtype} cache takes {'its' if fp8 else 'no'} scales"
+    assert scales is None or (scales.shape == pages.shape[:-1] and scales.dtype == torch.float32), (
+        pages.shape, scales.shape, scales.dtype)
+
+
 @dataclass(frozen=True)
 class KVCache:
     pages: torch.Tensor           # [L, P, 2, page_size, Hkv, D]: activation dtype, or float8_e4m3fn
     scales: torch.Tensor | None   # [L, P, 2, page_size, Hkv] fp32 with fp8 pages, else None
 
     def __post_init__(self):
-        fp8 = self.pages.dtype == FP8_KV_DTYPE
-        assert fp8 == (self.scales is not None), "fp8 pages need their scales, other pages none"
-        assert self.scales is None or (self.scales.shape == self.pages.shape[:-1]
-                                       and self.scales.dtype == torch.float32), (self.pages.shape, self.scales)
+        check_kv_scales(self.pages, self.scales)
 
     @classmethod
     def empty(cls, num_layers: int, num_pages: int, page_size: int, num_kv_heads: int, head_dim: int,
@@ -76,7 +82,7 @@ class KVCache:
         if kv_cache_dtype == "auto":
             return cls(torch.zeros(shape, dtype=dtype, device=device), None)
         assert kv_cache_dtype == "fp8", kv_cache_dtype
-        return cls(torch.zeros(shape, dtype=FP8_KV_DTYPE, device=device),
+        return cls(torch.zeros(shape, dtype=FP8_DTYPE, device=device),
                    torch.zeros(shape[:-1], dtype=torch.float32, device=device))
 
     @property

@@ -227,8 +227,8 @@ def test_latencies_are_the_drivers_whichever_worker_ran_the_request():
     stale = dict(request_id="r", prompt=None, prompt_token_ids=[1, 2], adapter=None,
                  time_to_first_token=0.5, time_per_output_token=0.01)  # a worker's own clock
     tracked.output_token_ids = [7]
-    first = ClusterEngine._timed(tracked, RequestOutput(**stale, new_token_ids=[7]), now=103.0)
+    first = ClusterEngine._record_output(tracked, RequestOutput(**stale, new_token_ids=[7]), now=103.0)
     assert first.time_to_first_token == 3.0 and first.time_per_output_token is None
     tracked.output_token_ids = list(range(8))  # migrated meanwhile, finished on another worker
-    last = ClusterEngine._timed(tracked, RequestOutput(**stale, new_token_ids=[7], finished=True), now=110.0)
+    last = ClusterEngine._record_output(tracked, RequestOutput(**stale, new_token_ids=[7], finished=True), now=110.0)
     assert last.time_to_first_token == 3.0 and last.time_per_output_token == 1.0

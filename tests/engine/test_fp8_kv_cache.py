@@ -8,7 +8,8 @@ from punica.config import EngineConfig, preset_config
 from punica.engine.worker import kv_cache_pages
 from punica.factory import engine_on_model
 from punica.models.loader import load_hf_dir
-from punica.ops.kv_cache import FP8_KV_DTYPE, kv_bytes_per_token
+from punica.ops.fp8 import FP8_DTYPE
+from punica.ops.kv_cache import kv_bytes_per_token
 
 
 @pytest.mark.slow
@@ -29,7 +30,7 @@ def test_fp8_cache_with_mixed_adapters_and_preemption(setup, greedy, make_engine
     exact = run_all(make_engine(setup, max_batch_size=8, page_size=4), requests, greedy)
     ample = run_all(make_engine(setup, max_batch_size=8, page_size=4, kv_cache_dtype="fp8"), requests, greedy)
     tight = make_engine(setup, max_batch_size=8, page_size=4, kv_cache_tokens=96, kv_cache_dtype="fp8")
-    assert tight.executor.worker.runner.kv_cache.pages.dtype == FP8_KV_DTYPE
+    assert tight.executor.worker.runner.kv_cache.pages.dtype == FP8_DTYPE
     outs = run_all(tight, requests, greedy)
     assert tight.stats().num_preemptions > 0
     assert all(o.finish_reason == "length" and len(o.token_ids) == m for o, (_, _, m) in zip(outs, requests))

@@ -17,7 +17,8 @@ from punica.ops import attention as ops
 from punica.ops import attention_triton as kernels
 from punica.ops import kv_append_triton
 from punica.ops.attention import AttnBatch
-from punica.ops.kv_cache import FP8_KV_DTYPE, KVCache, dequantize_kv_ref, kv_bytes_per_token
+from punica.ops.fp8 import FP8_DTYPE
+from punica.ops.kv_cache import KVCache, dequantize_kv_ref, kv_bytes_per_token
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -58,7 +59,7 @@ def test_round_trip_within_the_e4m3_bound():
     exact = torch.zeros(4, 2, page_size, num_kv_heads, head_dim)
     ops.write_kv_ref(pages, k, v, slots, scales)
     ops.write_kv_ref(exact, k, v, slots)
-    assert pages.dtype == FP8_KV_DTYPE
+    assert pages.dtype == FP8_DTYPE
     at = (slots // page_size, slice(None), slots % page_size)
     got, want, row_scales = dequantize_kv_ref(pages, scales)[at], exact[at], scales[at]
     torch.testing.assert_close(row_scales, (want.abs().amax(-1) / 448).clamp(min=torch.finfo().tiny), rtol=1e-6, atol=0)
