@@ -37,7 +37,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.common import format_table, write_results
+from benchmarks.common import format_table, save_figure, write_results
 from benchmarks.long_prompt import decodes_engine
 from punica.engine.sampling_params import SamplingParams
 
@@ -118,6 +118,27 @@ def profile_decodes(engine, config, batches: list[int], context: int, steps: int
     return rows
 
 
+def plot_decodes(rows: list[dict], path: Path, title: str) -> None:
+    """--decode-only: each point's kernel time per step as a stack of kernel groups."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    groups = [name for name, _ in GROUPS] + ["other"]
+    labels = [f"b{r['batch']} {r['adapters']}" for r in rows]
+    fig, ax = plt.subplots(figsize=(8.5, 4))
+    bottom = [0.0] * len(rows)
+    for group in groups:
+        ms = [r["groups_us"].get(group, 0.0) / 1e3 for r in rows]
+        if any(ms):
+            ax.bar(labels, ms, bottom=bottom, label=group)
+            bottom = [b + m for b, m in zip(bottom, ms)]
+    ax.set_ylabel("kernel time per step (ms)", fontsize=8)
+    ax.tick_params(labelsize=7)
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1))
+    save_figure(fig, path, title)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--preset", default="llama-2-7b")
@@ -178,7 +199,10 @@ def main() -> None:
              else {"decodes": args.decodes, "prompt": args.prompt})
     meta = {"device": torch.cuda.get_device_name(), "preset": args.preset, **shape,
             "date": time.strftime("%Y-%m-%d"), "torch": torch.__version__}
-    write_results(args.out, "step_profile", rows, meta)
+    path = write_results(args.out, "step_profile", rows, meta)
+    if args.decode_only:
+        plot_decodes(rows, path.with_suffix(".png"),
+                     f"{args.preset} decode steps at context {args.context}, kernel time by group, {meta['device']}")
 
 
 if __name__ == "__main__":
