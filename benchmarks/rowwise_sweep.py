@@ -84,13 +84,14 @@ def main() -> None:
                 rows.append(lora_row({"kernel": "side-stream delta" if side_delta else "expand after the GEMM",
                                       "tile": in_use["EXPAND"][0], "warps": in_use["EXPAND"][1], "in_use": True}))
         decoder.SIDE_STREAM_DELTA_MAX_TOKENS = max_tokens
-    for kernel in () if args.compare_delta else ("SHRINK", "EXPAND"):
-        for tile in args.tiles:
-            for warps in args.warps:
-                setattr(lora_triton, f"{kernel}_ROWWISE_TILE", tile)
-                setattr(lora_triton, f"{kernel}_ROWWISE_WARPS", warps)
-                rows.append(lora_row({"kernel": kernel.lower(), "tile": tile, "warps": warps,
-                                      "in_use": (tile, warps) == in_use[kernel]}))
+    else:
+        for kernel in ("SHRINK", "EXPAND"):
+            for tile in args.tiles:
+                for warps in args.warps:
+                    setattr(lora_triton, f"{kernel}_ROWWISE_TILE", tile)
+                    setattr(lora_triton, f"{kernel}_ROWWISE_WARPS", warps)
+                    rows.append(lora_row({"kernel": kernel.lower(), "tile": tile, "warps": warps,
+                                          "in_use": (tile, warps) == in_use[kernel]}))
             setattr(lora_triton, f"{kernel}_ROWWISE_TILE", in_use[kernel][0])
             setattr(lora_triton, f"{kernel}_ROWWISE_WARPS", in_use[kernel][1])
     meta = {"device": torch.cuda.get_device_name(), "preset": args.preset, "seq_len": args.seq_len,

@@ -53,6 +53,9 @@ GROUPS = (  # first match wins
 )
 
 
+DECODING = SamplingParams(max_tokens=100_000, temperature=0, ignore_eos=True)  # requests that keep decoding
+
+
 def group_of(kernel: str) -> str:
     return next((name for name, pattern in GROUPS if re.search(pattern, kernel)), "other")
 
@@ -74,14 +77,11 @@ def profile_steps(engine, steps: int, trace_dir: Path) -> dict:
     by_group: dict[str, float] = defaultdict(float)
     by_kernel: dict[str, float] = defaultdict(float)
     launches: dict[str, int] = defaultdict(int)
-    waited = 0.0
-    for event in events:
-        if event.get("cat") == "cuda_runtime" and "Synchronize" in event["name"]:
-            waited += event["dur"]
-        if event.get("cat") == "kernel":
-            by_group[group_of(event["name"])] += event["dur"]
-            by_kernel[event["name"][:80]] += event["dur"]
-            launches[event["name"][:80]] += 1
+    waited = sum(e["dur"] for e in events if e.get("cat") == "cuda_runtime" and "Synchronize" in e["name"])
+    for event in kernels:
+        by_group[group_of(event["name"])] += event["dur"]
+        by_kernel[event["name"][:80]] += event["dur"]
+        launches[event["name"][:80]] += 1
     top = sorted(by_kernel.items(), key=lambda kv: -kv[1])[:16]
     gaps, busy_until = [], kernels[0]["ts"] if kernels else 0.0
     for before, event in zip([None] + kernels, kernels):
@@ -97,24 +97,51 @@ def profile_steps(engine, steps: int, trace_dir: Path) -> dict:
             "top_kernels_launches": {k: launches[k] / steps for k, _ in top}}
 
 
+def abort_all(engine, request_ids: list[str]) -> None:
+    """Abort the requests and step until the engine has none left."""
+    for rid in request_ids:
+        engine.abort(rid)
+    while engine.has_unfinished():
+        engine.step()
+
+
 def profile_decodes(engine, config, batches: list[int], context: int, steps: int, trace_dir: Path,
                     rng: random.Random) -> list[dict]:
     """Steady decode steps of each batch size, on distinct adapters and on the base model."""
     rows = []
-    params = SamplingParams(max_tokens=100_000, temperature=0, ignore_eos=True)
     for batch in batches:
         for adapters in ("distinct", "none"):
-            ids = [engine.add_request([rng.randrange(3, config.vocab_size) for _ in range(context)], params,
+            ids = [engine.add_request([rng.randrange(3, config.vocab_size) for _ in range(context)], DECODING,
                                       f"lora{i}" if adapters == "distinct" else None)
                    for i in range(batch)]
             for _ in range(20):
                 engine.step()
             rows.append({"batch": batch, "context": context, "adapters": adapters, "point": "decode",
                          **profile_steps(engine, steps, trace_dir)})
-            for rid in ids:
-                engine.abort(rid)
-            while engine.has_unfinished():
+            abort_all(engine, ids)
+    return rows
+
+
+def profile_budgets(engine, config, args, trace_dir: Path, rng: random.Random) -> list[dict]:
+    """Per step budget: steady decode steps of --decodes requests, then the steps that run chunks
+    of one --prompt-token prompt beside them, from each --at point."""
+    rows = []
+    for budget in args.budgets:
+        engine.scheduler.max_num_batched_tokens = budget
+        ids = [engine.add_request([rng.randrange(3, config.vocab_size) for _ in range(64)], DECODING, f"lora{i}")
+               for i in range(args.decodes)]
+        for _ in range(20):
+            engine.step()
+        rows.append({"budget": budget, "point": "decode", **profile_steps(engine, args.steps, trace_dir)})
+        long_id = engine.add_request([rng.randrange(3, config.vocab_size) for _ in range(args.prompt)],
+                                     SamplingParams(max_tokens=2, temperature=0, ignore_eos=True),
+                                     f"lora{args.decodes}")
+        for at in args.at:
+            while engine.requests[long_id].num_cached < at:
                 engine.step()
+            rows.append({"budget": budget, "point": f"chunk after {engine.requests[long_id].num_cached}",
+                         **profile_steps(engine, args.steps, trace_dir)})
+        abort_all(engine, ids + [long_id])
     return rows
 
 
@@ -155,7 +182,6 @@ def main() -> None:
     if args.decode_only and args.context > 1024:
         parser.error("--context: at most 1024 (the KV room per decode)")
     rng = random.Random(0)
-    rows = []
     decodes = max(args.batches) if args.decode_only else args.decodes
     setup = decodes_engine(args.preset, decodes, args.prompt, args.budgets[0], torch.bfloat16, "cuda")
     with setup as (engine, config), tempfile.TemporaryDirectory() as tmp:
@@ -163,26 +189,8 @@ def main() -> None:
         if args.decode_only:
             engine.scheduler.max_num_batched_tokens = max(args.budgets[0], max(args.batches) * args.context)
             rows = profile_decodes(engine, config, args.batches, args.context, args.steps, trace_dir, rng)
-        for budget in [] if args.decode_only else args.budgets:
-            engine.scheduler.max_num_batched_tokens = budget
-            params = SamplingParams(max_tokens=100_000, temperature=0, ignore_eos=True)
-            ids = [engine.add_request([rng.randrange(3, config.vocab_size) for _ in range(64)], params, f"lora{i}")
-                   for i in range(args.decodes)]
-            for _ in range(20):
-                engine.step()
-            rows.append({"budget": budget, "point": "decode", **profile_steps(engine, args.steps, trace_dir)})
-            long_id = engine.add_request([rng.randrange(3, config.vocab_size) for _ in range(args.prompt)],
-                                         SamplingParams(max_tokens=2, temperature=0, ignore_eos=True),
-                                         f"lora{args.decodes}")
-            for at in args.at:
-                while engine.requests[long_id].num_cached < at:
-                    engine.step()
-                rows.append({"budget": budget, "point": f"chunk after {engine.requests[long_id].num_cached}",
-                             **profile_steps(engine, args.steps, trace_dir)})
-            for rid in ids + [long_id]:
-                engine.abort(rid)
-            while engine.has_unfinished():
-                engine.step()
+        else:
+            rows = profile_budgets(engine, config, args, trace_dir, rng)
     for row in rows:
         where = (f"batch {row['batch']}, context {row['context']}, {row['adapters']} adapters"
                  if args.decode_only else f"budget {row['budget']}")
