@@ -69,7 +69,8 @@ SIDE_STREAM_DELTA_MAX_TOKENS = 256
 
 
 def side_stream(device: torch.device) -> torch.cuda.Stream | None:
-    """The stream this process runs LoRA shrinks on beside the base GEMMs of `device`; None on CPU."""
+    """The stream this process runs LoRA shrinks (and deltas) on beside the base GEMMs of `device`;
+    None on CPU."""
     if device.type != "cuda":
         return None
     if device not in _side_streams:
@@ -146,9 +147,8 @@ class DecoderLayer(nn.Module):
             lora_expand(y, lora_shrink(x, lora_a, lora), lora_b, scales, lora, slice_bounds, dora)
             return y
         # The shrink (and for small BGMV batches the expand's delta too) runs on the side stream
-        # beside the base GEMM. v and the delta are freed on the main
-        # stream after their last use, which the side stream's next work waits for; x lives until
-        # the join.
+        # beside the base GEMM. v and the delta are freed after their last use, which the side
+        # stream's next work waits for; x lives until the join.
         main = torch.cuda.current_stream(x.device)
         stream.wait_stream(main)
         with torch.cuda.stream(stream):

@@ -56,6 +56,7 @@ FAN = 64              # probes per step of the segment search
 # row-wise programs: elements multiplied per loop step, and warps (benchmarks.rowwise_sweep)
 SHRINK_ROWWISE_TILE, SHRINK_ROWWISE_WARPS = 8192, 4
 EXPAND_ROWWISE_TILE, EXPAND_ROWWISE_WARPS = 8192, 4
+ADD_DELTA_BLOCK_N = 512  # add_delta: columns per program (a rank-16 expand's block)
 TILE_BLOCK_K = 64      # shrink tiles: h_in per loop step
 TILE_BLOCK_N = 128     # expand tiles: h_out columns per program
 TILE_WARPS = 4
@@ -286,7 +287,7 @@ def add_delta_triton(y: torch.Tensor, d: torch.Tensor, token_slots: torch.Tensor
     if num_tokens == 0:
         return
     out_scales, dora_slots, stride_os, stride_on, has_dora = _check_dora(dora, None, h_out)
-    block_n = min(triton.next_power_of_2(h_out), EXPAND_ROWWISE_TILE // 16)
+    block_n = min(triton.next_power_of_2(h_out), ADD_DELTA_BLOCK_N)
     add_delta_rowwise_kernel[(num_tokens, triton.cdiv(h_out, block_n))](
         y, d, out_scales, dora_slots, token_slots, h_out, *y.stride(), *d.stride(), stride_os, stride_on,
         BLOCK_N=block_n, DORA=has_dora, PDL=_pdl(y.device), num_warps=EXPAND_ROWWISE_WARPS,
