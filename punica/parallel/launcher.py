@@ -10,12 +10,13 @@ which must issue the same collectives in the same order on every rank (lockstep)
 from __future__ import annotations
 
 import os
+import sys
 import tempfile
 import time
 from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -38,6 +39,15 @@ def init_rank(rank: int, world_size: int, backend: str, workdir: str | Path, tim
     return device
 
 
+def exit_after_clean_stop() -> NoReturn:
+    """End a rank's process that has stopped cleanly and left its group, without the interpreter's
+    teardown: under load a C++ destructor there now and then aborted a process whose group was
+    already gone ("terminate called without an active exception", exit code -6)."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
 def _rank_main(rank: int, fn: Callable[..., Any], world_size: int, backend: str, workdir: str,
                timeout_s: float, args: tuple) -> None:
     init_rank(rank, world_size, backend, workdir, timeout_s)
@@ -47,6 +57,7 @@ def _rank_main(rank: int, fn: Callable[..., Any], world_size: int, backend: str,
             torch.save(result, Path(workdir) / "result.pt")
     finally:
         dist.destroy_process_group()
+    exit_after_clean_stop()  # a rank that raised goes on to the spawn wrapper, which reports the error
 
 
 def run_parallel(fn: Callable[..., Any], world_size: int, *args: Any, backend: str | None = None,

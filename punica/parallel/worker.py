@@ -19,9 +19,7 @@ end of the pipe closes (rank 0 exited or died), and reports its own failure on t
 
 from __future__ import annotations
 
-import os
 import signal
-import sys
 import traceback
 from multiprocessing.connection import Connection
 from pathlib import Path
@@ -33,7 +31,7 @@ from punica.config import EngineConfig
 from punica.engine.worker import ModelWorker, kv_cache_pages
 from punica.models.decoder import DecoderForCausalLM
 from punica.models.loader import DummyWeights, load_weights
-from punica.parallel.launcher import init_rank
+from punica.parallel.launcher import exit_after_clean_stop, init_rank
 from punica.parallel.tensor_parallel import shard_model_
 
 
@@ -69,12 +67,7 @@ def worker_main(rank: int, world_size: int, backend: str, workdir: str, conn: Co
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
-    # Stopped cleanly, and nothing is left to release. Leave without the interpreter's teardown:
-    # under load, a C++ destructor there now and then aborted the process after the group was
-    # gone ("terminate called without an active exception", exit code -6).
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    exit_after_clean_stop()
 
 
 def serve(conn: Connection, worker: ModelWorker) -> None:
