@@ -99,8 +99,11 @@ class Engine:
 
     def unload_adapter(self, name: str) -> None:
         """Forget an adapter. Requests already in the batch finish with it; queued requests
-        for it fail with finish_reason "error"; its GPU slot is freed when the last one leaves."""
+        for it fail with finish_reason "error"; its GPU slot is freed when the last one leaves, and
+        the prefix cache drops its KV."""
+        registration = self.adapters.current.get(name)
         self.adapters.unregister(name)
+        self.allocator.drop(registration)
 
     def has_adapter(self, name: str) -> bool:
         return name in self.adapters.registry

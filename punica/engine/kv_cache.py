@@ -13,16 +13,25 @@ Pages are reference-counted. A page whose last holder lets go returns to the fre
 it is in the prefix cache, stays there (its KV intact) until the allocator needs a page and no
 never-cached one is left: then the least recently released cached page is taken. Requests
 release their pages last page first, so a chain's tail leaves the cache before its head.
+
+When an adapter is unregistered (`drop`), the pages its KV fills leave the cache at once: nobody
+can hit them again (a new registration is a new namespace), so they should not outlive live pages
+in the LRU order.
 """
 
 from __future__ import annotations
 
 import hashlib
+import weakref
 from array import array
 from collections import OrderedDict
+from typing import TYPE_CHECKING
 
 from punica.config import ceil_div
 from punica.engine.request import PENDING, Request
+
+if TYPE_CHECKING:
+    from punica.lora.manager import Registration
 
 
 def namespace(request: Request) -> bytes:
@@ -45,6 +54,9 @@ class PageAllocator:
         self._digest_of: dict[int, bytes] = {}           # cached page -> its digest
         self._page_of: dict[bytes, int] = {}             # digest -> cached page
         self._idle: OrderedDict[int, None] = OrderedDict()  # cached pages nobody holds, least recent first
+        self._owner_of: dict[int, Registration | None] = {}        # cached page -> whose KV (None: base)
+        self._pages_of: dict[Registration | None, set[int]] = {}   # the inverse
+        self._dropped: weakref.WeakSet[Registration] = weakref.WeakSet()  # unregistered, still held by requests
 
     @property
     def num_free(self) -> int:
@@ -79,8 +91,15 @@ class PageAllocator:
 
     def _evict(self) -> int:
         page, _ = self._idle.popitem(last=False)
-        del self._page_of[self._digest_of.pop(page)]
+        self._uncache(page)
         return page
+
+    def _uncache(self, page: int) -> None:
+        del self._page_of[self._digest_of.pop(page)]
+        owner = self._owner_of.pop(page)
+        self._pages_of[owner].discard(page)
+        if not self._pages_of[owner]:
+            del self._pages_of[owner]
 
     def free(self, request: Request, cache: bool = True) -> None:
         """Let go of the request's pages; `cache`: first put its full pages into the prefix cache
@@ -142,10 +161,20 @@ class PageAllocator:
         request.num_pages_cached = len(hit)
         request.num_cached = len(hit) * self.page_size
 
+    def drop(self, registration: Registration) -> None:
+        """Forget the KV of an unregistered adapter: its cached pages nobody holds are free at once,
+        held ones leave the cache (free when let go), and its requests still running cache nothing."""
+        self._dropped.add(registration)
+        for page in list(self._pages_of.get(registration, ())):
+            self._uncache(page)
+            if self._refs[page] == 0:
+                del self._idle[page]
+                self._free.append(page)
+
     def cache_full_pages(self, request: Request) -> None:
         """Put the request's pages that are full of computed tokens into the prefix cache (a page
         whose digest another page already has stays the request's own)."""
-        if not self.prefix_caching:
+        if not self.prefix_caching or request.registration in self._dropped:
             return
         full = min(request.num_cached, request.num_tokens) // self.page_size
         if full <= request.num_pages_cached:
@@ -156,4 +185,6 @@ class PageAllocator:
             if digests[i] not in self._page_of and page not in self._digest_of:
                 self._page_of[digests[i]] = page
                 self._digest_of[page] = digests[i]
+                self._owner_of[page] = request.registration
+                self._pages_of.setdefault(request.registration, set()).add(page)
         request.num_pages_cached = len(digests)

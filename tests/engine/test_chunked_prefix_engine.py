@@ -60,7 +60,9 @@ def test_the_same_prompt_under_other_adapters_or_a_reload_never_reads_its_kv(set
     assert hit_tokens("a")[0] == 20, "the same adapter reads the 5 full pages short of the last token"
     assert hit_tokens("b")[0] == 0 and hit_tokens(None)[0] == 0
     assert hit_tokens(None)[0] == 20
+    cached = engine.allocator.num_cached
     engine.unload_adapter("a")
+    assert engine.allocator.num_cached == cached - 6, "the 6 full pages of a's KV leave the cache with it"
     engine.load_adapter("a", paths["c"])                             # new weights under the old name
     hit, tokens = hit_tokens("a")
     assert hit == 0 and tokens == hf_greedy(peft_model, prompt, "c", 3)

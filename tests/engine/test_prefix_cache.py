@@ -2,18 +2,26 @@
 scheduler soak that checks, at every step, that every token a request attends to holds the KV its
 own adapter made of its own token there."""
 
+import functools
 import random
-from types import SimpleNamespace
+from pathlib import Path
 
 from punica.engine.kv_cache import PageAllocator
 from punica.engine.request import Request, Status
 from punica.engine.sampling_params import SamplingParams
 from punica.engine.scheduler import Scheduler, is_decode
+from punica.lora.manager import Registration
+
+
+@functools.cache
+def registration(adapter, version):
+    """The one registration of `adapter` numbered `version` (an AdapterManager makes one per load)."""
+    return Registration(adapter, Path(adapter), version)
 
 
 def request(name, tokens, adapter=None, version=0):
-    registration = SimpleNamespace(version=version) if adapter else None
-    return Request(name, list(tokens), SamplingParams(), adapter=adapter, registration=registration)
+    return Request(name, list(tokens), SamplingParams(), adapter=adapter,
+                   registration=registration(adapter, version) if adapter else None)
 
 
 def computed(alloc, r):
@@ -90,6 +98,33 @@ def test_failed_requests_leave_nothing_in_the_cache():
     assert alloc.num_cached == 0 and alloc.num_free == 8
 
 
+def test_an_unregistered_adapters_pages_leave_the_cache_and_it_caches_no_more():
+    alloc = PageAllocator(16, 4, prefix_caching=True)
+    prompt = list(range(10, 23))                                   # 13 tokens: 3 full pages
+    computed(alloc, request("a done", prompt, "a", version=1))
+    computed(alloc, request("base done", prompt))
+    computed(alloc, request("a reloaded", prompt, "a", version=2))
+    held = request("a running", prompt + [7, 7, 7], "a", version=1)
+    alloc.take(held, alloc.match(held))
+    alloc.grow(held, held.num_tokens)
+    held.num_cached = held.num_tokens
+    alloc.cache_full_pages(held)                                   # its 4th page joins its 3 cached ones
+    assert alloc.num_cached == 10 and alloc.num_used == 4
+
+    alloc.drop(registration("a", 1))
+    assert alloc.num_cached == 6 and alloc.num_used == 4, "idle pages are free at once, held ones stay held"
+    assert alloc.match(request("a again", prompt, "a", version=1)) == []
+    assert len(alloc.match(request("base again", prompt))) == 3
+    assert len(alloc.match(request("reload again", prompt, "a", version=2))) == 3
+    held.output_token_ids = [8, 8, 8, 8]                           # it keeps decoding on the old weights
+    alloc.grow(held, held.num_tokens)
+    held.num_cached = held.num_tokens
+    alloc.free(held)
+    assert alloc.num_cached == 6 and alloc.num_used == 0 and alloc.num_free == 16
+    alloc.grow(request("taker", range(40)), 40)                    # 10 never-cached pages first, no eviction
+    assert alloc.num_cached == 6
+
+
 def test_chunked_prefill_runs_decodes_first_and_prompts_in_budgeted_chunks():
     sched = Scheduler(PageAllocator(64, 4), max_batch_size=4, max_num_batched_tokens=10)
     short = request("short", range(3))
@@ -135,8 +170,9 @@ def test_scheduler_soak_every_attended_token_holds_its_own_kv_and_no_page_leaks(
             r.kv_owner = owner(r)
             live.append(r)
             sched.add(r)
-        if step == 600:
-            versions["a"] += 1                           # reload: later requests of "a" get new weights
+        if step == 600:                                  # reload: later requests of "a" get new weights
+            alloc.drop(registration("a", versions["a"]))
+            versions["a"] += 1
         batch = sched.schedule()
         assert sum(r.num_scheduled for r in batch.requests) <= 24
         assert all(is_decode(r) for r in batch.decodes)
