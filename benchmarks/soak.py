@@ -1,13 +1,15 @@
 """Soak: does a server stay whole under hours of mixed good and hostile traffic?
 
-    python -m benchmarks.soak [--duration 1800] [--tenants 6] [--out results/soak]
+    python -m benchmarks.soak [--duration 1800] [--tenants 6] [--long-share 0] [--out results/soak]
 
 Starts `punica serve` (the embedded SmolLM2 model on CPU, or whatever --serve-args say) with four
 random tenant adapters and a folder of hostile ones, then for --duration seconds runs --tenants
 clients sending normal requests (completions and chat, streamed or not, some cancelled midway)
 beside one hostile client (extreme and malformed sampling values, unknown fields, lone
 surrogates, malformed and oversized bodies, loads of broken adapters, bad names and paths,
-disconnects). It samples the server's resident memory and /health's latency as it goes.
+disconnects). With --long-share, that share of the normal requests carries one long system prompt
+(prefix-cache hits) and asks for 24-96 tokens (a tiny KV cache must preempt for them). It samples
+the server's resident memory and /health's latency as it goes.
 
 Checks, each a failure (exit code 1) when broken: no normal request lost (every one not cancelled
 answers 200 with finish_reason stop or length and no more tokens than asked), no hostile request
@@ -44,6 +46,12 @@ HEALTH_S = 1.0
 MAX_REQUEST_BYTES = 256 << 10
 TENANTS = ("tenant-0", "tenant-1", "tenant-2", "tenant-3")
 PROMPTS = ("The weather today is", "Tell me a story about", "def fibonacci(n):", "My favourite food is")
+# the system prompt of --long-share's requests: every tenant's long requests share it, so their
+# prompts hit the prefix cache, and their long outputs outgrow a tiny KV cache (preemption)
+SYSTEM_PROMPT = ("You are the support assistant of a company that rents bicycles in three cities. Answer in "
+                 "plain words, at most two short paragraphs. Never promise refunds; say that a person will "
+                 "look at the case within two working days. If the question is not about bicycles, rentals, "
+                 "opening hours or prices, say politely that you can only help with those.")
 HOSTILE_BODIES = [
     {"temperature": 1e-300}, {"temperature": float("nan")}, {"seed": 1 << 70}, {"seed": -(1 << 64)},
     {"repetition_penalty": 1e-300, "temperature": 1.0}, {"top_p": 0}, {"top_k": -7}, {"max_tokens": 0},
@@ -95,16 +103,19 @@ class Tally:
             self.failures.append(what)
 
 
-async def tenant(client: httpx.AsyncClient, rng: random.Random, tally: Tally, until: float) -> None:
+async def tenant(client: httpx.AsyncClient, rng: random.Random, tally: Tally, until: float,
+                 long_share: float) -> None:
     while time.monotonic() < until:
-        model, max_tokens = rng.choice(TENANTS + ("base",)), rng.randint(1, 12)
+        long = rng.random() < long_share
+        model, max_tokens = rng.choice(TENANTS + ("base",)), rng.randint(24, 96) if long else rng.randint(1, 12)
         chat, stream, cancel = rng.random() < 0.3, rng.random() < 0.5, rng.random() < 0.15
         body = {"model": model, "max_tokens": 400 if cancel else max_tokens, "temperature": rng.choice([0, 0.8]),
                 "stream": stream}
         if chat:
-            path, body["messages"] = "/v1/chat/completions", [{"role": "user", "content": rng.choice(PROMPTS)}]
+            system = [{"role": "system", "content": SYSTEM_PROMPT}] if long else []
+            path, body["messages"] = "/v1/chat/completions", system + [{"role": "user", "content": rng.choice(PROMPTS)}]
         else:
-            path, body["prompt"] = "/v1/completions", rng.choice(PROMPTS)
+            path, body["prompt"] = "/v1/completions", (SYSTEM_PROMPT + "\n\n" if long else "") + rng.choice(PROMPTS)
         try:
             if cancel:
                 tally.cancelled += 1
@@ -205,7 +216,7 @@ def metric(text: str, name: str) -> float:
 
 
 async def soak(url: str, pid: int, duration: float, tenants: int, sample_s: float, seed: int,
-               adapters: list[str], hostile_dir: Path) -> tuple[Tally, list[dict], dict, dict]:
+               adapters: list[str], hostile_dir: Path, long_share: float) -> tuple[Tally, list[dict], dict, dict]:
     tally, series = Tally(), []
     start = time.monotonic()
     until = start + duration
@@ -213,7 +224,8 @@ async def soak(url: str, pid: int, duration: float, tenants: int, sample_s: floa
     async with httpx.AsyncClient(base_url=url, timeout=300, limits=limits) as client:
         await asyncio.gather(watch(client, pid, tally, until, sample_s, series, start),
                              hostile(client, random.Random(seed), tally, until, adapters, hostile_dir),
-                             *(tenant(client, random.Random(seed + 1 + i), tally, until) for i in range(tenants)))
+                             *(tenant(client, random.Random(seed + 1 + i), tally, until, long_share)
+                               for i in range(tenants)))
         deadline = time.monotonic() + 120  # idle: cancelled requests' aborts and the last steps land
         while True:
             text = (await client.get("/metrics")).text
@@ -252,6 +264,8 @@ def main() -> int:
     parser.add_argument("--tenants", type=int, default=6, help="clients sending normal requests")
     parser.add_argument("--sample-s", type=float, default=10.0, help="seconds between memory samples")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--long-share", type=float, default=0.0,
+                        help="share of normal requests that carry a shared system prompt and ask for 24-96 tokens")
     parser.add_argument("--serve-args", default="--max-batch-size 16 --max-loras 4 --kv-cache-tokens 16384",
                         help="extra flags of `punica serve`")
     parser.add_argument("--out", type=Path, default=Path("results/soak"))
@@ -279,7 +293,7 @@ def main() -> int:
                 time.sleep(0.5)
             tally, series, gauges, kv_cache = asyncio.run(soak(url, server.pid, args.duration, args.tenants,
                                                                args.sample_s, args.seed, hostile_names,
-                                                               root / "hostile"))
+                                                               root / "hostile", args.long_share))
         finally:
             server.terminate()
             server.wait(60)
@@ -292,6 +306,7 @@ def main() -> int:
                "rss_mb_last": series[-1]["rss_mb"] if series else None, "rss_growth_after_warm_up_mb": growth,
                "health_ms_max": max((s["health_ms"] for s in series), default=None)}
     meta = {"date": time.strftime("%Y-%m-%d"), "duration_s": args.duration, "tenants": args.tenants,
+            "long_share": args.long_share,
             "serve_args": args.serve_args, "device": "cpu", "torch": torch.__version__, "summary": summary}
     write_results(args.out, "soak", series, meta)
     if series:
