@@ -174,10 +174,10 @@ class PageAllocator:
     def cache_full_pages(self, request: Request) -> None:
         """Put the request's pages that are full of computed tokens into the prefix cache (a page
         whose digest another page already has stays the request's own)."""
-        if not self.prefix_caching or request.registration in self._dropped:
+        if not self.prefix_caching:
             return
         full = min(request.num_cached, request.num_tokens) // self.page_size
-        if full <= request.num_pages_cached:
+        if full <= request.num_pages_cached or request.registration in self._dropped:
             return
         digests = self._digests(request, full)
         for i in range(request.num_pages_cached, len(digests)):
