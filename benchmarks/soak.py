@@ -106,7 +106,7 @@ class Tally:
 async def tenant(client: httpx.AsyncClient, rng: random.Random, tally: Tally, until: float,
                  long_share: float) -> None:
     while time.monotonic() < until:
-        long = rng.random() < long_share
+        long = long_share > 0 and rng.random() < long_share  # 0 draws nothing: the default traffic is the same
         model, max_tokens = rng.choice(TENANTS + ("base",)), rng.randint(24, 96) if long else rng.randint(1, 12)
         chat, stream, cancel = rng.random() < 0.3, rng.random() < 0.5, rng.random() < 0.15
         body = {"model": model, "max_tokens": 400 if cancel else max_tokens, "temperature": rng.choice([0, 0.8]),
