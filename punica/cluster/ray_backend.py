@@ -46,6 +46,8 @@ class Tracked:
     prompt_token_ids: list[int]
     params: SamplingParams
     adapter: str | None
+    tenant: str | None = None
+    cache_salt: str | None = None
     output_token_ids: list[int] = field(default_factory=list)
     outputs: asyncio.Queue = field(default_factory=asyncio.Queue)
     gpu_id: int | None = None
@@ -93,9 +95,11 @@ class ClusterEngine:
 
     # ---- the server's API ---------------------------------------------------------------
     async def generate(self, prompt: str | list[int], params: SamplingParams, adapter: str | None,
-                       request_id: str) -> AsyncIterator[RequestOutput]:
-        """Stream one request's outputs; the last has finished=True. ValueError on bad input."""
-        tracked = self._track(prompt, params, adapter, request_id)
+                       request_id: str, *, tenant: str | None = None,
+                       cache_salt: str | None = None) -> AsyncIterator[RequestOutput]:
+        """Stream one request's outputs; the last has finished=True. ValueError on bad input.
+        `tenant` and `cache_salt` go with it to each worker it runs on (Engine.add_request)."""
+        tracked = self._track(prompt, params, adapter, request_id, tenant, cache_salt)
         self.policy.submit(request_id, len(tracked.prompt_token_ids), adapter)
         self._place()
         finished = False
@@ -172,13 +176,14 @@ class ClusterEngine:
         return ", ".join(failed)
 
     # ---- requests -----------------------------------------------------------------------
-    def _track(self, prompt, params: SamplingParams, adapter: str | None, request_id: str) -> Tracked:
+    def _track(self, prompt, params: SamplingParams, adapter: str | None, request_id: str, tenant: str | None,
+               cache_salt: str | None) -> Tracked:
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         if adapter is not None and adapter not in self.adapters:
             raise ValueError(f"unknown adapter {adapter!r} ({len(self.adapters)} adapters are registered)")
         text, token_ids = checked_prompt(prompt, self.tokenizer, self.max_model_len)
-        tracked = self.requests[request_id] = Tracked(request_id, text, token_ids, params, adapter)
+        tracked = self.requests[request_id] = Tracked(request_id, text, token_ids, params, adapter, tenant, cache_salt)
         return tracked
 
     @staticmethod
@@ -213,7 +218,8 @@ class ClusterEngine:
             tracked = self.requests[request_id]
             tracked.gpu_id = gpu_id
             ref = self.workers[gpu_id].add.remote(request_id, tracked.prompt_token_ids, tracked.params,
-                                                  tracked.adapter, list(tracked.output_token_ids))
+                                                  tracked.adapter, list(tracked.output_token_ids), tracked.tenant,
+                                                  tracked.cache_salt)
             self._spawn(self._check_add(tracked, ref))
             self._wake[gpu_id].set()
         self._scale()

@@ -74,8 +74,10 @@ class EngineWorker:
                 self.engine.load_adapter(name, path)
 
     def add(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-            adapter: str | None, output_token_ids: list[int]) -> None:
-        self.engine.add_request(prompt_token_ids, params, adapter, request_id, output_token_ids)
+            adapter: str | None, output_token_ids: list[int], tenant: str | None = None,
+            cache_salt: str | None = None) -> None:
+        self.engine.add_request(prompt_token_ids, params, adapter, request_id, output_token_ids, tenant=tenant,
+                                cache_salt=cache_salt)
 
     def step(self) -> StepResult:
         outputs = self.engine.step()

@@ -115,9 +115,11 @@ class Engine:
     # requests ------------------------------------------------------------------------------
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
                     adapter: str | None = None, request_id: str | None = None,
-                    output_token_ids: list[int] = ()) -> str:
+                    output_token_ids: list[int] = (), *, tenant: str | None = None,
+                    cache_salt: str | None = None) -> str:
         """Queue a request. `output_token_ids`: tokens it already generated elsewhere (a migrated
-        request resumes after them; their text is not returned again)."""
+        request resumes after them; their text is not returned again). `tenant`: who sent it;
+        `cache_salt`: it shares prefix-cache pages only with requests of the same salt."""
         params = params or SamplingParams()
         text, token_ids = checked_prompt(prompt, self.tokenizer, self.max_model_len, self.vocab_size)
         if adapter is not None and adapter not in self.adapters.registry:
@@ -132,8 +134,9 @@ class Engine:
         if params.structured_outputs is not None:
             matcher = self.grammars.matcher(params.structured_outputs, list(output_token_ids))
             self._num_constrained += 1
-        request = Request(request_id, token_ids, params, adapter=adapter, prompt=text,
-                          output_token_ids=list(output_token_ids), registration=self.adapters.current.get(adapter),
+        request = Request(request_id, token_ids, params, adapter=adapter, tenant=tenant, cache_salt=cache_salt,
+                          prompt=text, output_token_ids=list(output_token_ids),
+                          registration=self.adapters.current.get(adapter),
                           queued_residency=self.adapters.residency(adapter), matcher=matcher)
         prompt_logprobs.start(request)
         if adapter_error(self.adapters, request):

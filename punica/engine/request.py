@@ -23,6 +23,8 @@ class Request:
     prompt_token_ids: list[int]
     params: SamplingParams
     adapter: str | None = None
+    tenant: str | None = None            # who sent it (the server's tenant id; None: no tenants)
+    cache_salt: str | None = None        # requests share prefix-cache pages only with equal salts
     registration: object = None          # the adapter's registration it was queued for (AdapterManager.current)
     queued_residency: int | None = None  # AdapterManager.residency of its adapter when queued or sent back to the queue
     prompt: str | None = None

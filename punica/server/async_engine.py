@@ -51,14 +51,16 @@ class AsyncEngine:
         return await asyncio.wrap_future(future)
 
     async def generate(self, prompt: str | list[int], params: SamplingParams, adapter: str | None,
-                       request_id: str) -> AsyncIterator[RequestOutput]:
+                       request_id: str, *, tenant: str | None = None,
+                       cache_salt: str | None = None) -> AsyncIterator[RequestOutput]:
         """Outputs of one request as they come; the last has finished=True. Raises ValueError
         for a request the engine rejects. Leaving the iteration early aborts the request."""
         stream: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = (asyncio.get_running_loop(), stream)
         finished = False
         try:
-            await self.call(lambda: self.engine.add_request(prompt, params, adapter, request_id))
+            await self.call(lambda: self.engine.add_request(prompt, params, adapter, request_id, tenant=tenant,
+                                                            cache_salt=cache_salt))
             while not finished:
                 item = await stream.get()
                 if isinstance(item, BaseException):

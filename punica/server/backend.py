@@ -23,9 +23,11 @@ class Backend(Protocol):
         """Token ids of prompts must be below this."""
 
     def generate(self, prompt: str | list[int], params: SamplingParams, adapter: str | None,
-                 request_id: str) -> AsyncIterator[RequestOutput]:
+                 request_id: str, *, tenant: str | None = None,
+                 cache_salt: str | None = None) -> AsyncIterator[RequestOutput]:
         """Outputs of one request as they come; the last has finished=True. Raises ValueError for a
-        request the engine rejects. Leaving the iteration early aborts the request."""
+        request the engine rejects. Leaving the iteration early aborts the request. `tenant` and
+        `cache_salt` as Engine.add_request's."""
 
     async def abort(self, request_id: str) -> None:
         """Stop a request and free what it holds; nothing if it is unknown or finished."""

@@ -24,8 +24,10 @@ class ClusterBackend:
         self.on_finished = on_finished
 
     async def generate(self, prompt: str | list[int], params: SamplingParams, adapter: str | None,
-                       request_id: str) -> AsyncIterator[RequestOutput]:
-        outputs, finished = self.cluster.generate(prompt, params, adapter, request_id), False
+                       request_id: str, *, tenant: str | None = None,
+                       cache_salt: str | None = None) -> AsyncIterator[RequestOutput]:
+        outputs = self.cluster.generate(prompt, params, adapter, request_id, tenant=tenant, cache_salt=cache_salt)
+        finished = False
         try:
             async for out in outputs:
                 if out.finished:
