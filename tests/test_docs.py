@@ -15,8 +15,8 @@ before the next server block or at the end of the file. A block meant for a GPU 
 ```text, never as a ```bash block that a test would skip.
 
 One block is not run here: the README's Quickstart, whose first command installs punica and serves
-forever, and whose second installs it and runs this suite. CI runs the first as written in a fresh
-virtual environment (scripts under scripts/, called by .ci/run), and the second is CI itself.
+forever, and whose second installs it and runs this suite. .ci/run runs the first as written, in a
+fresh virtual environment, and the second is CI's own test command.
 """
 
 from __future__ import annotations
