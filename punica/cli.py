@@ -88,6 +88,19 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_hash_key(args: argparse.Namespace) -> int:
+    """Print the hash of the API key on stdin's first line, as a tenants file stores it."""
+    import getpass
+
+    from punica.server.tenants import hash_key
+
+    key = getpass.getpass("API key: ") if sys.stdin.isatty() else sys.stdin.readline().rstrip("\r\n")
+    if not key:
+        raise SystemExit("punica hash-key: the key is empty")
+    print(hash_key(key))
+    return 0
+
+
 def add_engine_args(p: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> None:
     from punica.config import EngineArgs, add_arguments
 
@@ -120,6 +133,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(srv)
     add_arguments(srv, ServerArgs)
     srv.set_defaults(func=cmd_serve)
+    hash_key = sub.add_parser("hash-key", help="read an API key on stdin, print its hash for a --tenants file")
+    hash_key.set_defaults(func=cmd_hash_key)
     sim = sub.add_parser("simulate", help="simulate the cluster scheduler on the paper's Fig. 13 workload "
                                           "(defaults: its setting, on the H200-measured 7B model)")
     sim.add_argument("--gpus", type=int, default=16, help="GPUs the cluster may hold")
