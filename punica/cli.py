@@ -83,7 +83,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from punica.server.args import ServerArgs
     from punica.server.serve import serve
 
-    server = from_arguments(ServerArgs, args, api_key=args.api_key or os.environ.get("PUNICA_API_KEY"))
+    server = from_arguments(ServerArgs, args, api_key=args.api_key or os.environ.get("PUNICA_API_KEY"),
+                            admin_api_key=args.admin_api_key or os.environ.get("PUNICA_ADMIN_API_KEY"))
     serve(from_arguments(EngineArgs, args), server, parse_adapters(args.adapter) or None)
     return 0
 

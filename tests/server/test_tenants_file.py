@@ -1,5 +1,5 @@
 """The tenants file (punica serve --tenants): read, checked key by key with errors naming the table
-and the key, keys kept hashed; `punica hash-key`."""
+and the key, keys kept hashed; `punica hash-key`; `punica serve` refuses a bad file with rc 2."""
 
 import subprocess
 import sys
@@ -112,3 +112,16 @@ def test_hash_key_command_prints_what_the_file_stores():
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     assert result.stdout == ACME_HASH + "\n"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("extra, message", [
+    ([], "weight must be a number > 0"),
+    (["--api-key", "k"], "--tenants holds the API keys"),
+])
+def test_serve_exits_2_naming_what_is_wrong(tmp_path, extra, message):
+    path = write(tmp_path, f'[tenants.acme]\napi_keys = ["{ACME_HASH}"]\nweight = {0 if not extra else 1}')
+    result = subprocess.run([sys.executable, "-m", "punica.cli", "serve", "--tenants", str(path), *extra], cwd=REPO,
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert message in result.stderr
