@@ -133,8 +133,8 @@ class OpenAIHandlers:
         first = choices[0]
         interrupt = Interrupt(request.receive, self.state.in_flight)
         interrupt.on_fire(lambda reason: self._abort(choices))
-        gens = [self.state.backend.generate(c.prompt_ids, c.params, adapter, c.request_id, tenant=tenant)
-                for c in choices]
+        gens = [self.state.backend.generate(c.prompt_ids, c.params, adapter, c.request_id, tenant=tenant,
+                                            cache_salt=body.cache_salt) for c in choices]
         try:
             # the first choice goes in before the response starts, so a rejected request is a clean 400
             head = await _unless_interrupted(anext(gens[0]), interrupt)

@@ -2,7 +2,7 @@
 tenant uses, loads and unloads only its own adapters and sees nothing of the others' (not even that
 they exist); /metrics and /v1/adapters are the admin's; the tenant travels with each request, to
 the engine and to the request metrics. Without a tenants file, --admin-api-key guards the same
-endpoints."""
+endpoints. cache_salt reaches the engine."""
 
 import httpx
 import openai
@@ -176,6 +176,44 @@ def test_request_metrics_carry_the_tenant(tenanted):
     assert {s.labels["tenant"] for s in families["punica_prompt_tokens"].samples} >= {"acme", "globex", "admin"}
 
 
+@pytest.fixture()
+def recorded(monkeypatch):
+    """start(server) -> the keyword arguments of every backend.generate call from then on."""
+    def start(server) -> list[dict]:
+        calls, generate = [], server.state.backend.generate
+
+        def recording(*args, **kwargs):
+            calls.append(kwargs)
+            return generate(*args, **kwargs)
+
+        monkeypatch.setattr(server.state.backend, "generate", recording)
+        return calls
+    return start
+
+
+def test_cache_salt_and_the_tenant_go_with_the_request(tenanted, recorded):
+    calls = recorded(tenanted)
+    acme = openai_client("acme", tenanted)
+    acme.completions.create(model="tenant-0", prompt="Hi", max_tokens=2, extra_body={"cache_salt": "salt-1"})
+    acme.chat.completions.create(model="tenant-0", messages=[{"role": "user", "content": "Hi"}], max_tokens=2,
+                                 extra_body={"cache_salt": "salt-2"})
+    acme.completions.create(model="tenant-0", prompt="Hi", max_tokens=2)
+    assert calls == [{"tenant": "acme", "cache_salt": "salt-1"}, {"tenant": "acme", "cache_salt": "salt-2"},
+                     {"tenant": "acme", "cache_salt": None}]
+
+
+@pytest.mark.parametrize("salt", ["", "s" * 257, 5, ["a"]])
+def test_an_invalid_cache_salt_is_a_400_naming_it(tenanted, recorded, salt):
+    calls = recorded(tenanted)
+    with as_("acme", tenanted) as acme:
+        for r in (complete(acme, "tenant-0", cache_salt=salt),
+                  acme.post("/v1/chat/completions", json={"model": "tenant-0", "cache_salt": salt, "max_tokens": 2,
+                                                          "messages": [{"role": "user", "content": "Hi"}]})):
+            assert r.status_code == 400 and r.json()["error"]["param"] == "cache_salt", r.text
+            assert "cache_salt" in r.json()["error"]["message"]
+    assert calls == []
+
+
 @pytest.fixture(scope="module")
 def admin_keyed(adapter_dirs, start_server):
     """No tenants file: --api-key for everyone, --admin-api-key for the admin."""
@@ -188,7 +226,7 @@ def admin_keyed(adapter_dirs, start_server):
     running.stop()
 
 
-def test_without_tenants_the_admin_api_key_guards_the_admin_endpoints(admin_keyed, adapter_dirs):
+def test_without_tenants_the_admin_api_key_guards_the_admin_endpoints(admin_keyed, adapter_dirs, recorded):
     served, loadable = adapter_dirs
     load = {"lora_name": "extra", "lora_path": str(loadable / "extra-0")}
     with as_("acme", admin_keyed) as user, as_("admin", admin_keyed) as admin, as_(None, admin_keyed) as anonymous:
@@ -199,6 +237,9 @@ def test_without_tenants_the_admin_api_key_guards_the_admin_endpoints(admin_keye
         for path in ("/metrics", "/v1/adapters"):
             assert user.get(path).status_code == 403 and anonymous.get(path).status_code == 401
             assert admin.get(path).status_code == 200
+        calls = recorded(admin_keyed)
+        assert complete(user, "tenant-0", cache_salt="s").status_code == 200
+        assert calls == [{"tenant": None, "cache_salt": "s"}]
         assert [m.get("root") for m in user.get("/v1/models").json()["data"][1:]] == [None]
         assert admin.get("/v1/models").json()["data"][1]["root"] == served["tenant-0"]
         assert admin.post("/v1/load_lora_adapter", json=load).status_code == 200
