@@ -32,6 +32,7 @@ from punica.server.protocol import (
     UnloadLoraRequest,
 )
 from punica.server.residency import LISTING_KEYS
+from punica.server.tenant_reload import TenantsReload
 from punica.server.tenants import Caller, Tenants, keys_caller
 
 log = logging.getLogger("punica.server")
@@ -205,13 +206,20 @@ def request_caller(request: Request) -> Caller:
 Authorized = Annotated[Caller, Depends(request_caller)]
 
 
-def build_app(state: ServerState, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> FastAPI:
+def build_app(state: ServerState, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+              tenants_file: str | None = None) -> FastAPI:
+    """The app of `state`. `tenants_file`: read it again on SIGHUP (the app must run in the main thread)."""
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         await state.backend.start()
         if state.tenants is not None:
             await state.backend.set_tenants(state.tenants.shares)
+        reload = TenantsReload(state, tenants_file) if tenants_file is not None else None
+        if reload is not None:
+            reload.install()
         yield
+        if reload is not None:
+            reload.uninstall()
         await state.backend.shutdown()
 
     # no /docs or /redoc (their pages load scripts from a CDN); /openapi.json is served below, behind the API key

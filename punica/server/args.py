@@ -26,7 +26,7 @@ class ServerArgs:
                                                 "/v1/models (default: $PUNICA_ADMIN_API_KEY, if set)")
     tenants: str | None = described(None, "a TOML file of the tenants: their API keys (SHA-256 hashes), the "
                                           "adapters each may use, load and unload, their fair-share weights and "
-                                          "caps, and the admin's keys")
+                                          "caps, and the admin's keys; read again on SIGHUP")
     metrics_public: bool = described(False, "with --tenants or --admin-api-key: serve /metrics without a key (for "
                                             "a Prometheus scraper on a private network)")
     served_model_name: str | None = described(None, "the base model's name in the API (default: its directory's)")

@@ -102,7 +102,7 @@ def serve(args: EngineArgs, server: ServerArgs, adapters: dict[str, str] | None 
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     state = build_state(args, adapters, server)
-    app = build_app(state, server.max_request_bytes)
+    app = build_app(state, server.max_request_bytes, tenants_file=server.tenants)
     host, port = server.host, server.port
     log.info("serving the OpenAI API at http://%s:%d/v1 and the playground at http://%s:%d/", host, port, host, port)
     config = uvicorn.Config(app, host=host, port=port, log_level="info")
