@@ -83,8 +83,22 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from punica.server.args import ServerArgs
     from punica.server.serve import serve
 
-    server = from_arguments(ServerArgs, args, api_key=args.api_key or os.environ.get("PUNICA_API_KEY"))
+    server = from_arguments(ServerArgs, args, api_key=args.api_key or os.environ.get("PUNICA_API_KEY"),
+                            admin_api_key=args.admin_api_key or os.environ.get("PUNICA_ADMIN_API_KEY"))
     serve(from_arguments(EngineArgs, args), server, parse_adapters(args.adapter) or None)
+    return 0
+
+
+def cmd_hash_key(args: argparse.Namespace) -> int:
+    """Print the hash of the API key on stdin's first line, as a tenants file stores it."""
+    import getpass
+
+    from punica.server.tenants import hash_key
+
+    key = getpass.getpass("API key: ") if sys.stdin.isatty() else sys.stdin.readline().rstrip("\r\n")
+    if not key:
+        raise SystemExit("punica hash-key: the key is empty")
+    print(hash_key(key))
     return 0
 
 
@@ -120,6 +134,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(srv)
     add_arguments(srv, ServerArgs)
     srv.set_defaults(func=cmd_serve)
+    hash_key = sub.add_parser("hash-key", help="read an API key on stdin, print its hash for a --tenants file")
+    hash_key.set_defaults(func=cmd_hash_key)
     sim = sub.add_parser("simulate", help="simulate the cluster scheduler on the paper's Fig. 13 workload "
                                           "(defaults: its setting, on the H200-measured 7B model)")
     sim.add_argument("--gpus", type=int, default=16, help="GPUs the cluster may hold")

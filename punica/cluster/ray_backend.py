@@ -211,7 +211,7 @@ class ClusterEngine:
     def _output(self, tracked: Tracked, **fields) -> RequestOutput:
         return RequestOutput(request_id=tracked.request_id, prompt=tracked.prompt,
                              prompt_token_ids=tracked.prompt_token_ids, adapter=tracked.adapter,
-                             token_ids=list(tracked.output_token_ids), **fields)
+                             token_ids=list(tracked.output_token_ids), tenant=tracked.tenant, **fields)
 
     def _place(self) -> None:
         for request_id, gpu_id in self.policy.schedule(time.monotonic()):

@@ -50,6 +50,7 @@ from punica.engine.scheduler import ScheduledBatch, Scheduler
 from punica.engine.stats import EngineStats, StepShape
 from punica.engine.step_input import StepInput
 from punica.engine.structured import GrammarCompiler
+from punica.engine.tenancy import TenantShare
 from punica.engine.worker import context_limit
 from punica.lora.manager import AdapterManager
 from punica.ops.transfer import to_device
@@ -91,6 +92,12 @@ class Engine:
         self._num_constrained = 0
         self.last_step: StepShape | None = None  # of the last `step` call, None if it launched nothing
         self._errors_seen, self._preemptions_seen, self._queued_unloadable = 0, 0, False  # see _fail_unloadable
+        self.tenant_shares: dict[str, TenantShare] = {}
+
+    # tenants -------------------------------------------------------------------------------
+    def set_tenants(self, shares: dict[str, TenantShare]) -> None:
+        """The tenants' fair-share settings, by tenant id (Request.tenant); replaces the last set."""
+        self.tenant_shares = dict(shares)
 
     # adapters ------------------------------------------------------------------------------
     def load_adapter(self, name: str, path: str, pinned: bool = False) -> None:

@@ -31,6 +31,7 @@ class RequestOutput:
     time_per_output_token: float | None = None
     num_preemptions: int = 0
     num_cached_tokens: int = 0         # prompt tokens the prefix cache held when it was admitted
+    tenant: str | None = None          # who sent it (Request.tenant)
 
 
 def request_output(request: Request, detokenizer: IncrementalDetokenizer | None, new_token_ids: list[int] = (),
@@ -56,5 +57,5 @@ def request_output(request: Request, detokenizer: IncrementalDetokenizer | None,
         new_text=detokenizer.take_new_text(finished) if detokenizer else "", new_token_ids=list(new_token_ids),
         finished=finished, finish_reason=request.finish_reason, error=error,
         time_to_first_token=ttft, time_per_output_token=tpot, num_preemptions=request.num_preemptions,
-        num_cached_tokens=request.num_cached_prompt_tokens,
+        num_cached_tokens=request.num_cached_prompt_tokens, tenant=request.tenant,
     )

@@ -21,6 +21,14 @@ class ServerArgs:
     host: str = described("127.0.0.1", "address to listen on")
     port: int = described(8000, "port to listen on")
     api_key: str | None = described(None, "require 'Authorization: Bearer KEY' (default: $PUNICA_API_KEY, if set)")
+    admin_api_key: str | None = described(None, "without --tenants: only this key may load and unload adapters and "
+                                                "read /metrics and /v1/adapters, and only it sees adapter paths in "
+                                                "/v1/models (default: $PUNICA_ADMIN_API_KEY, if set)")
+    tenants: str | None = described(None, "a TOML file of the tenants: their API keys (SHA-256 hashes), the "
+                                          "adapters each may use, load and unload, their fair-share weights and "
+                                          "caps, and the admin's keys; read again on SIGHUP")
+    metrics_public: bool = described(False, "with --tenants or --admin-api-key: serve /metrics without a key (for "
+                                            "a Prometheus scraper on a private network)")
     served_model_name: str | None = described(None, "the base model's name in the API (default: its directory's)")
     adapter_dir: tuple[str, ...] = described((), "serve every adapter in this directory (repeatable); "
                                                  "/v1/load_lora_adapter loads only from these")
@@ -49,5 +57,10 @@ class ServerArgs:
                              f"got {self.cluster_policy!r}")
         if self.max_packed_kv_tokens is not None and self.max_packed_kv_tokens < 1:
             raise ValueError(f"max_packed_kv_tokens must be >= 1 tokens, got {self.max_packed_kv_tokens}")
+        if self.tenants is not None and (self.api_key is not None or self.admin_api_key is not None):
+            raise ValueError("--tenants holds the API keys: give no --api-key or --admin-api-key (nor "
+                             "$PUNICA_API_KEY or $PUNICA_ADMIN_API_KEY) with it")
+        if self.admin_api_key is not None and self.admin_api_key == self.api_key:
+            raise ValueError("--admin-api-key must differ from --api-key")
         if self.shutdown_timeout < 0:
             raise ValueError(f"shutdown_timeout must be >= 0 seconds, got {self.shutdown_timeout}")

@@ -22,6 +22,7 @@ from typing import Any
 
 from punica.engine.engine import Engine, RequestOutput
 from punica.engine.sampling_params import SamplingParams
+from punica.engine.tenancy import TenantShare
 from punica.lora.adapter import load_adapter
 from punica.server.residency import engine_listing
 
@@ -104,6 +105,9 @@ class AsyncEngine:
 
     async def unload_adapter(self, name: str) -> None:
         await self.call(lambda: self.engine.unload_adapter(name))
+
+    async def set_tenants(self, shares: dict[str, TenantShare]) -> None:
+        await self.call(lambda: self.engine.set_tenants(shares))
 
     def update_gauges(self, metrics) -> None:
         metrics.update_gauges(self.engine)

@@ -10,6 +10,7 @@ from typing import Protocol, runtime_checkable
 
 from punica.engine.outputs import RequestOutput
 from punica.engine.sampling_params import SamplingParams
+from punica.engine.tenancy import TenantShare
 
 
 @runtime_checkable
@@ -43,6 +44,9 @@ class Backend(Protocol):
 
     async def unload_adapter(self, name: str) -> None:
         """Stop serving an adapter; ValueError (a 404) for one not served."""
+
+    async def set_tenants(self, shares: dict[str, TenantShare]) -> None:
+        """The tenants' fair-share settings (Engine.set_tenants), on every engine; running requests keep running."""
 
     def num_waiting(self) -> int:
         """Requests queued, not yet running (the server's --max-queue counts these)."""

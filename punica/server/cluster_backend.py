@@ -9,6 +9,7 @@ from collections.abc import AsyncIterator, Callable
 from punica.cluster.ray_backend import ClusterEngine
 from punica.engine.outputs import RequestOutput
 from punica.engine.sampling_params import SamplingParams
+from punica.engine.tenancy import TenantShare
 from punica.server.residency import cluster_listing
 
 
@@ -37,7 +38,8 @@ class ClusterBackend:
                 yield out
         finally:
             if not finished and request_id in self.cluster.requests:
-                self._finished(RequestOutput(request_id, None, [], adapter, finished=True, finish_reason="abort"))
+                self._finished(RequestOutput(request_id, None, [], adapter, finished=True, finish_reason="abort",
+                                             tenant=tenant))
             await outputs.aclose()  # aborts the request on its worker
 
     def _finished(self, out: RequestOutput) -> None:
@@ -78,6 +80,10 @@ class ClusterBackend:
     async def unload_adapter(self, name: str) -> None:
         """ValueError (a 404) for an adapter not served; RuntimeError naming a failed worker."""
         await self.cluster.unload_adapter(name)
+
+    async def set_tenants(self, shares: dict[str, TenantShare]) -> None:
+        """On every worker, and on those that join later (ClusterEngine.set_tenants)."""
+        await self.cluster.set_tenants(shares)
 
     def update_gauges(self, metrics) -> None:
         """The queue, and the counters of what the workers count (as their last steps reported it)."""

@@ -16,25 +16,32 @@ from punica.server.residency import ResidencyCollector
 
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 TOKENS_PER_S_WINDOW_S = 10.0
+NO_TENANT = "-"  # the tenant label of a request that has none
 
 
 class Metrics:
-    def __init__(self):
+    """A server's metrics. `per_tenant` (a server with tenants): the request metrics (requests,
+    latency, time to first token, prompt and generated tokens, prefix-cache tokens) have a last
+    label, `tenant`, the tenant id the request carried."""
+
+    def __init__(self, per_tenant: bool = False):
+        self.per_tenant = per_tenant
         self.registry = CollectorRegistry()
         r = self.registry
+        tenant = ["tenant"] if per_tenant else []
         self.requests = Counter("punica_requests", "Finished requests by how they ended: stop, length, abort "
                                 "(the client went away or aborted it) or error (it failed)",
-                                ["adapter", "finish_reason"], registry=r)
+                                ["adapter", "finish_reason", *tenant], registry=r)
         self.rejected = Counter("punica_rejected_requests", "HTTP requests answered with an error status", ["status"],
                                 registry=r)
         self.adapter_load_failures = Counter("punica_adapter_load_failures",
                                              "/v1/load_lora_adapter calls that loaded no adapter", registry=r)
-        self.latency = Histogram("punica_request_latency_seconds", "Arrival to last token", ["adapter"],
+        self.latency = Histogram("punica_request_latency_seconds", "Arrival to last token", ["adapter", *tenant],
                                  buckets=LATENCY_BUCKETS, registry=r)
-        self.ttft = Histogram("punica_time_to_first_token_seconds", "Arrival to first token", ["adapter"],
+        self.ttft = Histogram("punica_time_to_first_token_seconds", "Arrival to first token", ["adapter", *tenant],
                               buckets=LATENCY_BUCKETS, registry=r)
-        self.prompt_tokens = Counter("punica_prompt_tokens", "Prompt tokens of finished requests", registry=r)
-        self.generation_tokens = Counter("punica_generation_tokens", "Generated tokens", registry=r)
+        self.prompt_tokens = Counter("punica_prompt_tokens", "Prompt tokens of finished requests", tenant, registry=r)
+        self.generation_tokens = Counter("punica_generation_tokens", "Generated tokens", tenant, registry=r)
         self.tokens_per_s = Gauge("punica_tokens_per_second",
                                   f"Generated tokens/s over the last {TOKENS_PER_S_WINDOW_S:g} s", registry=r)
         self.batch_size = Gauge("punica_batch_size", "Requests in the running batch", registry=r)
@@ -50,9 +57,10 @@ class Metrics:
         self.grammar_compile = Counter("punica_grammar_compile_seconds", "Time spent compiling the grammars of "
                                        "constrained requests (compiled-grammar cache hits included)", registry=r)
         self.prefix_queries = Counter("punica_prefix_cache_queried_tokens", "Prompt tokens of finished requests "
-                                      "looked up in the prefix cache when first admitted", ["adapter"], registry=r)
+                                      "looked up in the prefix cache when first admitted", ["adapter", *tenant],
+                                      registry=r)
         self.prefix_hits = Counter("punica_prefix_cache_hit_tokens", "Of them, the tokens found there (computed "
-                                   "before under the same adapter)", ["adapter"], registry=r)
+                                   "before under the same adapter)", ["adapter", *tenant], registry=r)
         self.cached_pages = Gauge("punica_prefix_cache_pages", "KV-cache pages in the prefix cache", registry=r)
         self.chunked_steps = Counter("punica_chunked_prefill_steps", "Steps that ran a prompt chunk short of its "
                                      "prompt's end", registry=r)
@@ -73,7 +81,11 @@ class Metrics:
         now = time.monotonic()
         self.step_time.observe(seconds)
         new_tokens = sum(len(o.new_token_ids) for o in outputs)
-        self.generation_tokens.inc(new_tokens)
+        if self.per_tenant:
+            for o in outputs:
+                self._of(self.generation_tokens, o).inc(len(o.new_token_ids))
+        else:
+            self.generation_tokens.inc(new_tokens)
         self._recent.append((now, new_tokens))
         while self._recent and self._recent[0][0] < now - TOKENS_PER_S_WINDOW_S:
             self._recent.popleft()
@@ -83,15 +95,20 @@ class Metrics:
     def finished(self, out: RequestOutput) -> None:
         """Called once per request, with its finished output, whatever ended it."""
         adapter = out.adapter or ""
-        self.requests.labels(adapter, out.finish_reason or "").inc()
-        self.prompt_tokens.inc(len(out.prompt_token_ids))
-        self.prefix_queries.labels(adapter).inc(len(out.prompt_token_ids))
-        self.prefix_hits.labels(adapter).inc(out.num_cached_tokens)
+        self._of(self.requests, out, adapter, out.finish_reason or "").inc()
+        self._of(self.prompt_tokens, out).inc(len(out.prompt_token_ids))
+        self._of(self.prefix_queries, out, adapter).inc(len(out.prompt_token_ids))
+        self._of(self.prefix_hits, out, adapter).inc(out.num_cached_tokens)
         if out.time_to_first_token is not None:
-            self.ttft.labels(adapter).observe(out.time_to_first_token)
+            self._of(self.ttft, out, adapter).observe(out.time_to_first_token)
             if out.finish_reason in ("stop", "length"):  # an aborted or failed request has no last token
                 total = out.time_to_first_token + (out.time_per_output_token or 0) * max(0, len(out.token_ids) - 1)
-                self.latency.labels(adapter).observe(total)
+                self._of(self.latency, out, adapter).observe(total)
+
+    def _of(self, metric, out: RequestOutput, *labels: str):
+        """The series of `metric` with `labels`, and the tenant of `out` last when per tenant."""
+        labels = (*labels, out.tenant or NO_TENANT) if self.per_tenant else labels
+        return metric.labels(*labels) if labels else metric
 
     def update_gauges(self, engine: Engine) -> None:
         stats = engine.stats()

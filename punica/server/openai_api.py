@@ -21,6 +21,7 @@ from punica.engine.sampling_params import SamplingParams
 from punica.server.interrupts import DISCONNECT, Interrupt
 from punica.server.limits import PromptBound
 from punica.server.protocol import ChatCompletionRequest, CompletionRequest, ProtocolError, SamplingFields
+from punica.server.tenants import Caller
 from punica.server.tools import Tools, ToolStream, parse_tools, render_without_template_tools, template_supports_tools
 
 CLIENT_CLOSED_REQUEST = 499
@@ -43,9 +44,9 @@ class OpenAIHandlers:
         self._aborts: set[asyncio.Task] = set()  # the loop holds tasks weakly
 
     # entry points --------------------------------------------------------------------------
-    async def completions(self, body: CompletionRequest, request: Request):
+    async def completions(self, body: CompletionRequest, request: Request, caller: Caller):
         body.check_supported()
-        adapter = await self.state.resolve_model(body.model)
+        adapter = await self.state.resolve_model(body.model, caller)
         prompts = await asyncio.to_thread(self._tokenize, body.prompts())  # off the event loop: it can take seconds
         max_tokens = body.max_tokens_or_default()
         choices = self._choices("cmpl", body, prompts, lambda ids: max_tokens, body.logprobs is not None,
@@ -53,11 +54,11 @@ class OpenAIHandlers:
         if body.echo:
             texts = [self._echo_text(p, ids) for p, ids in zip(body.prompts(), prompts)]
             choices = [dataclasses.replace(c, echo=texts[c.index // body.num_choices]) for c in choices]
-        return await self._respond("text_completion", body, adapter, choices, request)
+        return await self._respond("text_completion", body, adapter, choices, request, caller.tenant)
 
-    async def chat(self, body: ChatCompletionRequest, request: Request):
+    async def chat(self, body: ChatCompletionRequest, request: Request, caller: Caller):
         body.check_supported()
-        adapter = await self.state.resolve_model(body.model)
+        adapter = await self.state.resolve_model(body.model, caller)
         messages = [m.template_message(f"messages.{i}") for i, m in enumerate(body.messages)]
         if self.state.tokenizer is None or not self.state.tokenizer.chat_template:
             raise ProtocolError("this model has no chat template: use /v1/completions")
@@ -76,7 +77,7 @@ class OpenAIHandlers:
                                 bool(body.logprobs), body.top_logprobs or 0, constraint)
         if tools is not None and tools.choice != "none":
             choices = [dataclasses.replace(c, tools=tools) for c in choices]
-        return await self._respond("chat.completion", body, adapter, choices, request)
+        return await self._respond("chat.completion", body, adapter, choices, request, caller.tenant)
 
     # shared ------------------------------------------------------------------------------
     def _tokenize(self, prompts: list[str | list[int]]) -> list[list[int]]:
@@ -127,12 +128,13 @@ class OpenAIHandlers:
         return choices
 
     async def _respond(self, kind: str, body: SamplingFields, adapter: str | None, choices: list[Choice],
-                       request: Request):
+                       request: Request, tenant: str | None):
         self.state.check_queue(len(choices))
         first = choices[0]
         interrupt = Interrupt(request.receive, self.state.in_flight)
         interrupt.on_fire(lambda reason: self._abort(choices))
-        gens = [self.state.backend.generate(c.prompt_ids, c.params, adapter, c.request_id) for c in choices]
+        gens = [self.state.backend.generate(c.prompt_ids, c.params, adapter, c.request_id, tenant=tenant,
+                                            cache_salt=body.cache_salt) for c in choices]
         try:
             # the first choice goes in before the response starts, so a rejected request is a clean 400
             head = await _unless_interrupted(anext(gens[0]), interrupt)

@@ -4,9 +4,9 @@ Every field of OpenAI's /v1/completions and /v1/chat/completions request schemas
 implemented; accepted and ignored, because it cannot change the output (`user`, `metadata`,
 `store`, ...); or a 400 naming it when set to anything but its no-op value (`audio`,
 `functions`, ...). vLLM's extra sampling and structured-output fields that punica implements
-(`top_k`, `min_p`, `structured_outputs`, `guided_json`, ...) are accepted. A field neither
-OpenAI nor punica defines is a 400 naming every such field. Values
-keep their JSON types (no "1" for 1, no true for 1), and a string that is not valid Unicode (a
+(`top_k`, `min_p`, `structured_outputs`, `guided_json`, ...) and its `cache_salt` are accepted.
+A field neither OpenAI nor punica defines is a 400 naming every such field. Values keep their
+JSON types (no "1" for 1, no true for 1), and a string that is not valid Unicode (a
 lone surrogate, which a JSON "\\ud800" escape can write) is a 400 naming where it is.
 """
 
@@ -31,6 +31,7 @@ from punica.server.structured_fields import constraint_spec
 STRICT = ConfigDict(extra="forbid", strict=True)
 MAX_ADAPTER_NAME_CHARS = 128  # the engine checks which characters a name may have
 MAX_ADAPTER_PATH_CHARS = 4096
+MAX_CACHE_SALT_CHARS = 256
 
 
 def _valid_unicode(s: str) -> bool:
@@ -83,6 +84,13 @@ class StreamOptions(BaseModel):
     include_obfuscation: bool | None = None  # padding against length side channels; ignored
 
 
+def _cache_salt(value: str | None) -> str | None:
+    if value is not None and not 1 <= len(value) <= MAX_CACHE_SALT_CHARS:
+        raise PydanticCustomError("cache_salt", "cache_salt must be a non-empty string of at most {max} characters, "
+                                  "got {num} characters", {"max": MAX_CACHE_SALT_CHARS, "num": len(value)})
+    return value
+
+
 def _stop(value: Any) -> Any:
     if value is None or isinstance(value, str) or (isinstance(value, list) and all(isinstance(s, str) for s in value)):
         return value
@@ -120,6 +128,8 @@ class SamplingFields(RequestBody):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
+    # vLLM's: the request shares prefix-cache pages only with requests of the same salt (and tenant)
+    cache_salt: Annotated[str | None, AfterValidator(_cache_salt)] = None
 
     @property
     def num_choices(self) -> int:

@@ -13,6 +13,8 @@ from punica.server.adapter_paths import resolved_inside
 from punica.server.app import ServerState, build_app
 from punica.server.args import ServerArgs
 from punica.server.async_engine import AsyncEngine
+from punica.server.metrics import Metrics
+from punica.server.tenants import read_tenants
 
 log = logging.getLogger("punica.server")
 
@@ -51,8 +53,8 @@ def build_state(args: EngineArgs, adapters: dict[str, str] | None = None, server
     `args.workers` Ray workers behind the Punica cluster scheduler."""
     if server.max_packed_kv_tokens is not None and not args.workers:
         raise ValueError("--max-packed-kv-tokens places requests over Ray workers: it needs --workers N")
+    tenants = read_tenants(server.tenants) if server.tenants is not None else None  # before the slow part
     dirs = [Path(d) for d in server.adapter_dir]
-    api_key, max_queue = server.api_key, server.max_queue
     max_rank = max([args.max_lora_rank, *map(adapter_rank, (adapters or {}).values())])
     scanned = {}
     for d in dirs:
@@ -64,6 +66,14 @@ def build_state(args: EngineArgs, adapters: dict[str, str] | None = None, server
         raise ValueError(f"an adapter is named like the base model ({name!r}); rename it")
     for adapter, path in all_adapters.items():
         log.info("adapter %s <- %s", adapter, path)
+
+    def state_of(backend, tokenizer) -> ServerState:
+        return ServerState(backend, tokenizer, name, dirs, server.api_key, server.max_queue,
+                           Metrics(per_tenant=tenants is not None), admin_api_key=server.admin_api_key,
+                           tenants=tenants, metrics_public=server.metrics_public)
+
+    if tenants is not None:
+        log.info("tenants: %s (%d tenants)", server.tenants, len(tenants.shares))
     if args.workers:
         from punica.cluster.ray_backend import build_cluster_engine
         from punica.server.cluster_backend import ClusterBackend, start_ray
@@ -72,11 +82,11 @@ def build_state(args: EngineArgs, adapters: dict[str, str] | None = None, server
         cluster = build_cluster_engine(args, all_adapters, policy=server.cluster_policy,
                                        max_packed_kv_tokens=server.max_packed_kv_tokens)
         log.info("model %s on %d workers (%s placement, migration)", name, args.workers, server.cluster_policy)
-        state = ServerState(ClusterBackend(cluster), load_tokenizer(model_dir), name, dirs, api_key, max_queue)
+        state = state_of(ClusterBackend(cluster), load_tokenizer(model_dir))
         state.backend.on_finished = state.metrics.finished
         return state
     engine = build_engine(args, all_adapters)
-    state = ServerState(AsyncEngine(engine), engine.tokenizer, name, dirs, api_key, max_queue)
+    state = state_of(AsyncEngine(engine), engine.tokenizer)
     state.backend.on_step, state.backend.on_finished = state.metrics.on_step, state.metrics.finished
     stats = engine.stats()
     log.info("model %s on %s x%d (%s), context %d tokens, KV cache %d pages of %d tokens", name,
@@ -92,7 +102,7 @@ def serve(args: EngineArgs, server: ServerArgs, adapters: dict[str, str] | None 
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     state = build_state(args, adapters, server)
-    app = build_app(state, server.max_request_bytes)
+    app = build_app(state, server.max_request_bytes, tenants_file=server.tenants)
     host, port = server.host, server.port
     log.info("serving the OpenAI API at http://%s:%d/v1 and the playground at http://%s:%d/", host, port, host, port)
     config = uvicorn.Config(app, host=host, port=port, log_level="info")

@@ -174,7 +174,7 @@ class HungEngine:
         self.requests: dict[str, object] = {}
         self.stepping, self.release = threading.Event(), threading.Event()
 
-    def add_request(self, prompt, params, adapter, request_id):
+    def add_request(self, prompt, params, adapter, request_id, *, tenant=None, cache_salt=None):
         self.requests[request_id] = prompt
 
     def abort(self, request_id):
