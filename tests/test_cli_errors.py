@@ -1,0 +1,72 @@
+"""`punica` refuses wrong arguments with one line and exit code 2 before anything loads or runs
+(the loaders are replaced by ones that fail the test if called)."""
+
+import socket
+
+import pytest
+
+import punica.llm
+import punica.server.serve
+from punica.cli import main
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def must_not_run(what: str):
+    def fail(*args, **kwargs):
+        raise AssertionError(f"{what} ran although the arguments are wrong")
+    return fail
+
+
+@pytest.fixture()
+def no_model(monkeypatch):
+    """Loading a model (punica generate's engine, punica serve's engine or Ray workers) fails the test."""
+    monkeypatch.setattr(punica.llm, "build_engine", must_not_run("the engine build"))
+    monkeypatch.setattr(punica.server.serve, "build_state", must_not_run("the server's model load"))
+
+
+def error_line(capsys) -> str:
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and err.count("\n") == 1, err
+    return err.strip()
+
+
+@pytest.mark.parametrize("extra", [[], ["--workers", "2"]])
+def test_serve_on_a_busy_port_fails_before_loading(no_model, capsys, extra):
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        assert main(["serve", "--port", str(port), *extra]) == 2
+    assert error_line(capsys) == (f"punica: error: cannot listen on 127.0.0.1:{port}: Address already in use "
+                                  "(choose another --port or --host)")
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--port", "70000"], "port must be in [0, 65535], got 70000"),
+    (["--host", "no-such-host.invalid"], "--host 'no-such-host.invalid': "),
+])
+def test_serve_on_a_wrong_address_fails_before_loading(no_model, capsys, args, message):
+    assert main(["serve", *args]) == 2
+    assert error_line(capsys).startswith(f"punica: error: {message}")
+
+
+def test_serve_binds_before_loading_and_releases_the_port_when_loading_fails(monkeypatch):
+    port = free_port()
+    bound = []
+
+    def load(*args, **kwargs):
+        with socket.socket() as other, pytest.raises(OSError):
+            other.bind(("127.0.0.1", port))  # held by the server while its model loads
+        bound.append(port)
+        raise ValueError("no model here")
+
+    monkeypatch.setattr(punica.server.serve, "build_state", load)
+    assert main(["serve", "--port", str(port)]) == 2
+    assert bound == [port]
+    with socket.socket() as again:
+        again.bind(("127.0.0.1", port))
