@@ -16,42 +16,47 @@ def parse_adapters(items: list[str]) -> dict[str, str]:
     for item in items:
         name, sep, path = item.partition("=")
         if not sep or not name or not path:
-            raise SystemExit(f"--adapter expects NAME=PATH, got {item!r}")
+            raise ValueError(f"--adapter expects NAME=PATH, got {item!r}")
         adapters[name] = path
     return adapters
 
 
 def json_schema_constraint(path: str | None):
-    """The StructuredOutputs of --json-schema FILE (None without it); SystemExit naming what is wrong."""
+    """The StructuredOutputs of --json-schema FILE (None without it), checked by the grammar engine;
+    ValueError naming what is wrong."""
     if path is None:
         return None
     from punica.engine.sampling_params import SamplingParamsError, StructuredOutputs
+    from punica.engine.structured import GrammarError, check_grammar
 
     try:
-        return StructuredOutputs(json=open(path, encoding="utf-8").read())
+        spec = StructuredOutputs(json=open(path, encoding="utf-8").read())
+        check_grammar(spec)
     except OSError as e:
-        raise SystemExit(f"--json-schema: cannot read {path}: {e.strerror}") from e
-    except SamplingParamsError as e:
-        raise SystemExit(f"--json-schema {path}: {e}") from e
+        raise ValueError(f"--json-schema: cannot read {path}: {e.strerror}") from e
+    except (SamplingParamsError, GrammarError) as e:
+        raise ValueError(f"--json-schema {path}: {e}") from e
+    return spec
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
     from punica.config import EngineArgs, from_arguments
     from punica.engine.sampling_params import SamplingParams
+    from punica.factory import startup_adapters
     from punica.llm import LLM
 
-    llm = LLM(adapters=parse_adapters(args.adapter) or None, **dataclasses.asdict(from_arguments(EngineArgs, args)))
+    # every argument is checked before the model loads
+    engine_args = from_arguments(EngineArgs, args)
+    adapters = parse_adapters(args.adapter) or None
+    served = startup_adapters(engine_args, adapters)
+    if args.use is not None and args.use not in served:
+        raise ValueError(f"--use {args.use!r} names no adapter being served (served: {', '.join(served) or 'none'})")
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed,
+                            structured_outputs=json_schema_constraint(args.json_schema))
+    llm = LLM(adapters=adapters, **dataclasses.asdict(engine_args))
     try:
-        if args.use is not None and not llm.engine.has_adapter(args.use):
-            served = ", ".join(llm.engine.adapter_paths()) or "none"
-            raise SystemExit(f"--use {args.use!r} names no adapter being served (served: {served})")
         prompt = args.prompt if args.raw else llm.chat_prompt(args.prompt)
-        params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed,
-                                structured_outputs=json_schema_constraint(args.json_schema))
-        try:
-            out = llm.generate(prompt, params, adapter=args.use)[0]
-        except ValueError as e:  # a schema the grammar engine rejects
-            raise SystemExit(str(e)) from e
+        out = llm.generate(prompt, params, adapter=args.use)[0]
     finally:
         llm.close()
     print(out.text)

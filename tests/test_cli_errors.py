@@ -70,3 +70,30 @@ def test_serve_binds_before_loading_and_releases_the_port_when_loading_fails(mon
     assert bound == [port]
     with socket.socket() as again:
         again.bind(("127.0.0.1", port))
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--use", "nosuch"], "--use 'nosuch' names no adapter being served (served: signature, json, pirate)"),
+    (["--use", "nosuch", "--adapter", "mine=/adapters/mine"],
+     "--use 'nosuch' names no adapter being served (served: mine)"),
+    (["--use", "pirate", "--model", "/models/llama"], "--use 'pirate' names no adapter being served (served: none)"),
+    (["--adapter", "oops"], "--adapter expects NAME=PATH, got 'oops'"),
+    (["--json-schema", "/no/such/schema.json"], "--json-schema: cannot read /no/such/schema.json: No such file"),
+    (["--max-tokens", "0"], "max_tokens must be"),
+])
+def test_generate_checks_its_arguments_before_loading(no_model, capsys, args, message):
+    assert main(["generate", "--prompt", "Hi", *args]) == 2
+    assert error_line(capsys).startswith(f"punica: error: {message}")
+
+
+@pytest.mark.parametrize("schema, message", [
+    ('{"type": "objectx"}', 'is not accepted by the grammar engine: Unsupported type "objectx"'),
+    ('{"type": ', "is not valid JSON"),
+    ("[1, 2]", "must be a JSON schema"),
+])
+def test_generate_checks_the_json_schema_before_loading(no_model, capsys, tmp_path, schema, message):
+    path = tmp_path / "schema.json"
+    path.write_text(schema)
+    assert main(["generate", "--prompt", "Hi", "--json-schema", str(path)]) == 2
+    line = error_line(capsys)
+    assert line.startswith(f"punica: error: --json-schema {path}: ") and message in line

@@ -43,6 +43,20 @@ def _rejected(spec: StructuredOutputs, error: Exception) -> GrammarError:
     return GrammarError(spec.kind, _LOG_PREFIX.sub("", str(error).strip()))
 
 
+def check_grammar(spec: StructuredOutputs) -> None:
+    """GrammarError if the grammar engine rejects the constraint. Needs no tokenizer, so a command
+    can check its arguments before loading a model; compiling (GrammarCompiler) checks the same."""
+    try:
+        if spec.json is not None:
+            xgr.Grammar.from_json_schema(spec.json, **JSON_FORMAT)
+        elif spec.regex is not None:
+            xgr.Grammar.from_regex(spec.regex)
+        elif spec.choice is not None or spec.grammar is not None:
+            xgr.Grammar.from_ebnf(spec.grammar if spec.grammar is not None else _choice_grammar(spec.choice))
+    except (RuntimeError, ValueError, TypeError) as e:  # xgrammar's errors derive from RuntimeError
+        raise _rejected(spec, e) from e
+
+
 def _choice_grammar(choices: tuple[str, ...]) -> str:
     """An EBNF grammar of exactly one of the strings (EBNF string literals escape as JSON's do)."""
     return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
