@@ -5,6 +5,7 @@ import socket
 
 import pytest
 
+import punica.cluster.report
 import punica.llm
 import punica.server.serve
 from punica.cli import main
@@ -97,3 +98,53 @@ def test_generate_checks_the_json_schema_before_loading(no_model, capsys, tmp_pa
     assert main(["generate", "--prompt", "Hi", "--json-schema", str(path)]) == 2
     line = error_line(capsys)
     assert line.startswith(f"punica: error: --json-schema {path}: ") and message in line
+
+
+@pytest.mark.parametrize("flag, value, message", [
+    ("--gpus", "0", "must be >= 1, got 0"),
+    ("--gpus", "two", "invalid int value: 'two'"),
+    ("--requests", "-5", "must be >= 1, got -5"),
+    ("--requests", "0", "must be >= 1, got 0"),
+    ("--duration", "-1", "must be > 0, got -1"),
+    ("--duration", "0", "must be > 0, got 0"),
+    ("--duration", "inf", "must be > 0, got inf"),
+    ("--duration", "nan", "must be > 0, got nan"),
+    ("--zipf-alpha", "0", "must be > 0, got 0"),
+    ("--zipf-alpha", "-1.5", "must be > 0, got -1.5"),
+    ("--kv-tokens", "0", "must be >= 1, got 0"),
+    ("--max-total", "1", "must be >= 2, got 1"),
+    ("--adapters", "0", "must be >= 1, got 0"),
+    ("--max-batch-size", "0", "must be >= 1, got 0"),
+    ("--light-load-batch", "0", "must be >= 1, got 0"),
+    ("--idle-release-s", "-1", "must be >= 0, got -1"),
+    ("--max-loras", "0", "must be >= 1, got 0"),
+    ("--host-tier-adapters", "0", "must be >= 1, got 0"),
+    ("--max-gpus-per-adapter", "0", "must be >= 1, got 0"),
+    ("--max-packed-kv-tokens", "0", "must be >= 1, got 0"),
+    ("--gpu-startup-s", "-1", "must be >= 0, got -1"),
+])
+def test_simulate_refuses_nonsense_values_naming_the_flag(monkeypatch, capsys, tmp_path, flag, value, message):
+    monkeypatch.setattr(punica.cluster.report, "simulate", must_not_run("the simulation"))
+    with pytest.raises(SystemExit) as e:
+        main(["simulate", "--out", str(tmp_path), f"{flag}={value}"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    assert err.strip().splitlines()[-1] == f"punica simulate: error: argument {flag}: {message}"
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--light-load-batch", "40", "--max-batch-size", "32"], "--light-load-batch 40 is over --max-batch-size 32"),
+    (["--max-total", "4096", "--kv-tokens", "2048"], "--max-total 4096 is over --kv-tokens 2048"),
+])
+def test_simulate_refuses_flags_that_contradict_each_other(monkeypatch, capsys, tmp_path, args, message):
+    monkeypatch.setattr(punica.cluster.report, "simulate", must_not_run("the simulation"))
+    assert main(["simulate", "--out", str(tmp_path), *args]) == 2
+    assert error_line(capsys).startswith(f"punica: error: {message}")
+
+
+def test_simulate_refuses_an_out_that_is_a_file(monkeypatch, capsys, tmp_path):
+    monkeypatch.setattr(punica.cluster.report, "simulate", must_not_run("the simulation"))
+    (tmp_path / "file").write_text("")
+    assert main(["simulate", "--out", str(tmp_path / "file")]) == 2
+    assert error_line(capsys) == f"punica: error: --out {tmp_path / 'file'} is a file, not a directory"
