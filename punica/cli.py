@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib.metadata
 import math
 import os
 import sys
@@ -11,6 +12,13 @@ from collections.abc import Callable
 
 SIM_REQUESTS = 60_000      # the Fig. 13 rate on 16 H200s: a peak of ~26 requests/s
 SIM_KV_TOKENS = 200_000    # a 7B model's KV cache in bf16 on an H200 (0.5 MiB a token, ~100 GiB)
+
+
+def package_version() -> str:
+    try:
+        return importlib.metadata.version("punica")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown (not installed)"
 
 
 def number(kind: type, minimum: float, exclusive: bool = False) -> Callable[[str], int | float]:
@@ -131,6 +139,7 @@ def build_parser() -> argparse.ArgumentParser:
     from punica.server.args import ServerArgs
 
     parser = argparse.ArgumentParser(prog="punica", description="Multi-tenant LoRA serving")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {package_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
     gen = sub.add_parser("generate", help="complete one prompt")
     gen.add_argument("--prompt", required=True)

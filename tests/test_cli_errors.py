@@ -1,6 +1,7 @@
 """`punica` refuses wrong arguments with one line and exit code 2 before anything loads or runs
-(the loaders are replaced by ones that fail the test if called)."""
+(the loaders are replaced by ones that fail the test if called), and tells its version."""
 
+import importlib.metadata
 import socket
 
 import pytest
@@ -34,6 +35,13 @@ def error_line(capsys) -> str:
     err = capsys.readouterr().err
     assert "Traceback" not in err and err.count("\n") == 1, err
     return err.strip()
+
+
+def test_version(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["--version"])
+    assert e.value.code == 0
+    assert capsys.readouterr().out == f"punica {importlib.metadata.version('punica')}\n"
 
 
 @pytest.mark.parametrize("extra", [[], ["--workers", "2"]])
