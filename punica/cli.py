@@ -4,11 +4,34 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib.metadata
+import math
 import os
 import sys
+from collections.abc import Callable
 
 SIM_REQUESTS = 60_000      # the Fig. 13 rate on 16 H200s: a peak of ~26 requests/s
 SIM_KV_TOKENS = 200_000    # a 7B model's KV cache in bf16 on an H200 (0.5 MiB a token, ~100 GiB)
+
+
+def package_version() -> str:
+    try:
+        return importlib.metadata.version("punica")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown (not installed)"
+
+
+def number(kind: type, minimum: float, exclusive: bool = False) -> Callable[[str], int | float]:
+    """An argparse type: a finite `kind` (int or float) of at least `minimum` (over it, if `exclusive`)."""
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"invalid {kind.__name__} value: {text!r}") from None
+        if not math.isfinite(value) or value < minimum or (exclusive and value == minimum):
+            raise argparse.ArgumentTypeError(f"must be {'>' if exclusive else '>='} {minimum}, got {text}")
+        return value
+    return parse
 
 
 def parse_adapters(items: list[str]) -> dict[str, str]:
@@ -16,42 +39,47 @@ def parse_adapters(items: list[str]) -> dict[str, str]:
     for item in items:
         name, sep, path = item.partition("=")
         if not sep or not name or not path:
-            raise SystemExit(f"--adapter expects NAME=PATH, got {item!r}")
+            raise ValueError(f"--adapter expects NAME=PATH, got {item!r}")
         adapters[name] = path
     return adapters
 
 
 def json_schema_constraint(path: str | None):
-    """The StructuredOutputs of --json-schema FILE (None without it); SystemExit naming what is wrong."""
+    """The StructuredOutputs of --json-schema FILE (None without it), checked by the grammar engine;
+    ValueError naming what is wrong."""
     if path is None:
         return None
     from punica.engine.sampling_params import SamplingParamsError, StructuredOutputs
+    from punica.engine.structured import GrammarError, check_grammar
 
     try:
-        return StructuredOutputs(json=open(path, encoding="utf-8").read())
+        spec = StructuredOutputs(json=open(path, encoding="utf-8").read())
+        check_grammar(spec)
     except OSError as e:
-        raise SystemExit(f"--json-schema: cannot read {path}: {e.strerror}") from e
-    except SamplingParamsError as e:
-        raise SystemExit(f"--json-schema {path}: {e}") from e
+        raise ValueError(f"--json-schema: cannot read {path}: {e.strerror}") from e
+    except (SamplingParamsError, GrammarError) as e:
+        raise ValueError(f"--json-schema {path}: {e}") from e
+    return spec
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
     from punica.config import EngineArgs, from_arguments
     from punica.engine.sampling_params import SamplingParams
+    from punica.factory import startup_adapters
     from punica.llm import LLM
 
-    llm = LLM(adapters=parse_adapters(args.adapter) or None, **dataclasses.asdict(from_arguments(EngineArgs, args)))
+    # every argument is checked before the model loads
+    engine_args = from_arguments(EngineArgs, args)
+    adapters = parse_adapters(args.adapter) or None
+    served = startup_adapters(engine_args, adapters)
+    if args.use is not None and args.use not in served:
+        raise ValueError(f"--use {args.use!r} names no adapter being served (served: {', '.join(served) or 'none'})")
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed,
+                            structured_outputs=json_schema_constraint(args.json_schema))
+    llm = LLM(adapters=adapters, **dataclasses.asdict(engine_args))
     try:
-        if args.use is not None and not llm.engine.has_adapter(args.use):
-            served = ", ".join(llm.engine.adapter_paths()) or "none"
-            raise SystemExit(f"--use {args.use!r} names no adapter being served (served: {served})")
         prompt = args.prompt if args.raw else llm.chat_prompt(args.prompt)
-        params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed,
-                                structured_outputs=json_schema_constraint(args.json_schema))
-        try:
-            out = llm.generate(prompt, params, adapter=args.use)[0]
-        except ValueError as e:  # a schema the grammar engine rejects
-            raise SystemExit(str(e)) from e
+        out = llm.generate(prompt, params, adapter=args.use)[0]
     finally:
         llm.close()
     print(out.text)
@@ -65,6 +93,13 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     from punica.cluster.report import NO_PLOTS, can_plot, simulate, table
     from punica.cluster.step_time import load_model
 
+    if args.light_load_batch > args.max_batch_size:
+        raise ValueError(f"--light-load-batch {args.light_load_batch} is over --max-batch-size {args.max_batch_size}")
+    if args.max_total > args.kv_tokens:
+        raise ValueError(f"--max-total {args.max_total} is over --kv-tokens {args.kv_tokens}: a request could "
+                         "outgrow every GPU's KV cache")
+    if Path(args.out).exists() and not Path(args.out).is_dir():
+        raise ValueError(f"--out {args.out} is a file, not a directory")
     policy_config = PolicyConfig(args.max_batch_size, args.light_load_batch, args.idle_release_s,
                                  max_loras=args.max_loras, max_gpus_per_adapter=args.max_gpus_per_adapter,
                                  max_packed_kv_tokens=args.max_packed_kv_tokens, scale_ahead=args.scale_ahead)
@@ -118,6 +153,7 @@ def build_parser() -> argparse.ArgumentParser:
     from punica.server.args import ServerArgs
 
     parser = argparse.ArgumentParser(prog="punica", description="Multi-tenant LoRA serving")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {package_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
     gen = sub.add_parser("generate", help="complete one prompt")
     gen.add_argument("--prompt", required=True)
@@ -138,30 +174,35 @@ def build_parser() -> argparse.ArgumentParser:
     hash_key.set_defaults(func=cmd_hash_key)
     sim = sub.add_parser("simulate", help="simulate the cluster scheduler on the paper's Fig. 13 workload "
                                           "(defaults: its setting, on the H200-measured 7B model)")
-    sim.add_argument("--gpus", type=int, default=16, help="GPUs the cluster may hold")
-    sim.add_argument("--requests", type=int, default=SIM_REQUESTS)
-    sim.add_argument("--duration", type=float, default=3600.0, help="seconds over which requests arrive")
-    sim.add_argument("--kv-tokens", type=int, default=SIM_KV_TOKENS, help="KV cache of one GPU, in tokens")
-    sim.add_argument("--max-total", type=int, default=2048, help="longest prompt + output, in tokens")
-    sim.add_argument("--adapters", type=int, default=None, help="adapters the requests draw from (default: one "
-                                                                 "per request)")
-    sim.add_argument("--zipf-alpha", type=float, default=1.5, help="adapter popularity: Zipf exponent")
+    sim.add_argument("--gpus", type=number(int, 1), default=16, help="GPUs the cluster may hold")
+    sim.add_argument("--requests", type=number(int, 1), default=SIM_REQUESTS)
+    sim.add_argument("--duration", type=number(float, 0, exclusive=True), default=3600.0,
+                     help="seconds over which requests arrive")
+    sim.add_argument("--kv-tokens", type=number(int, 1), default=SIM_KV_TOKENS,
+                     help="KV cache of one GPU, in tokens (at least --max-total)")
+    sim.add_argument("--max-total", type=number(int, 2), default=2048,
+                     help="longest prompt + output, in tokens (a request has at least one of each)")
+    sim.add_argument("--adapters", type=number(int, 1), default=None, help="adapters the requests draw from "
+                                                                            "(default: one per request)")
+    sim.add_argument("--zipf-alpha", type=number(float, 0, exclusive=True), default=1.5,
+                     help="adapter popularity: Zipf exponent")
     sim.add_argument("--policy", nargs="+", default=["punica", "round-robin", "least-loaded"],
                      choices=list(POLICIES))
-    sim.add_argument("--max-batch-size", type=int, default=PolicyConfig.max_batch_size)
-    sim.add_argument("--light-load-batch", type=int, default=PolicyConfig.light_load_batch,
-                     help="ask for a GPU when every batch is this large")
-    sim.add_argument("--idle-release-s", type=float, default=PolicyConfig.idle_release_s)
-    sim.add_argument("--max-loras", type=int, default=PolicyConfig.max_loras, help="adapter slots per GPU")
-    sim.add_argument("--host-tier-adapters", type=int, default=48, help="adapters each GPU's host tier holds")
-    sim.add_argument("--max-gpus-per-adapter", type=int, default=None,
+    sim.add_argument("--max-batch-size", type=number(int, 1), default=PolicyConfig.max_batch_size)
+    sim.add_argument("--light-load-batch", type=number(int, 1), default=PolicyConfig.light_load_batch,
+                     help="ask for a GPU when every batch is this large (at most --max-batch-size)")
+    sim.add_argument("--idle-release-s", type=number(float, 0), default=PolicyConfig.idle_release_s)
+    sim.add_argument("--max-loras", type=number(int, 1), default=PolicyConfig.max_loras, help="adapter slots per GPU")
+    sim.add_argument("--host-tier-adapters", type=number(int, 1), default=48,
+                     help="adapters each GPU's host tier holds")
+    sim.add_argument("--max-gpus-per-adapter", type=number(int, 1), default=None,
                      help="adapter-aware: spread one adapter over at most this many GPUs")
-    sim.add_argument("--max-packed-kv-tokens", type=int, default=None,
+    sim.add_argument("--max-packed-kv-tokens", type=number(int, 1), default=None,
                      help="KV-aware packing: a busy GPU takes a request only while its KV in use stays within this "
                           "many tokens (bounds a packed GPU's KV read per step; default: no bound)")
     sim.add_argument("--scale-ahead", action="store_true",
                      help="ask for a GPU once none is lightly loaded, before requests wait")
-    sim.add_argument("--gpu-startup-s", type=float, default=30.0)
+    sim.add_argument("--gpu-startup-s", type=number(float, 0), default=30.0)
     sim.add_argument("--step-time", default=DEFAULT_MODEL, metavar="NAME|JSON",
                      help=f"the GPU model: {', '.join(MODELS)}, or a JSON file of its fields (default: %(default)s)")
     sim.add_argument("--seed", type=int, default=0)

@@ -31,7 +31,30 @@ _LOG_PREFIX = re.compile(r"^\[[0-9:]+\] \S+:\d+: ")  # xgrammar's "[time] file.c
 
 
 class GrammarError(ValueError):
-    """A constraint the grammar engine rejects; the message says why."""
+    """A constraint the grammar engine rejects; the message says why, naming the constraint as
+    structured_outputs.KIND. `kind` and `reason` let a caller name the constraint as its user wrote it."""
+
+    def __init__(self, kind: str, reason: str):
+        super().__init__(f"structured_outputs.{kind} is not accepted by the grammar engine: {reason}")
+        self.kind, self.reason = kind, reason
+
+
+def _rejected(spec: StructuredOutputs, error: Exception) -> GrammarError:
+    return GrammarError(spec.kind, _LOG_PREFIX.sub("", str(error).strip()))
+
+
+def check_grammar(spec: StructuredOutputs) -> None:
+    """GrammarError if the grammar engine rejects the constraint. Needs no tokenizer, so a command
+    can check its arguments before loading a model; compiling (GrammarCompiler) checks the same."""
+    try:
+        if spec.json is not None:
+            xgr.Grammar.from_json_schema(spec.json, **JSON_FORMAT)
+        elif spec.regex is not None:
+            xgr.Grammar.from_regex(spec.regex)
+        elif spec.choice is not None or spec.grammar is not None:
+            xgr.Grammar.from_ebnf(spec.grammar if spec.grammar is not None else _choice_grammar(spec.choice))
+    except (RuntimeError, ValueError, TypeError) as e:  # xgrammar's errors derive from RuntimeError
+        raise _rejected(spec, e) from e
 
 
 def _choice_grammar(choices: tuple[str, ...]) -> str:
@@ -64,20 +87,17 @@ class GrammarCompiler:
                 return self.compiler.compile_grammar(_choice_grammar(spec.choice))
             return self.compiler.compile_grammar(spec.grammar)
         except (RuntimeError, ValueError, TypeError) as e:  # xgrammar's errors derive from RuntimeError
-            message = _LOG_PREFIX.sub("", str(e).strip())
-            raise GrammarError(f"structured_outputs.{spec.kind} is not accepted by the grammar engine: "
-                               f"{message}") from e
+            raise _rejected(spec, e) from e
         finally:
             self.compile_seconds += time.perf_counter() - start
 
     def matcher(self, spec: StructuredOutputs, output_token_ids: list[int] = ()) -> xgr.GrammarMatcher:
         """A matcher of the constraint that has accepted `output_token_ids` (a request resumed after
-        them); GrammarError if they do not match it."""
+        them); GrammarError if the grammar engine rejects the constraint, ValueError if the tokens do not match it."""
         matcher = xgr.GrammarMatcher(self.compile(spec))
         for token in output_token_ids:
             if not matcher.accept_token(token):
-                raise GrammarError(f"the output tokens already generated do not match structured_outputs."
-                                   f"{spec.kind}")
+                raise ValueError(f"the output tokens already generated do not match structured_outputs.{spec.kind}")
         return matcher
 
     def fill_bitmasks(self, matchers: list[xgr.GrammarMatcher], pin: bool) -> torch.Tensor:

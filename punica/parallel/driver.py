@@ -26,7 +26,7 @@ import torch.multiprocessing as mp
 
 from punica.config import EngineConfig
 from punica.models.loader import DummyWeights
-from punica.parallel.launcher import init_rank
+from punica.parallel.launcher import init_rank, parent_main_not_rerun
 from punica.parallel.worker import worker_main
 
 STOP_WAIT_S = 10.0  # a worker told to stop has this long before it is terminated
@@ -56,7 +56,8 @@ class Workers:
                     target=worker_main, name=f"punica-tp-rank-{rank}", daemon=True,
                     args=(rank, world_size, backend, workdir.name, theirs, source, dtype, config, timeout_s,
                           quantization))
-                process.start()
+                with parent_main_not_rerun():  # it may be no file (stdin) or build this engine again
+                    process.start()
                 theirs.close()  # the worker's end lives in the worker: its death closes the pipe
                 self.processes.append(process)
                 self.conns.append(ours)

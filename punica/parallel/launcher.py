@@ -12,8 +12,11 @@ from __future__ import annotations
 import os
 import sys
 import tempfile
+import threading
 import time
-from collections.abc import Callable
+import types
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, NoReturn
@@ -21,6 +24,28 @@ from typing import Any, NoReturn
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+_MAIN_SWAP = threading.Lock()
+
+
+@contextmanager
+def parent_main_not_rerun() -> Iterator[None]:
+    """Processes started (spawn) inside this block do not run the parent's __main__ again.
+
+    multiprocessing's spawn runs the parent's main script (or module) once more in each child,
+    before it unpickles the child's target, so that functions defined there can be found. A rank
+    runs only punica's code, and the parent's main may be no file at all (`python - < script.py`
+    names it "<stdin>", which the child cannot open) or a script without an `if __name__ ==
+    "__main__":` guard, whose engine each rank would build again. A process takes its preparation
+    data from sys.modules["__main__"] as it starts; a bare module stands in for the parent's main
+    meanwhile, so the child keeps its own main."""
+    with _MAIN_SWAP:
+        main = sys.modules["__main__"]
+        sys.modules["__main__"] = types.ModuleType("__main__")
+        try:
+            yield
+        finally:
+            sys.modules["__main__"] = main
 
 
 def init_rank(rank: int, world_size: int, backend: str, workdir: str | Path, timeout_s: float) -> torch.device:

@@ -49,6 +49,8 @@ class ServerArgs:
 
     def __post_init__(self):
         object.__setattr__(self, "adapter_dir", tuple(self.adapter_dir))
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"port must be in [0, 65535], got {self.port}")
         if self.max_queue < 0 or self.max_request_bytes < 1:
             raise ValueError(f"max_queue must be >= 0 and max_request_bytes >= 1, got {self.max_queue} and "
                              f"{self.max_request_bytes}")

@@ -18,9 +18,11 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from punica.engine.engine import RequestOutput
 from punica.engine.sampling_params import SamplingParams
+from punica.engine.structured import GrammarError
 from punica.server.interrupts import DISCONNECT, Interrupt
 from punica.server.limits import PromptBound
 from punica.server.protocol import ChatCompletionRequest, CompletionRequest, ProtocolError, SamplingFields
+from punica.server.structured_fields import Constraint
 from punica.server.tenants import Caller
 from punica.server.tools import Tools, ToolStream, parse_tools, render_without_template_tools, template_supports_tools
 
@@ -49,12 +51,13 @@ class OpenAIHandlers:
         adapter = await self.state.resolve_model(body.model, caller)
         prompts = await asyncio.to_thread(self._tokenize, body.prompts())  # off the event loop: it can take seconds
         max_tokens = body.max_tokens_or_default()
+        constraint = body.constraint()
         choices = self._choices("cmpl", body, prompts, lambda ids: max_tokens, body.logprobs is not None,
-                                body.logprobs or 0, body.constraint(), body.logprobs if body.echo else None)
+                                body.logprobs or 0, constraint, body.logprobs if body.echo else None)
         if body.echo:
             texts = [self._echo_text(p, ids) for p, ids in zip(body.prompts(), prompts)]
             choices = [dataclasses.replace(c, echo=texts[c.index // body.num_choices]) for c in choices]
-        return await self._respond("text_completion", body, adapter, choices, request, caller.tenant)
+        return await self._respond("text_completion", body, adapter, choices, request, constraint, caller.tenant)
 
     async def chat(self, body: ChatCompletionRequest, request: Request, caller: Caller):
         body.check_supported()
@@ -68,7 +71,7 @@ class OpenAIHandlers:
             if constraint is not None:
                 raise ProtocolError(f'tool_choice "{tools.choice}" constrains the output, and so does '
                                     "response_format (or structured_outputs): set one of them", param="tool_choice")
-            constraint = tools.constraint()
+            constraint = Constraint(tools.constraint(), "tools")
         prompt_ids = await asyncio.to_thread(self._chat_prompt_ids, messages, tools)
         limit = body.completion_limit()
         max_model_len = self.state.max_model_len
@@ -77,7 +80,7 @@ class OpenAIHandlers:
                                 bool(body.logprobs), body.top_logprobs or 0, constraint)
         if tools is not None and tools.choice != "none":
             choices = [dataclasses.replace(c, tools=tools) for c in choices]
-        return await self._respond("chat.completion", body, adapter, choices, request, caller.tenant)
+        return await self._respond("chat.completion", body, adapter, choices, request, constraint, caller.tenant)
 
     # shared ------------------------------------------------------------------------------
     def _tokenize(self, prompts: list[str | list[int]]) -> list[list[int]]:
@@ -109,7 +112,8 @@ class OpenAIHandlers:
         return tok.encode(text, add_special_tokens=False)
 
     def _choices(self, prefix: str, body: SamplingFields, prompts: list[list[int]], max_tokens_of,
-                 logprobs: bool, top_logprobs: int, constraint, prompt_logprobs: int | None = None) -> list[Choice]:
+                 logprobs: bool, top_logprobs: int, constraint: Constraint | None,
+                 prompt_logprobs: int | None = None) -> list[Choice]:
         base = f"{prefix}-{uuid.uuid4().hex}"
         choices = []
         for p, ids in enumerate(prompts):
@@ -123,12 +127,13 @@ class OpenAIHandlers:
                     f"completion). Please reduce the prompt or max_tokens.", param="max_tokens")
             for j in range(body.num_choices):
                 index = p * body.num_choices + j
-                params = body.sampling_params(max_tokens, logprobs, j, top_logprobs, constraint, prompt_logprobs)
+                params = body.sampling_params(max_tokens, logprobs, j, top_logprobs,
+                                              constraint.spec if constraint is not None else None, prompt_logprobs)
                 choices.append(Choice(index, f"{base}-{index}", ids, params))
         return choices
 
     async def _respond(self, kind: str, body: SamplingFields, adapter: str | None, choices: list[Choice],
-                       request: Request, tenant: str | None):
+                       request: Request, constraint: Constraint | None, tenant: str | None):
         self.state.check_queue(len(choices))
         first = choices[0]
         interrupt = Interrupt(request.receive, self.state.in_flight)
@@ -138,6 +143,10 @@ class OpenAIHandlers:
         try:
             # the first choice goes in before the response starts, so a rejected request is a clean 400
             head = await _unless_interrupted(anext(gens[0]), interrupt)
+        except GrammarError as e:  # only a constrained request meets it; named by the field that constrained it
+            interrupt.close()
+            raise ProtocolError(f"{constraint.field} is not accepted by the grammar engine: {e.reason}",
+                                param=constraint.field) from e
         except ValueError as e:  # a SamplingParamsError (lora_scale on the base model) names its field
             interrupt.close()
             raise ProtocolError(str(e), param=getattr(e, "field", None)) from e

@@ -26,7 +26,7 @@ from punica.engine.sampling_params import (
     offset_seed,
 )
 from punica.server.protocol_errors import ProtocolError, unsupported
-from punica.server.structured_fields import constraint_spec
+from punica.server.structured_fields import Constraint, constraint_spec
 
 STRICT = ConfigDict(extra="forbid", strict=True)
 MAX_ADAPTER_NAME_CHARS = 128  # the engine checks which characters a name may have
@@ -142,8 +142,8 @@ class SamplingFields(RequestBody):
     def check_supported(self) -> None:
         self.constraint()
 
-    def constraint(self) -> StructuredOutputs | None:
-        """What the output must match (a 400 naming the field for a malformed one)."""
+    def constraint(self) -> Constraint | None:
+        """What the output must match, and the field that says so (a 400 naming the field for a malformed one)."""
         return constraint_spec(self)
 
     def token_bias(self) -> dict[int, float]:

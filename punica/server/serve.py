@@ -1,8 +1,9 @@
-"""`punica serve`: load the model and adapters, start the engine thread, run uvicorn."""
+"""`punica serve`: bind the address, load the model and adapters, start the engine thread, run uvicorn."""
 
 from __future__ import annotations
 
 import logging
+import socket
 from pathlib import Path
 
 from punica.config import EngineArgs
@@ -95,15 +96,52 @@ def build_state(args: EngineArgs, adapters: dict[str, str] | None = None, server
     return state
 
 
+def bind(host: str, port: int) -> list[socket.socket]:
+    """Sockets bound to every address of `host` at `port` (as asyncio's create_server binds them),
+    for uvicorn to listen on; ValueError naming the address if one cannot be bound (a port in use)."""
+    try:
+        addresses = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as e:
+        raise ValueError(f"--host {host!r}: {e.strerror}") from e
+    sockets: list[socket.socket] = []
+    try:
+        for family, kind, proto, _, address in dict.fromkeys(addresses):
+            sock = socket.socket(family, kind, proto)
+            sockets.append(sock)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if family == socket.AF_INET6:  # as asyncio: the IPv4 addresses get sockets of their own
+                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            try:
+                sock.bind(address)
+            except OSError as e:
+                where = f"[{address[0]}]:{port}" if family == socket.AF_INET6 else f"{address[0]}:{port}"
+                raise ValueError(f"cannot listen on {where}: {e.strerror} (choose another --port or --host)") from e
+    except BaseException:
+        for sock in sockets:
+            sock.close()
+        raise
+    return sockets
+
+
 def serve(args: EngineArgs, server: ServerArgs, adapters: dict[str, str] | None = None) -> None:
+    """Serve until SIGTERM or SIGINT. The address is bound first, so that a port in use is a
+    ValueError before anything loads; it is held while the model loads (connections are refused
+    until the server listens)."""
     import uvicorn
 
     from punica.server.shutdown import GracefulServer
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    state = build_state(args, adapters, server)
+    host = server.host
+    sockets = bind(host, server.port)
+    port = sockets[0].getsockname()[1]  # --port 0: the one the system chose
+    try:
+        state = build_state(args, adapters, server)
+    except BaseException:
+        for sock in sockets:
+            sock.close()
+        raise
     app = build_app(state, server.max_request_bytes, tenants_file=server.tenants)
-    host, port = server.host, server.port
     log.info("serving the OpenAI API at http://%s:%d/v1 and the playground at http://%s:%d/", host, port, host, port)
     config = uvicorn.Config(app, host=host, port=port, log_level="info")
-    GracefulServer(config, state.in_flight, server.shutdown_timeout).run()
+    GracefulServer(config, state.in_flight, server.shutdown_timeout).run(sockets)

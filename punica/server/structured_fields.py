@@ -2,10 +2,12 @@
 OpenAI's `response_format` (json_object, json_schema) and vLLM's extensions (`structured_outputs`,
 and the older `guided_json`, `guided_regex`, `guided_choice`, `guided_grammar`). A request sets at
 most one of them; a malformed one is a 400 naming it (the grammar engine's own checks come when
-the engine compiles it, also before anything is queued)."""
+the engine compiles it, also before anything is queued; its 400 names the field too, by the
+request's Constraint)."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 from punica.engine.sampling_params import SamplingParamsError, StructuredOutputs
@@ -16,18 +18,28 @@ GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice"
 STRUCTURED_KEYS = {"json", "json_object", "regex", "choice", "grammar"}
 
 
-def _spec(field: str, **kwargs) -> StructuredOutputs:
-    """The StructuredOutputs of `kwargs`, set by the request field `field`; its errors name that field."""
+@dataclass(frozen=True)
+class Constraint:
+    """What a request's output must match, and the request field that says so (`response_format`,
+    `response_format.json_schema.schema`, `structured_outputs.regex`, `guided_json`, `tools`, ...),
+    which the grammar engine's rejection of it names."""
+    spec: StructuredOutputs
+    field: str
+
+
+def _spec(field: str, **kwargs) -> Constraint:
+    """The constraint of `kwargs`, set by the request field `field`; its errors name that field."""
     try:
-        return StructuredOutputs(**kwargs)
+        spec = StructuredOutputs(**kwargs)
     except SamplingParamsError as e:
         message = str(e)
         if field != "structured_outputs" and len(kwargs) == 1:
             message = message.replace(f"structured_outputs.{next(iter(kwargs))}", field)
         raise ProtocolError(message, param=field) from e
+    return Constraint(spec, f"structured_outputs.{spec.kind}" if field == "structured_outputs" else field)
 
 
-def response_format_spec(value: dict[str, Any] | None) -> StructuredOutputs | None:
+def response_format_spec(value: dict[str, Any] | None) -> Constraint | None:
     """OpenAI's response_format: text (None), json_object, or json_schema {name, schema, strict, description}."""
     if value is None:
         return None
@@ -50,9 +62,9 @@ def response_format_spec(value: dict[str, Any] | None) -> StructuredOutputs | No
                         '"json_schema", "json_schema": {...}}', param="response_format")
 
 
-def constraint_spec(body) -> StructuredOutputs | None:
+def constraint_spec(body) -> Constraint | None:
     """The one constraint a request sets (its response_format, structured_outputs or a guided_* field)."""
-    given: dict[str, StructuredOutputs] = {}
+    given: dict[str, Constraint] = {}
     spec = response_format_spec(body.response_format)
     if spec is not None:
         given["response_format"] = spec

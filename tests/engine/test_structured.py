@@ -7,7 +7,7 @@ import torch
 from punica.engine.request import Request
 from punica.engine.sampler import sample
 from punica.engine.sampling_params import SamplingParams, SamplingParamsError, StructuredOutputs
-from punica.engine.structured import apply_bitmasks
+from punica.engine.structured import GrammarError, apply_bitmasks, check_grammar
 
 # bf16 logits of the tiny model (|logit| < 1) against fp32 ones: a few bf16 ulps at most
 BF16_LOGPROB_TOL = 0.02
@@ -32,6 +32,22 @@ def test_out_of_range_params_name_their_field(kwargs, field):
     with pytest.raises(SamplingParamsError) as e:
         SamplingParams(**kwargs)
     assert e.value.field == field
+
+
+@pytest.mark.parametrize("spec, fragment", [(StructuredOutputs(json={"type": "objectx"}), 'Unsupported type "objectx"'),
+                                            (StructuredOutputs(regex="(a"), "parenthesis"),
+                                            (StructuredOutputs(grammar="root ::= missing"), "missing")])
+def test_check_grammar_rejects_without_a_tokenizer_what_compiling_rejects(spec, fragment):
+    with pytest.raises(GrammarError, match=fragment) as e:
+        check_grammar(spec)
+    assert e.value.kind == spec.kind and str(e.value).startswith(f"structured_outputs.{spec.kind} is not accepted")
+
+
+def test_check_grammar_accepts_every_kind_of_valid_constraint():
+    for spec in (StructuredOutputs(json={"type": "object"}), StructuredOutputs(json_object=True),
+                 StructuredOutputs(regex="[a-f]+"), StructuredOutputs(choice=["yes", "no"]),
+                 StructuredOutputs(grammar='root ::= "a" | "b"')):
+        assert check_grammar(spec) is None
 
 
 def test_schema_text_keeps_property_order():

@@ -59,16 +59,25 @@ def test_vllm_fields_regex_choice_grammar(client, server):
     assert text[0] == "a" and text[-1] == "." and set(text[1:-1]) <= {"b", "c"}
 
 
-@pytest.mark.parametrize("extra, fragment", [
+BAD_TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "objectx"}}}
+
+
+@pytest.mark.parametrize("extra, param, fragment", [
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "objectx"}}}},
-     "objectx"),
-    ({"guided_grammar": "root ::= undefined_rule"}, "undefined_rule"),
-    ({"guided_regex": "a", "response_format": {"type": "json_object"}}, "at most one"),
+     "response_format.json_schema.schema", 'Unsupported type "objectx"'),
+    ({"guided_json": {"type": "objectx"}}, "guided_json", "objectx"),
+    ({"structured_outputs": {"regex": "(a"}}, "structured_outputs.regex", "parenthesis"),
+    ({"guided_grammar": "root ::= undefined_rule"}, "guided_grammar", "undefined_rule"),
+    ({"tools": [BAD_TOOL], "tool_choice": "required"}, "tools", "objectx"),
+    ({"guided_regex": "a", "response_format": {"type": "json_object"}}, "response_format", "at most one"),
 ])
-def test_invalid_constraints_are_a_400_naming_the_problem(client, extra, fragment):
+def test_invalid_constraints_are_a_400_naming_the_problem_and_the_field(client, extra, param, fragment):
     with pytest.raises(openai.BadRequestError) as e:
         client.chat.completions.create(model="tenant-0", messages=ASK, max_tokens=4, extra_body=extra)
-    assert fragment in e.value.message
+    assert fragment in e.value.message and e.value.param == param
+    if fragment != "at most one":  # the grammar engine's rejection names the request's own field
+        assert f"{param} is not accepted by the grammar engine: " in e.value.message
+        assert param.startswith("structured_outputs") or "structured_outputs" not in e.value.message
 
 
 @pytest.mark.slow
