@@ -36,7 +36,7 @@ from torch import nn
 
 from punica.config import ModelConfig, RopeConfig
 from punica.lora.batch import LoraBatch
-from punica.models.quantized import Fp8Format, Fp8Linear, projection
+from punica.models.quantized import Fp8Format, Fp8Linear, Linear, projection
 from punica.ops.attention import AttnBatch, paged_attention, rope_and_write_kv_, softcap_ref
 from punica.ops.kv_cache import KVCache
 from punica.ops.layers import gelu_tanh_and_mul, rms_norm, silu_and_mul
@@ -133,7 +133,7 @@ class DecoderLayer(nn.Module):
         # hold a shard of o_proj and down_proj; their partial outputs are summed over it.
         self.tp_group: dist.ProcessGroup | None = None
 
-    def _project(self, linear: nn.Linear | Fp8Linear, x: torch.Tensor, group: str, lora: LoraBatch,
+    def _project(self, linear: Linear | Fp8Linear, x: torch.Tensor, group: str, lora: LoraBatch,
                  lora_weights: LoraWeights | None) -> torch.Tensor:
         """The fused base GEMM of a projection group plus its LoRA deltas (one shrink, one expand)."""
         w = lora_weights.weights(self.index, group) if lora_weights is not None and lora.any_lora else None
@@ -211,7 +211,7 @@ class DecoderForCausalLM(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(config, i, weight_format, **factory)
                                     for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, **factory)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False, **factory)
+        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False, **factory)
         self.tie_weights()
         self.requires_grad_(False)
         # sqrt(hidden) rounded to the dtype, as transformers' Gemma has it

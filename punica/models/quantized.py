@@ -1,4 +1,5 @@
-"""FP8 base weights of the decoder's fused projections (qkv, o, gate_up, down).
+"""The decoder's base projections (qkv, o, gate_up, down, lm_head): `Linear` in the activation
+dtype, or FP8 base weights for the fused four.
 
 `Fp8Format` says how a model's projections are stored: e4m3 weights with per-output-channel
 scales (block_size None: `--quantization fp8`, and checkpoints with per-tensor or per-channel
@@ -21,6 +22,7 @@ from torch import nn
 
 from punica.config import ceil_div
 from punica.ops.fp8 import FP8_DTYPE, dequantize, fp8_linear
+from punica.ops.linear import linear
 
 
 @dataclass(frozen=True)
@@ -35,6 +37,14 @@ class Fp8Format:
         if self.block_size is None:
             return (out_features,)
         return ceil_div(out_features, self.block_size[0]), ceil_div(in_features, self.block_size[1])
+
+
+class Linear(nn.Linear):
+    """nn.Linear whose forward is punica.ops.linear.linear: a decode step's few rows run the skinny
+    Triton GEMM where it beats cuBLAS."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.weight, self.bias)
 
 
 class Fp8Linear(nn.Module):
@@ -62,8 +72,8 @@ class Fp8Linear(nn.Module):
 
 
 def projection(in_features: int, out_features: int, bias: bool, fmt: Fp8Format | None, dtype: torch.dtype,
-               device: torch.device | str) -> nn.Linear | Fp8Linear:
-    """One of a layer's fused projections: nn.Linear in `dtype`, or Fp8Linear in format `fmt`."""
+               device: torch.device | str) -> Linear | Fp8Linear:
+    """One of a layer's fused projections: Linear in `dtype`, or Fp8Linear in format `fmt`."""
     if fmt is None:
-        return nn.Linear(in_features, out_features, bias=bias, dtype=dtype, device=device)
+        return Linear(in_features, out_features, bias=bias, dtype=dtype, device=device)
     return Fp8Linear(in_features, out_features, bias, fmt, dtype, device)

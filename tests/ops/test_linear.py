@@ -1,0 +1,99 @@
+"""The skinny GEMM (punica.ops.linear_triton) against F.linear on fresh random inputs: token counts
+up to MAX_SKINNY_TOKENS, odd N and K, K slices that do and do not divide K, bias, strided rows.
+
+Without a GPU the kernel runs under Triton's interpreter (tests/ops/conftest.py) on CPU tensors;
+tests marked `cuda` run the public op at a 7B model's shapes on the GPU.
+"""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from punica.ops import linear as ops
+from punica.ops.linear_tiles import MAX_SKINNY_TOKENS, Tile, skinny_tile
+from punica.ops.linear_triton import skinny_linear_triton
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+TOL = {torch.float32: (1e-5, 1e-5), torch.bfloat16: (2e-2, 2e-2), torch.float16: (4e-3, 4e-3)}
+
+
+def reference(x, weight, bias):
+    """F.linear in fp32 on the same (rounded) operands, rounded once to x's dtype."""
+    return F.linear(x.float(), weight.float(), None if bias is None else bias.float()).to(x.dtype)
+
+
+@pytest.mark.parametrize("tokens,n,k,tile", [
+    (1, 40, 96, Tile(16, 32, 1, 4, 1)),     # N past the last full tile, K past the last full step
+    (5, 33, 160, Tile(16, 32, 3, 4, 1)),    # 3 K slices of 64, the last short
+    (17, 64, 256, Tile(32, 64, 2, 4, 1)),   # 2 K slices that divide K (no K mask)
+    (32, 48, 64, Tile(16, 16, 1, 4, 1)),    # one K step per program
+])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_skinny_kernel_matches_reference(tokens, n, k, tile, dtype, with_bias):
+    gen = torch.Generator().manual_seed(tokens * 1000 + n)
+    x = torch.randn(tokens, k, generator=gen).to(dtype).to(DEVICE)
+    weight = (torch.randn(n, k, generator=gen) * 0.1).to(dtype).to(DEVICE)
+    bias = torch.randn(n, generator=gen).to(dtype).to(DEVICE) if with_bias else None
+    out = skinny_linear_triton(x, weight, bias, tile)
+    assert out.dtype == dtype and out.shape == (tokens, n)
+    torch.testing.assert_close(out, reference(x, weight, bias), rtol=TOL[dtype][0], atol=TOL[dtype][1])
+
+
+def test_skinny_kernel_reads_strided_rows():
+    """x as every other row of a wider tensor (rows strided, K contiguous)."""
+    gen = torch.Generator().manual_seed(0)
+    wide = torch.randn(6, 2, 80, generator=gen).to(DEVICE)
+    x = wide[:, 1]
+    weight = torch.randn(24, 80, generator=gen).to(DEVICE)
+    out = skinny_linear_triton(x, weight, None, Tile(16, 32, 2, 4, 1))
+    torch.testing.assert_close(out, reference(x, weight, None), rtol=1e-5, atol=1e-5)
+
+
+def test_skinny_tile_only_for_few_half_precision_rows_of_large_weights():
+    for n, k in [(12288, 4096), (4096, 4096), (22016, 4096), (4096, 11008), (32000, 4096)]:
+        for dtype in (torch.bfloat16, torch.float16):
+            assert skinny_tile(1, n, k, dtype) is not None and skinny_tile(MAX_SKINNY_TOKENS, n, k, dtype) is not None
+            assert skinny_tile(MAX_SKINNY_TOKENS + 1, n, k, dtype) is None
+        assert skinny_tile(1, n, k, torch.float32) is None
+    assert skinny_tile(1, 576, 576, torch.bfloat16) is None
+
+
+def test_linear_on_cpu_is_f_linear():
+    gen = torch.Generator().manual_seed(1)
+    x, weight = torch.randn(3, 20, generator=gen), torch.randn(7, 20, generator=gen)
+    bias = torch.randn(7, generator=gen)
+    assert torch.equal(ops.linear(x, weight, bias), F.linear(x, weight, bias))
+
+
+# ---- GPU, a 7B model's shapes -------------------------------------------------------------
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("n,k", [(12288, 4096), (4096, 4096), (22016, 4096), (4096, 11008), (32000, 4096)])
+@pytest.mark.parametrize("tokens", [1, 2, 8, 16, 17])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_real_shapes_through_public_op(n, k, tokens, dtype):
+    """The skinny kernel up to MAX_SKINNY_TOKENS rows, cuBLAS beyond: the same function."""
+    gen = torch.Generator(device="cuda").manual_seed(n + k + tokens)
+    x = torch.randn(tokens, k, device="cuda", generator=gen).to(dtype)
+    weight = (torch.randn(n, k, device="cuda", generator=gen) * 0.02).to(dtype)
+    bias = torch.randn(n, device="cuda", generator=gen).to(dtype)
+    out = ops.linear(x, weight, bias)
+    expect = reference(x, weight, bias)
+    assert out.isfinite().all()
+    assert ((out.float() - expect.float()).norm() / expect.float().norm()).item() < 1e-2
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("tile", [Tile(16, 256, 1, 4, 4), Tile(32, 256, 2, 4, 4), Tile(64, 128, 1, 4, 4),
+                                  Tile(16, 512, 1, 4, 3)], ids=str)
+@pytest.mark.parametrize("n,k", [(12288, 4096), (4096, 11008)])
+@pytest.mark.parametrize("tokens", [1, 32])
+def test_real_shapes_each_tile(tile, n, k, tokens):
+    """The kernel itself at a 7B model's shapes, whichever tile punica.ops.linear_tiles picks."""
+    gen = torch.Generator(device="cuda").manual_seed(n + tokens)
+    x = torch.randn(tokens, k, device="cuda", generator=gen).to(torch.bfloat16)
+    weight = (torch.randn(n, k, device="cuda", generator=gen) * 0.02).to(torch.bfloat16)
+    out = skinny_linear_triton(x, weight, None, tile)
+    expect = reference(x, weight, None)
+    assert ((out.float() - expect.float()).norm() / expect.float().norm()).item() < 1e-2
