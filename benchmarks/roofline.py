@@ -10,14 +10,18 @@ For each context c and batch b: b requests with c-token random prompts are prefi
 every request has its first token, --warmup steps run, then --steps steps are timed one by one
 (wall clock around `engine.step()`, CUDA synchronized before and after: scheduling, the model
 run (a CUDA graph replay where the engine captures decode graphs), sampling and bookkeeping);
-each timed step must decode all b requests. step_ms is their median.
+each timed step must decode all b requests. step_ms is their median. Then --steps more steps run
+back to back (no synchronization between them, as a server runs them: a step launches the next
+before it reads the previous one's tokens, so its host work overlaps the device's), and
+steady_ms is their mean wall time: the device's time per step where the host keeps up with it.
 
 floor_ms = (weight bytes + KV bytes + LoRA bytes) / copy bandwidth: every weight except the
 embedding table (b rows of it), the KV cache of the b requests at the timed steps' mean
 context, and each distinct adapter's A and B for the 7 projections of every layer, read once
 from memory at the device-to-device copy rate measured in the same run (CUDA:
 benchmarks.common.copy_bandwidth; CPU: median wall time of a 256 MiB copy). Activations and
-logits are left out. ratio = step_ms / floor_ms (issue target on an H200: <= 1.3 at batch 32).
+logits are left out. ratio = step_ms / floor_ms (issue target on an H200: <= 1.3 at batch 32);
+steady_ratio = steady_ms over the floor at the back-to-back steps' mean context.
 --quantizations: all of it once per format of the same dummy weights (none: the dtype's; fp8:
 e4m3 projections with per-channel scales, whose floor counts their 1-byte weights and 4-byte
 scales; "+fp8kv": an fp8 KV cache, whose floor counts 1-byte K and V and a 4-byte scale per
@@ -86,10 +90,11 @@ def sync(device: torch.device) -> None:
 
 
 def decode_step_seconds(engine: Engine, prompts: list[list[int]], adapters: list[str | None], warmup: int,
-                        steps: int, device: torch.device) -> tuple[list[float], float]:
+                        steps: int, device: torch.device) -> tuple[list[float], float, float, float]:
     """Seconds of each of `steps` decode-only steps of these requests (see the module docstring),
-    and the requests' mean context over those steps."""
-    params = SamplingParams(max_tokens=warmup + steps + SLACK, temperature=0, ignore_eos=True)
+    the requests' mean context over those steps, then the mean seconds of `steps` more steps run
+    back to back and the mean context over those."""
+    params = SamplingParams(max_tokens=warmup + 2 * steps + SLACK, temperature=0, ignore_eos=True)
     ids = [engine.add_request(p, params, a) for p, a in zip(prompts, adapters)]
     started: set[str] = set()
     while len(started) < len(ids):  # prefill (fused with early decodes) until all have a first token
@@ -105,9 +110,18 @@ def decode_step_seconds(engine: Engine, prompts: list[list[int]], adapters: list
         sync(device)
         times.append(time.perf_counter() - start)
         assert len(outputs) == len(ids), f"a timed step decoded {len(outputs)} of {len(ids)} requests"
+    steady_contexts = []
+    sync(device)
+    start = time.perf_counter()
+    for _ in range(steps):
+        steady_contexts.extend(engine.requests[i].num_tokens for i in ids)
+        outputs = engine.step()
+        assert len(outputs) == len(ids), f"a timed step decoded {len(outputs)} of {len(ids)} requests"
+    sync(device)
+    steady = (time.perf_counter() - start) / steps
     for request_id in ids:
         engine.abort(request_id)
-    return times, statistics.mean(contexts)
+    return times, statistics.mean(contexts), steady, statistics.mean(steady_contexts)
 
 
 def weight_bytes(model, batch: int) -> int:
@@ -169,18 +183,21 @@ def measure(engine_args: EngineArgs, config, dtype: torch.dtype, device: torch.d
                 for batch in args.batches:
                     prompts = [[rng.randrange(3, config.vocab_size) for _ in range(context)] for _ in range(batch)]
                     adapters = list(names)[:batch] if names else [None] * batch
-                    times, mean_context = decode_step_seconds(engine, prompts, adapters, args.warmup,
-                                                              args.steps, device)
+                    times, mean_context, steady, steady_context = decode_step_seconds(
+                        engine, prompts, adapters, args.warmup, args.steps, device)
                     step = statistics.median(times)
                     nbytes = {"weight": weight_bytes(shard, batch),
                               "kv": int(batch * mean_context * per_token_kv),
                               "lora": per_adapter * len(set(adapters) - {None})}
                     floor = sum(nbytes.values()) / bandwidth
+                    steady_floor = floor + batch * (steady_context - mean_context) * per_token_kv / bandwidth
                     rows.append({"quantization": quantization, "lora": lora, "context": context, "batch": batch,
                                  "step_ms": 1e3 * step, "floor_ms": 1e3 * floor, "ratio": step / floor,
+                                 "steady_ms": 1e3 * steady, "steady_floor_ms": 1e3 * steady_floor,
+                                 "steady_ratio": steady / steady_floor,
                                  **{f"{k}_gb": v / 1e9 for k, v in nbytes.items()}})
                     print(f"{quantization} {lora} context {context} batch {batch}: step {1e3 * step:.2f} ms, "
-                          f"floor {1e3 * floor:.2f} ms", flush=True)
+                          f"floor {1e3 * floor:.2f} ms, back to back {1e3 * steady:.2f} ms", flush=True)
             cuda_graphs = engine.executor.worker.uses_cuda_graphs
             del engine, shard
             if device.type == "cuda":
@@ -216,7 +233,7 @@ def main() -> None:
     print(f"copy bandwidth {bandwidth / 1e9:.1f} GB/s (read + written)", flush=True)
     tp = args.tensor_parallel_size
     max_batch = max(args.batches)
-    kv_tokens = max_batch * (max(args.contexts) + args.warmup + args.steps + SLACK + 2 * PAGE_SIZE)
+    kv_tokens = max_batch * (max(args.contexts) + args.warmup + 2 * args.steps + SLACK + 2 * PAGE_SIZE)
     engine_args = from_arguments(EngineArgs, args, model=args.preset, load_format="dummy", max_batch_size=max_batch,
                                  max_loras=max_batch, max_lora_rank=args.rank, page_size=PAGE_SIZE,
                                  kv_cache_tokens=kv_tokens, max_num_batched_tokens=kv_tokens)
@@ -238,9 +255,9 @@ def main() -> None:
     write_results(args.out, "roofline", rows, meta)
     plot(rows, args.out / "roofline.png", f"{args.preset} decode step vs memory floor, {meta['device']}")
     print(meta)
-    table = [{**r, "ratio": f"{r['ratio']:.2f}x"} for r in rows]
-    print(format_table(table, ["quantization", "lora", "context", "batch", "step_ms", "floor_ms", "ratio", "weight_gb",
-                               "kv_gb", "lora_gb"]))
+    table = [{**r, "ratio": f"{r['ratio']:.2f}x", "steady_ratio": f"{r['steady_ratio']:.2f}x"} for r in rows]
+    print(format_table(table, ["quantization", "lora", "context", "batch", "step_ms", "floor_ms", "ratio", "steady_ms",
+                               "steady_ratio", "weight_gb", "kv_gb", "lora_gb"]))
 
 
 if __name__ == "__main__":
