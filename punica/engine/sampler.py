@@ -11,8 +11,23 @@ from punica.engine.request import Request
 from punica.engine.structured import apply_bitmasks
 from punica.ops.transfer import to_device
 
-SEED_STRIDE = 1_000_003
-SEED_MODULUS = 1 << 64  # torch generators take 64-bit seeds
+MASK_64 = (1 << 64) - 1
+
+
+def _mix_64(z: int) -> int:
+    """SplitMix64's finalizer: a bijection of 64-bit integers in which every input bit flips each
+    output bit with probability about 1/2."""
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & MASK_64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & MASK_64
+    return z ^ (z >> 31)
+
+
+def position_seed(seed: int, position: int) -> int:
+    """The generator seed of a seeded request's token at `position` (its count of output tokens so
+    far): the same whatever the batch, even after a preemption or a migration. Every bit of the
+    64-bit seed (taken modulo 2**64) reaches every bit of the result, the low 32 bits included,
+    which are all that torch's CPU generator (mt19937) keeps of a seed."""
+    return _mix_64((_mix_64(seed & MASK_64) + position) & MASK_64)
 
 
 def apply_penalties(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
@@ -102,9 +117,8 @@ def sample(logits: torch.Tensor, requests: list[Request],
         probs = torch.where(valid, probs, 1.0)
         generator = None
         if p.seed is not None:
-            # seeded by position: the same tokens whatever the batch, even after a preemption
             generator = torch.Generator(device=logits.device)
-            generator.manual_seed((p.seed * SEED_STRIDE + len(request.output_token_ids)) % SEED_MODULUS)
+            generator.manual_seed(position_seed(p.seed, len(request.output_token_ids)))
         tokens[row] = torch.multinomial(probs, 1, generator=generator)[0]
     if logprobs_all is None:
         return Sampled(tokens, ok, None, None)

@@ -78,6 +78,24 @@ def test_every_accepted_seed_samples(seed):
     assert 0 <= tokens.item() < 16 and ok.item()
 
 
+@pytest.mark.parametrize("bit", [32, 48, 63])
+def test_seeds_differing_in_one_high_bit_sample_differently(bit):
+    """Every bit of a 64-bit seed counts, also on CPU, whose generator keeps a seed's low 32 bits only."""
+    logits = torch.zeros(1, 1000)
+
+    def tokens(seed: int) -> list[int]:
+        request = Request("r", [1], SamplingParams(seed=seed))
+        sampled = []
+        for position in range(8):
+            request.output_token_ids = sampled[:position]
+            sampled.append(sample(logits, [request]).tokens.item())
+        return sampled
+
+    seed = 12345
+    assert tokens(seed) == tokens(seed)
+    assert tokens(seed) != tokens(seed ^ (1 << bit))
+
+
 def test_accepted_values_and_conversions():
     p = SamplingParams(max_tokens=1, temperature=0, top_k=-1, top_p=1, min_p=0, seed=(1 << 64) - 1,
                        stop="end", stop_token_ids=[0, 5], repetition_penalty=1)
