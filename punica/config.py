@@ -185,8 +185,12 @@ class EngineConfig:
                                               "(page-locked at start on CUDA)")
     enforce_eager: bool = described(False, "CUDA: run every step eagerly, not as captured CUDA graphs")
     overlap_steps: bool = described(True, "schedule step t+1 before step t's tokens reach the host")
+    # no flag of its own: punica serve's --adapter-dir. An adapter inside one of these directories
+    # reads only files inside it (punica.lora.adapter_files)
+    adapter_dirs: tuple[str, ...] = ()
 
     def __post_init__(self):
+        object.__setattr__(self, "adapter_dirs", tuple(str(d) for d in self.adapter_dirs))
         for name in ("max_batch_size", "page_size", "max_num_batched_tokens", "max_loras", "max_lora_rank",
                      "lora_host_bytes"):
             if getattr(self, name) < 1:

@@ -72,6 +72,7 @@ class ClusterEngine:
         self.policy = policy or PunicaPolicy(PolicyConfig(min_gpus=min_workers))
         self.tokenizer, self.adapters = tokenizer, dict(adapters or {})
         self.model_config = None            # from the first worker: what adapters are checked against
+        self.max_lora_rank, self.adapter_dirs = None, ()  # and their rank, and where they are read from
         self._adapters_lock = asyncio.Lock()  # one change of the served set at a time; workers join between
         self.workers: dict[int, ray.actor.ActorHandle] = {}
         self.requests: dict[str, Tracked] = {}
@@ -135,7 +136,8 @@ class ClusterEngine:
         """
         if name in self.adapters:
             raise ValueError(f"adapter {name!r} is already registered")
-        await asyncio.to_thread(load_adapter, path, self.model_config, name)
+        await asyncio.to_thread(load_adapter, path, self.model_config, name, adapter_dirs=self.adapter_dirs,
+                                max_rank=self.max_lora_rank)
         async with self._adapters_lock:
             if name in self.adapters:  # loaded meanwhile
                 raise ValueError(f"adapter {name!r} is already registered")
@@ -259,6 +261,8 @@ class ClusterEngine:
         gpu_id, self._next_id = self._next_id, self._next_id + 1
         self.max_model_len = min(self.max_model_len or info.max_model_len, info.max_model_len)
         self.model_config = self.model_config or info.model_config
+        self.max_lora_rank = min(self.max_lora_rank or info.max_lora_rank, info.max_lora_rank)
+        self.adapter_dirs = info.adapter_dirs
         self.workers[gpu_id] = actor  # no await since the lock: later changes of the set reach it
         self._wake[gpu_id] = asyncio.Event()
         self.policy.add_gpu(gpu_id, info.kv_tokens, time.monotonic())

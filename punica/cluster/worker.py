@@ -25,6 +25,8 @@ class WorkerInfo:
     max_batch_size: int
     max_model_len: int
     model_config: ModelConfig   # what an adapter must fit (the driver checks adapters against it)
+    max_lora_rank: int          # the rank it must fit
+    adapter_dirs: tuple[str, ...]  # an adapter inside one reads only files inside it
 
 
 @dataclass(frozen=True)
@@ -50,8 +52,9 @@ class EngineWorker:
 
     def info(self) -> WorkerInfo:
         stats = self.engine.stats()
-        return WorkerInfo(stats.num_kv_pages * self.engine.config.page_size, self.engine.config.max_batch_size,
-                          self.engine.max_model_len, self.engine.executor.model_config)
+        config = self.engine.config
+        return WorkerInfo(stats.num_kv_pages * config.page_size, config.max_batch_size, self.engine.max_model_len,
+                          self.engine.executor.model_config, config.max_lora_rank, config.adapter_dirs)
 
     def adapters(self) -> dict[str, str]:
         """The adapters this worker serves: name -> directory."""

@@ -75,7 +75,8 @@ class Engine:
         if tokenizer is not None and tokenizer.eos_token_id is not None:
             self.eos_token_ids.add(tokenizer.eos_token_id)
         self.overlaps_steps = config.overlap_steps and executor.can_feed_sampled
-        self.adapters = AdapterManager(model_config, executor.adapter_slots, config.lora_host_bytes)
+        self.adapters = AdapterManager(model_config, executor.adapter_slots, config.lora_host_bytes,
+                                       adapter_dirs=config.adapter_dirs)
         for name, path in (adapters or {}).items():
             self.adapters.register(name, path)
         # bound to the manager, not to self: no reference cycle keeps a dropped engine's KV

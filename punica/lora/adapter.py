@@ -17,22 +17,23 @@ each part is a LoRA of the same rank and scale on its projection. Anything the
 canonical layout cannot express exactly is rejected with an AdapterError, never dropped; so is
 an adapter that could overflow the activations of its requests (a non-finite value, a scale
 over MAX_LORA_SCALE, a layer's delta with a gain over MAX_LORA_GAIN).
+What can be refused from adapter_config.json and the safetensors header is refused before any
+tensor is read (punica.lora.adapter_files, which also keeps the reads inside --adapter-dir).
 """
 
 from __future__ import annotations
 
-import json
 import math
 import re
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_file
 
 from punica.config import ModelConfig
+from punica.lora.adapter_files import WeightsFile, confining_dirs, read_json
 
 PROJECTIONS = ("q", "k", "v", "o", "gate", "up", "down")
 
@@ -81,6 +82,9 @@ MAX_LORA_GAIN = 1e3
 # |lora_alpha / r| (or / sqrt(r)): float32 (the pool's scales) holds it with room to spare; real
 # adapters use ~0.1-100, so a larger scale means a broken config (e.g. lora_alpha 1e300).
 MAX_LORA_SCALE = 1e6
+MAX_CONFIG_BYTES = 1 << 20  # adapter_config.json: PEFT writes about 1 kB
+
+
 class AdapterError(ValueError):
     """An adapter directory that cannot be served; the message names the path and the problem."""
 
@@ -174,52 +178,48 @@ class AdapterWeights:
 
 
 def load_adapter(path: str | Path, config: ModelConfig, name: str | None = None,
-                 dtype: torch.dtype = torch.float32) -> LoraAdapter:
-    """Read adapter_config.json and adapter_model.safetensors (or .bin) from a PEFT directory."""
-    return read_adapter(path, config, name, dtype).stacked(config.num_layers)
+                 dtype: torch.dtype = torch.float32, adapter_dirs: Iterable[str | Path] = (),
+                 max_rank: int | None = None) -> LoraAdapter:
+    """Read adapter_config.json and adapter_model.safetensors (or .bin) from a PEFT directory
+    (`read_adapter` says what `adapter_dirs` and `max_rank` refuse)."""
+    return read_adapter(path, config, name, dtype, adapter_dirs, max_rank).stacked(config.num_layers)
 
 
 def read_adapter(path: str | Path, config: ModelConfig, name: str | None = None,
-                 dtype: torch.dtype = torch.float32) -> AdapterWeights:
-    """`load_adapter` without the stacking: every check, each layer's tensors in `dtype`."""
+                 dtype: torch.dtype = torch.float32, adapter_dirs: Iterable[str | Path] = (),
+                 max_rank: int | None = None) -> AdapterWeights:
+    """`load_adapter` without the stacking: every check, each layer's tensors in `dtype`. An adapter
+    inside one of `adapter_dirs` reads only files inside it (punica.lora.adapter_files). A rank over
+    `max_rank` is refused from adapter_config.json, and tensor names, shapes and dtypes from the
+    safetensors header, before any tensor is read."""
     path = Path(path)
 
     def fail(problem: str) -> AdapterError:
         return AdapterError(f"LoRA adapter {path}: {problem}")
 
-    cfg = _read_config(path, fail)
+    dirs = confining_dirs(path, adapter_dirs)
+    cfg = _read_config(path, fail, dirs)
     rank, scale = _check_config(cfg, fail)
+    if max_rank is not None and rank > max_rank:
+        raise fail(f"its rank {rank} is over this engine's max_lora_rank {max_rank} (start it with "
+                   f"--max-lora-rank >= {rank})")
     dora = bool(cfg.get("use_dora"))
-    pairs = _pair_tensors(_read_weights(path, fail), config.num_layers,
-                          cfg.get("layers_to_transform"), dora, fail)
-    shapes = config.projection_shapes()
+    with WeightsFile(path, dirs, _max_weights_bytes(config, rank), _max_header_bytes(config), fail) as weights:
+        shapes = weights.shapes()
+        pairs = _pair_tensors(shapes, config.num_layers, cfg.get("layers_to_transform"), dora, fail)
+        layout = _check_layout(pairs, shapes, config, rank, dora, fail)
+        tensors = weights.tensors()
     checked, magnitude = {}, {}
-    def first_projection(item) -> int:  # in PROJECTIONS order, a fused module at its first part
-        return PROJECTIONS.index(FUSED_PROJECTIONS.get(item[0][0], item[0])[0])
-
-    for (proj, layer), sides in sorted(pairs.items(), key=first_projection):
-        parts = FUSED_PROJECTIONS.get(proj, (proj,))
-        if len(parts) > 1 and not config.fused_projections:
-            raise fail(f"tensor {sides['A'][0]} targets the fused {proj}_proj, which a {config.family} model "
-                       "does not have")
-        h_in = shapes[parts[0]][0]
-        bounds = [0]
-        for part in parts:
-            bounds.append(bounds[-1] + shapes[part][1])
-        a = _checked(*sides["A"], (rank, h_in), 0, proj, dtype, fail)
-        b = _checked(*sides["B"], (bounds[-1], rank), 1, proj, dtype, fail)
-        if dora and config.qkv_bias and any(part in ("q", "k", "v") for part in parts):
-            raise fail(f"DoRA on the biased {proj} projection of a {config.family} model is not supported "
-                       f"(tensor {sides['magnitude'][0]}): DoRA scales the projection's output without its bias")
-        m = _checked(*sides["magnitude"], (bounds[-1],), None, proj, dtype, fail) if dora else None
+    for proj, layer, parts, bounds, sides in layout:
+        a = _converted(sides["A"], tensors[sides["A"]], dtype, fail)
+        b = _converted(sides["B"], tensors[sides["B"]], dtype, fail)
+        m = _converted(sides["magnitude"], tensors[sides["magnitude"]], dtype, fail) if dora else None
         gain = lora_gain(a, b, scale)
         if not gain <= MAX_LORA_GAIN:
-            raise fail(f"layer {layer} {proj} projection ({sides['A'][0]}, {sides['B'][0]}): the delta's gain "
+            raise fail(f"layer {layer} {proj} projection ({sides['A']}, {sides['B']}): the delta's gain "
                        f"|scale| * ||B @ A||_2 is {gain:.3g}, over the limit of {MAX_LORA_GAIN:g} (weights this "
                        "large would make the activations overflow)")
         for part, lo, hi in zip(parts, bounds, bounds[1:]):
-            if (part, layer) in checked:
-                raise fail(f"layer {layer} has tensors for the {part} projection both fused and on its own")
             checked[part, layer] = (a, b[lo:hi] if len(parts) > 1 else b)
             if m is not None:
                 magnitude[part, layer] = m[lo:hi]
@@ -236,19 +236,60 @@ def read_adapter(path: str | Path, config: ModelConfig, name: str | None = None,
                           magnitude=magnitude)
 
 
-def adapter_rank(path: str | Path) -> int:
-    """The rank an adapter directory declares, from its config alone (no weights read)."""
+def _check_layout(pairs: dict[tuple[str, int], dict[str, str]], shapes: dict[str, tuple[tuple[int, ...], Any]],
+                  config: ModelConfig, rank: int, dora: bool, fail: Fail
+                  ) -> list[tuple[str, int, tuple[str, ...], list[int], dict[str, str]]]:
+    """(projection or fused module, layer, the projections it covers, their bounds along B's rows,
+    its tensors' names) of every pair, in projection order, each tensor's dtype and shape checked
+    against the config's rank and the base model; no tensor read."""
+    model_shapes = config.projection_shapes()
+    layout, covered = [], set()
+
+    def first_projection(item) -> int:  # in PROJECTIONS order, a fused module at its first part
+        return PROJECTIONS.index(FUSED_PROJECTIONS.get(item[0][0], item[0])[0])
+
+    for (proj, layer), sides in sorted(pairs.items(), key=first_projection):
+        parts = FUSED_PROJECTIONS.get(proj, (proj,))
+        if len(parts) > 1 and not config.fused_projections:
+            raise fail(f"tensor {sides['A']} targets the fused {proj}_proj, which a {config.family} model "
+                       "does not have")
+        h_in = model_shapes[parts[0]][0]
+        bounds = [0]
+        for part in parts:
+            bounds.append(bounds[-1] + model_shapes[part][1])
+        _check_shape(sides["A"], *shapes[sides["A"]], (rank, h_in), 0, proj, fail)
+        _check_shape(sides["B"], *shapes[sides["B"]], (bounds[-1], rank), 1, proj, fail)
+        if dora and config.qkv_bias and any(part in ("q", "k", "v") for part in parts):
+            raise fail(f"DoRA on the biased {proj} projection of a {config.family} model is not supported "
+                       f"(tensor {sides['magnitude']}): DoRA scales the projection's output without its bias")
+        if dora:
+            _check_shape(sides["magnitude"], *shapes[sides["magnitude"]], (bounds[-1],), None, proj, fail)
+        for part in parts:
+            if (part, layer) in covered:
+                raise fail(f"layer {layer} has tensors for the {part} projection both fused and on its own")
+            covered.add((part, layer))
+        layout.append((proj, layer, parts, bounds, sides))
+    return layout
+
+
+def adapter_rank(path: str | Path, adapter_dirs: Iterable[str | Path] = ()) -> int:
+    """The rank an adapter directory declares, from its config alone (no weights read; as
+    `read_adapter` reads it, inside `adapter_dirs`)."""
+    return _check_config(*_config_of(path, adapter_dirs))[0]
+
+
+def adapter_uses_dora(path: str | Path, adapter_dirs: Iterable[str | Path] = ()) -> bool:
+    """Whether an adapter directory's config sets use_dora (after `adapter_rank` has checked it)."""
+    return bool(_config_of(path, adapter_dirs)[0].get("use_dora"))
+
+
+def _config_of(path: str | Path, adapter_dirs: Iterable[str | Path]) -> tuple[dict[str, Any], Fail]:
     path = Path(path)
 
     def fail(problem: str) -> AdapterError:
         return AdapterError(f"LoRA adapter {path}: {problem}")
 
-    return _check_config(_read_config(path, fail), fail)[0]
-
-
-def adapter_uses_dora(path: str | Path) -> bool:
-    """Whether an adapter directory's config sets use_dora (after `adapter_rank` has checked it)."""
-    return bool(json.loads((Path(path) / "adapter_config.json").read_text()).get("use_dora"))
+    return _read_config(path, fail, confining_dirs(path, adapter_dirs)), fail
 
 
 def lora_gain(a: torch.Tensor, b: torch.Tensor, scale: float) -> float:
@@ -265,15 +306,14 @@ def lora_gain(a: torch.Tensor, b: torch.Tensor, scale: float) -> float:
     return abs(scale) * math.sqrt(max(largest, 0.0))
 
 
-def _pair_tensors(weights: dict[str, torch.Tensor], num_layers: int,
-                  layers_to_transform: int | list[int] | None, dora: bool, fail: Fail,
-                  ) -> dict[tuple[str, int], dict[str, tuple[str, torch.Tensor]]]:
-    """(projection, layer) -> {"A": (name, tensor), "B": (name, tensor)} and, with DoRA,
-    "magnitude": (name, tensor); every name must parse."""
+def _pair_tensors(shapes: dict[str, Any], num_layers: int, layers_to_transform: int | list[int] | None,
+                  dora: bool, fail: Fail) -> dict[tuple[str, int], dict[str, str]]:
+    """(projection, layer) -> {"A": name, "B": name} and, with DoRA, "magnitude": name, for the
+    tensors named in `shapes`; every name must parse."""
     if isinstance(layers_to_transform, int):
         layers_to_transform = [layers_to_transform]
-    pairs: dict[tuple[str, int], dict[str, tuple[str, torch.Tensor]]] = {}
-    for key, tensor in weights.items():
+    pairs: dict[tuple[str, int], dict[str, str]] = {}
+    for key in shapes:
         if "lora_embedding_" in key:
             raise fail(f"{'DoRA' if dora else 'LoRA'} on embeddings is not supported (tensor {key})")
         match = TENSOR_NAME.match(key)
@@ -291,14 +331,14 @@ def _pair_tensors(weights: dict[str, torch.Tensor], num_layers: int,
             raise fail(f"tensor {key} is for layer {layer}, outside layers_to_transform="
                        f"{layers_to_transform}")
         if side in pairs.setdefault((proj, layer), {}):
-            raise fail(f"tensors {pairs[proj, layer][side][0]} and {key} are both lora_{side} "
+            raise fail(f"tensors {pairs[proj, layer][side]} and {key} are both lora_{side} "
                        f"of layer {layer} {proj}")
-        pairs[proj, layer][side] = (key, tensor)
+        pairs[proj, layer][side] = key
     for (proj, layer), sides in pairs.items():
         for side in ("A", "B", "magnitude") if dora else ("A", "B"):
             if side not in sides:
                 present = next(s for s in ("A", "B", "magnitude") if s in sides)
-                raise fail(f"layer {layer} {proj} projection has {_label(present)} ({sides[present][0]}) but no "
+                raise fail(f"layer {layer} {proj} projection has {_label(present)} ({sides[present]}) but no "
                            f"{_label(side)}")
     return pairs
 
@@ -307,15 +347,15 @@ def _label(side: str) -> str:
     return "lora_magnitude_vector" if side == "magnitude" else f"lora_{side}"
 
 
-def _read_config(path: Path, fail: Fail) -> dict[str, Any]:
+def _read_config(path: Path, fail: Fail, dirs: tuple[Path, ...]) -> dict[str, Any]:
     if not path.is_dir():
         raise fail("directory not found")
     config_file = path / "adapter_config.json"
     if not config_file.is_file():
         raise fail("no adapter_config.json")
     try:
-        cfg = json.loads(config_file.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        cfg = read_json(config_file, dirs, MAX_CONFIG_BYTES, fail)
+    except OSError as e:
         raise fail(f"adapter_config.json is unreadable: {e}") from e
     if not isinstance(cfg, dict):
         raise fail("adapter_config.json is not a JSON object")
@@ -357,39 +397,38 @@ def _is_finite(value: float) -> bool:
         return False
 
 
-def _read_weights(path: Path, fail: Fail) -> dict[str, torch.Tensor]:
-    for file in (path / "adapter_model.safetensors", path / "adapter_model.bin"):
-        if file.is_file():
-            break
-    else:
-        raise fail("no weights file (adapter_model.safetensors or adapter_model.bin)")
-    try:
-        weights = (load_file(file) if file.suffix == ".safetensors"
-                   else torch.load(file, map_location="cpu", weights_only=True))
-    except Exception as e:  # safetensors and torch.load raise many types for corrupt files
-        raise fail(f"{file.name} is unreadable: {e}") from e
-    if not isinstance(weights, dict) or not all(
-            isinstance(k, str) and torch.is_tensor(v) for k, v in weights.items()):
-        raise fail(f"{file.name} does not hold a dict of named tensors")
-    return weights
+def _max_weights_bytes(config: ModelConfig, rank: int) -> int:
+    """The most bytes a weights file of a rank-`rank` adapter of this model can need: A, B and a
+    DoRA magnitude for every projection of every layer in float64, 1 kB of names and framing per
+    tensor, and 1 MiB more."""
+    per_layer = sum(rank * (h_in + h_out) + h_out for h_in, h_out in config.projection_shapes().values())
+    return 8 * config.num_layers * per_layer + 1024 * 3 * len(PROJECTIONS) * config.num_layers + (1 << 20)
 
 
-def _checked(key: str, tensor: torch.Tensor, expected: tuple[int, ...], rank_dim: int | None, proj: str,
-             dtype: torch.dtype, fail: Fail) -> torch.Tensor:
-    """The tensor in `dtype`, after checking its rank, its shape against the base model and
-    that its values are finite. PEFT stores lora_A as [r, h_in] and lora_B as [h_out, r]
-    whatever fan_in_fan_out says (that flag describes the base layer's layout, not LoRA's)."""
-    if not tensor.is_floating_point():
-        raise fail(f"tensor {key} has dtype {tensor.dtype}, not a floating-point type")
-    if rank_dim is not None and tensor.dim() == 2 and tensor.shape[rank_dim] != expected[rank_dim]:
-        raise fail(f"tensor {key} has rank {tensor.shape[rank_dim]}, "
-                   f"but adapter_config.json says r={expected[rank_dim]}")
-    if tuple(tensor.shape) != expected:
-        raise fail(f"tensor {key} has shape {tuple(tensor.shape)}, but the base model's "
-                   f"{proj} projection needs {expected}")
+def _max_header_bytes(config: ModelConfig) -> int:
+    """A safetensors header of every tensor an adapter can have: 512 bytes for each, 64 KiB more."""
+    return 512 * 3 * len(PROJECTIONS) * config.num_layers + (1 << 16)
+
+
+def _check_shape(key: str, shape: tuple[int, ...], dtype: torch.dtype | str, expected: tuple[int, ...],
+                 rank_dim: int | None, proj: str, fail: Fail) -> None:
+    """A tensor's dtype, rank and shape against the base model. PEFT stores lora_A as [r, h_in] and
+    lora_B as [h_out, r] whatever fan_in_fan_out says (that flag describes the base layer's layout,
+    not LoRA's)."""
+    if not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+        raise fail(f"tensor {key} has dtype {dtype}, not a floating-point type")
+    if rank_dim is not None and len(shape) == 2 and shape[rank_dim] != expected[rank_dim]:
+        raise fail(f"tensor {key} has rank {shape[rank_dim]}, but adapter_config.json says r={expected[rank_dim]}")
+    if shape != expected:
+        raise fail(f"tensor {key} has shape {shape}, but the base model's {proj} projection needs {expected}")
+
+
+def _converted(key: str, tensor: torch.Tensor, dtype: torch.dtype, fail: Fail) -> torch.Tensor:
+    """The tensor in `dtype`, after checking that its values are finite there."""
     converted = tensor.to(dtype)
     # one reduction instead of a bool tensor: a NaN or inf anywhere makes the sum non-finite,
     # and a float64 sum of float32 (or narrower) values cannot overflow
     if not torch.isfinite(converted.sum(dtype=torch.float64)):
         raise fail(f"tensor {key} has non-finite values (NaN or inf) in {dtype}")
     return converted
+

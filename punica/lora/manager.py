@@ -112,8 +112,10 @@ class _Copy:
 
 
 class AdapterManager:
-    def __init__(self, config: ModelConfig, pool: LoraPool, host_capacity_bytes: int, io_threads: int = 2):
+    def __init__(self, config: ModelConfig, pool: LoraPool, host_capacity_bytes: int, io_threads: int = 2,
+                 adapter_dirs: tuple[str, ...] = ()):
         self.config, self.pool = config, pool
+        self.adapter_dirs = adapter_dirs  # an adapter inside one reads only files inside it (read_adapter)
         self.dtype, self.device = pool.buffer.dtype, pool.buffer.device
         self.row_bytes = row_bytes = math.prod(pool.packed_shape) * pool.buffer.element_size()
         self.arena = HostArena(max(1, host_capacity_bytes // row_bytes), pool.packed_shape, self.dtype,
@@ -151,11 +153,11 @@ class AdapterManager:
         path = Path(path)
         if not path.is_dir():
             raise ValueError(f"adapter {name!r}: {path} is not a directory")
-        rank = adapter_rank(path)
+        rank = adapter_rank(path, self.adapter_dirs)
         if rank > self.pool.max_rank:
             raise ValueError(f"adapter {name!r} has rank {rank}, over this engine's max_lora_rank "
                              f"{self.pool.max_rank} (start it with max_lora_rank / --max-lora-rank >= {rank})")
-        registration = Registration(name, path, next(self._versions), adapter_uses_dora(path))
+        registration = Registration(name, path, next(self._versions), adapter_uses_dora(path, self.adapter_dirs))
         self.registry[name], self.current[name] = path, registration
         self.counters[registration] = AdapterCounters()
         if pinned:
@@ -328,7 +330,8 @@ class AdapterManager:
         """On a worker thread: everything that can fail for a bad adapter fails here, not in the
         engine's step (read_adapter bounds the weights and the scale, which float32 then holds;
         pack refuses a rank over the pool's)."""
-        adapter = read_adapter(registration.path, self.config, name=registration.name, dtype=self.dtype)
+        adapter = read_adapter(registration.path, self.config, name=registration.name, dtype=self.dtype,
+                               adapter_dirs=self.adapter_dirs, max_rank=self.pool.max_rank)
         self.pool.pack(adapter, out=self.arena.rows[row])
         return _HostAdapter(row, adapter.scale, adapter.dora)
 

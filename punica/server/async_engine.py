@@ -99,8 +99,11 @@ class AsyncEngine:
         return self.engine.stats().num_waiting
 
     async def load_adapter(self, name: str, path: str) -> None:
-        """Read the adapter once (so a broken one fails here), then register it."""
-        await asyncio.to_thread(load_adapter, path, self.engine.executor.model_config, name)
+        """Read the adapter once (so a broken one fails here, one over the engine's rank before its
+        tensors are read), then register it."""
+        config = self.engine.config
+        await asyncio.to_thread(load_adapter, path, self.engine.executor.model_config, name,
+                                adapter_dirs=config.adapter_dirs, max_rank=config.max_lora_rank)
         await self.call(lambda: self.engine.load_adapter(name, path))
 
     async def unload_adapter(self, name: str) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import socket
 from pathlib import Path
@@ -25,7 +26,8 @@ def adapters_in(directory: Path, max_rank: int) -> dict[str, str]:
     folder. Skipped, each with a logged warning, so that one tenant's folder cannot keep the
     server from starting or size its adapter slots: a symlink to outside `directory` (as
     /v1/load_lora_adapter refuses it, 403), a folder name that is no adapter name, a config that
-    cannot be served, and a rank over `max_rank` (the slots' rank, which scanned adapters never raise)."""
+    cannot be served (a file of it linking outside `directory` too), and a rank over `max_rank` (the
+    slots' rank, which scanned adapters never raise)."""
     if not directory.is_dir():
         raise FileNotFoundError(f"--adapter-dir {directory} is not a directory")
     adapters = {}
@@ -37,7 +39,7 @@ def adapters_in(directory: Path, max_rank: int) -> dict[str, str]:
             continue
         try:
             check_adapter_name(p.name)
-            rank = adapter_rank(p)
+            rank = adapter_rank(p, [directory])
         except ValueError as e:
             log.warning("skipping adapter %s: %s", p.name, e)
             continue
@@ -56,6 +58,7 @@ def build_state(args: EngineArgs, adapters: dict[str, str] | None = None, server
         raise ValueError("--max-packed-kv-tokens places requests over Ray workers: it needs --workers N")
     tenants = read_tenants(server.tenants) if server.tenants is not None else None  # before the slow part
     dirs = [Path(d) for d in server.adapter_dir]
+    args = dataclasses.replace(args, adapter_dirs=server.adapter_dir)  # the engine reads only inside them
     max_rank = max([args.max_lora_rank, *map(adapter_rank, (adapters or {}).values())])
     scanned = {}
     for d in dirs:

@@ -315,6 +315,30 @@ def test_an_adapter_broken_after_registration_fails_in_its_read_alone(base, tmp_
     assert not adapters.refs and len(adapters.free_slots) + len(adapters.resident) == 2
 
 
+def test_an_adapter_inside_an_adapter_dir_reads_no_file_outside_it(base, tmp_path):
+    """Its config is checked at registration and its weights at the read (on the worker thread),
+    each as opened: a link out, even one made after the registration, fails its requests alone."""
+    model = model_of(base)
+    root = tmp_path / "adapters"
+    tenant = save_random_adapter(root / "tenant", model.config, rank=4, seed=1, dtype=torch.float32)
+    other = save_random_adapter(tmp_path / "elsewhere", model.config, rank=4, seed=2, dtype=torch.float32)
+    engine = engine_on_model(model, EngineConfig(max_loras=2, max_lora_rank=8, adapter_dirs=(str(root),)))
+    linked = save_random_adapter(root / "linked", model.config, rank=4, seed=3, dtype=torch.float32)
+    (linked / "adapter_config.json").unlink()
+    (linked / "adapter_config.json").symlink_to(other / "adapter_config.json")
+    with pytest.raises(AdapterError, match="adapter_config.json resolves to a file outside"):
+        engine.load_adapter("linked", str(linked))
+    engine.load_adapter("tenant", str(tenant))
+    (tenant / "adapter_model.safetensors").unlink()
+    (tenant / "adapter_model.safetensors").symlink_to(other / "adapter_model.safetensors")
+    params = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True)
+    bad, good = engine.add_request([1, 2], params, "tenant"), engine.add_request([1, 2], params)
+    outs = drain(engine)
+    assert outs[bad].finish_reason == "error"
+    assert "adapter_model.safetensors resolves to a file outside" in outs[bad].error
+    assert outs[good].finish_reason == "length"
+
+
 def test_a_read_or_copy_in_flight_for_an_unloaded_registration_is_never_used(base):
     model = model_of(base)
     old, new = (save_random_adapter(base / f"inflight-{i}", model.config, rank=4, seed=40 + i, alpha=4 + i,
