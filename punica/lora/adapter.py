@@ -16,7 +16,7 @@ split exactly: one lora_A shared by q, k and v (gate and up), lora_B split by ou
 each part is a LoRA of the same rank and scale on its projection. Anything the
 canonical layout cannot express exactly is rejected with an AdapterError, never dropped; so is
 an adapter that could overflow the activations of its requests (a non-finite value, a scale
-over MAX_LORA_SCALE, a layer's delta with a gain over MAX_LORA_GAIN).
+over MAX_LORA_SCALE, a layer's delta with a gain over MAX_LORA_GAIN, a DoRA magnitude over it).
 What can be refused from adapter_config.json and the safetensors header is refused before any
 tensor is read (punica.lora.adapter_files, which also keeps the reads inside --adapter-dir).
 """
@@ -213,7 +213,7 @@ def read_adapter(path: str | Path, config: ModelConfig, name: str | None = None,
     for proj, layer, parts, bounds, sides in layout:
         a = _converted(sides["A"], tensors[sides["A"]], dtype, fail)
         b = _converted(sides["B"], tensors[sides["B"]], dtype, fail)
-        m = _converted(sides["magnitude"], tensors[sides["magnitude"]], dtype, fail) if dora else None
+        m = _magnitude(sides["magnitude"], tensors[sides["magnitude"]], dtype, fail) if dora else None
         gain = lora_gain(a, b, scale)
         if not gain <= MAX_LORA_GAIN:
             raise fail(f"layer {layer} {proj} projection ({sides['A']}, {sides['B']}): the delta's gain "
@@ -432,3 +432,14 @@ def _converted(key: str, tensor: torch.Tensor, dtype: torch.dtype, fail: Fail) -
         raise fail(f"tensor {key} has non-finite values (NaN or inf) in {dtype}")
     return converted
 
+
+def _magnitude(key: str, tensor: torch.Tensor, dtype: torch.dtype, fail: Fail) -> torch.Tensor:
+    """A DoRA magnitude in `dtype`: finite, and at most MAX_LORA_GAIN in absolute value. Output
+    row i of a DoRA projection is m_i * (w_i . x) / ||w_i|| (w_i the adapted weight's row), at
+    most |m_i| * ||x||: m is the projection's gain, bounded as a LoRA delta's is."""
+    m = _converted(key, tensor, dtype, fail)
+    largest = float(m.abs().max())
+    if not largest <= MAX_LORA_GAIN:
+        raise fail(f"tensor {key}: a DoRA magnitude of {largest:.3g}, over the limit of {MAX_LORA_GAIN:g} (it "
+                   "scales the projection's output, which would overflow the activations)")
+    return m

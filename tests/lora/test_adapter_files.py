@@ -11,11 +11,12 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from punica.lora.adapter import AdapterError, adapter_rank, read_adapter
+from punica.lora.adapter import MAX_LORA_GAIN, AdapterError, adapter_rank, read_adapter
 from punica.lora.adapter_files import open_confined
 from punica.lora.dummy import save_random_adapter
 
 Q_A = "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"
+MAGNITUDE = "base_model.model.model.layers.1.mlp.down_proj.lora_magnitude_vector"
 SECRET = "SECRET-TOKEN-from-outside-1234"
 
 
@@ -142,3 +143,15 @@ def test_a_safetensors_header_that_claims_more_than_the_file_is_unreadable(tmp_p
                                            r"1099511627776 bytes"):
         read_adapter(path, config)
 
+
+def test_a_dora_magnitude_that_would_overflow_is_refused_naming_the_tensor(tmp_path, config):
+    path = adapter(tmp_path / "dora", config, dora=True)
+    weights = load_file(path / "adapter_model.safetensors")
+    weights[MAGNITUDE][3] = 0.99 * MAX_LORA_GAIN
+    save_file(weights, path / "adapter_model.safetensors")
+    read_adapter(path, config)
+    weights[MAGNITUDE][3] = 1e30
+    save_file(weights, path / "adapter_model.safetensors")
+    with pytest.raises(AdapterError, match=rf"tensor {MAGNITUDE}: a DoRA magnitude of 1e\+30, over the limit "
+                                           "of 1000"):
+        read_adapter(path, config)

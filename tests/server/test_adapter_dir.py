@@ -8,6 +8,8 @@ import logging
 
 import httpx
 import pytest
+import torch
+from safetensors.torch import load_file, save_file
 
 from punica.config import EngineArgs, ModelConfig
 from punica.lora.dummy import save_random_adapter
@@ -131,3 +133,15 @@ def test_load_refuses_a_rank_over_the_servers_from_the_config_before_reading_the
     weights.write_bytes(data[:8 + int.from_bytes(data[:8], "little")])  # the header, no tensor data
     assert "its rank 32 is over this engine's max_lora_rank 16" in refused(load(server, "wide", path))
 
+
+def test_load_refuses_a_dora_magnitude_that_would_overflow(confined):
+    server, root, _ = confined
+    path = smol_adapter(root / "dora-1e30", dora=True, dtype=torch.float32)
+    weights = load_file(path / "adapter_model.safetensors")
+    key = next(k for k in weights if k.endswith("lora_magnitude_vector"))
+    weights[key][0] = 1e30
+    save_file(weights, path / "adapter_model.safetensors")
+    message = refused(load(server, "dora-1e30", path))
+    assert f"tensor {key}: a DoRA magnitude of 1e+30, over the limit" in message
+    path = smol_adapter(root / "dora-ok", dora=True, dtype=torch.float32)
+    assert load(server, "dora-ok", path).status_code == 200
