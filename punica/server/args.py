@@ -3,6 +3,7 @@ the command's flags are made from its fields (punica.config.add_arguments)."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from punica.config import described
@@ -13,6 +14,30 @@ from punica.config import described
 DEFAULT_MAX_REQUEST_BYTES = 8 * 1024 * 1024
 DEFAULT_SHUTDOWN_TIMEOUT_S = 30.0
 CLUSTER_POLICIES = ("punica", "adapter-aware", "round-robin", "least-loaded")  # punica.cluster.placement's
+
+
+@dataclass(frozen=True)
+class ConnectionLimits:
+    """What connections may hold (punica.server.connections enforces it)."""
+    max_connections: int = 4096             # several clients' pools (the OpenAI SDK's holds up to 1,000)
+    max_connections_per_client: int = 1024  # one such pool; a quarter of the cap, so no address takes it all
+    header_timeout_s: float = 10.0          # API clients send a head in one packet
+    body_timeout_s: float = 60.0            # the largest body (--max-request-bytes, 8 MiB) at 140 kB/s
+
+    def __post_init__(self):
+        if not 1 <= self.max_connections_per_client <= self.max_connections:
+            raise ValueError(f"need 1 <= max_connections_per_client <= max_connections, got "
+                             f"{self.max_connections_per_client} and {self.max_connections}")
+        if not (0 < self.header_timeout_s < math.inf and 0 < self.body_timeout_s < math.inf):
+            raise ValueError(f"header_timeout and body_timeout must be finite and > 0 seconds, got "
+                             f"{self.header_timeout_s} and {self.body_timeout_s}")
+
+
+CONNECTION_DEFAULTS = ConnectionLimits()
+# open files besides the connections: a burst of accepts (asyncio accepts up to uvicorn's listen
+# backlog of 2048 at once, before the connections' protocols can close idle ones), and the
+# model's and adapters' files, the engine's threads and pipes, Ray's sockets, the logs
+NUM_RESERVED_FDS = 2048 + 1024
 
 
 @dataclass(frozen=True)
@@ -46,6 +71,20 @@ class ServerArgs:
     shutdown_timeout: float = described(DEFAULT_SHUTDOWN_TIMEOUT_S, "on SIGTERM, seconds in-flight requests may "
                                                                     "still run before they end with finish_reason "
                                                                     "'abort'")
+    max_connections: int = described(CONNECTION_DEFAULTS.max_connections,
+                                     "open connections at most: past it a new one closes the connection idle "
+                                     "the longest (no request in progress), or gets 503 if none is idle (needs "
+                                     f"a limit on open files of it + {NUM_RESERVED_FDS}: ulimit -n is raised to "
+                                     "that, up to the hard limit)")
+    max_connections_per_client: int = described(CONNECTION_DEFAULTS.max_connections_per_client,
+                                                "open connections from one client address at most (as "
+                                                "--max-connections, among that address's connections)")
+    header_timeout: float = described(CONNECTION_DEFAULTS.header_timeout_s,
+                                      "seconds a request's head may take to arrive, from the connection's start "
+                                      "or the end of the response before it; then the connection is closed")
+    body_timeout: float = described(CONNECTION_DEFAULTS.body_timeout_s,
+                                    "seconds a request's body may take to arrive in full after its head; then "
+                                    "it is answered 408 and the connection closed")
 
     def __post_init__(self):
         object.__setattr__(self, "adapter_dir", tuple(self.adapter_dir))
@@ -66,3 +105,8 @@ class ServerArgs:
             raise ValueError("--admin-api-key must differ from --api-key")
         if self.shutdown_timeout < 0:
             raise ValueError(f"shutdown_timeout must be >= 0 seconds, got {self.shutdown_timeout}")
+        self.connection_limits()  # raises for a bad value of its four fields
+
+    def connection_limits(self) -> ConnectionLimits:
+        return ConnectionLimits(self.max_connections, self.max_connections_per_client, self.header_timeout,
+                                self.body_timeout)

@@ -147,4 +147,4 @@ def serve(args: EngineArgs, server: ServerArgs, adapters: dict[str, str] | None 
     app = build_app(state, server.max_request_bytes, tenants_file=server.tenants)
     log.info("serving the OpenAI API at http://%s:%d/v1 and the playground at http://%s:%d/", host, port, host, port)
     config = uvicorn.Config(app, host=host, port=port, log_level="info")
-    GracefulServer(config, state.in_flight, server.shutdown_timeout).run(sockets)
+    GracefulServer(config, state.in_flight, server.shutdown_timeout, server.connection_limits()).run(sockets)

@@ -20,17 +20,21 @@ import socket
 
 import uvicorn
 
-from punica.server.args import DEFAULT_SHUTDOWN_TIMEOUT_S
+from punica.server.args import CONNECTION_DEFAULTS, DEFAULT_SHUTDOWN_TIMEOUT_S, ConnectionLimits
+from punica.server.connections import GuardedServer
 from punica.server.interrupts import InFlight
 
 log = logging.getLogger("punica.server")
 ABORT_GRACE_S = 5.0
 
 
-class GracefulServer(uvicorn.Server):
-    def __init__(self, config: uvicorn.Config, in_flight: InFlight, timeout_s: float = DEFAULT_SHUTDOWN_TIMEOUT_S):
+class GracefulServer(GuardedServer):
+    """The server `punica serve` runs: connections guarded (punica.server.connections), shut down gracefully."""
+
+    def __init__(self, config: uvicorn.Config, in_flight: InFlight, timeout_s: float = DEFAULT_SHUTDOWN_TIMEOUT_S,
+                 limits: ConnectionLimits = CONNECTION_DEFAULTS):
         config.timeout_graceful_shutdown = timeout_s + ABORT_GRACE_S
-        super().__init__(config)
+        super().__init__(config, limits)
         self.in_flight, self.timeout_s = in_flight, timeout_s
 
     async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
