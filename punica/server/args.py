@@ -34,10 +34,11 @@ class ConnectionLimits:
 
 
 CONNECTION_DEFAULTS = ConnectionLimits()
-# open files besides the connections: a burst of accepts (asyncio accepts up to uvicorn's listen
-# backlog of 2048 at once, before the connections' protocols can close idle ones), and the
-# model's and adapters' files, the engine's threads and pipes, Ray's sockets, the logs
-NUM_RESERVED_FDS = 2048 + 1024
+# open files besides the connections: bursts of accepts (each turn of the event loop asyncio
+# accepts up to uvicorn's listen backlog, 2048, and a connection's protocol, which closes an idle
+# one for it at a cap, starts two turns later: three bursts are open before the first is counted),
+# and the model's and adapters' files, the engine's threads and pipes, Ray's sockets, the logs
+NUM_RESERVED_FDS = 3 * 2048 + 1024
 
 
 @dataclass(frozen=True)
@@ -73,9 +74,9 @@ class ServerArgs:
                                                                     "'abort'")
     max_connections: int = described(CONNECTION_DEFAULTS.max_connections,
                                      "open connections at most: past it a new one closes the connection idle "
-                                     "the longest (no request in progress), or gets 503 if none is idle (needs "
-                                     f"a limit on open files of it + {NUM_RESERVED_FDS}: ulimit -n is raised to "
-                                     "that, up to the hard limit)")
+                                     "the longest (no request in progress, idle for 1 s at least), or gets 503 "
+                                     f"(needs a limit on open files of it + {NUM_RESERVED_FDS}: ulimit -n is "
+                                     "raised to that, up to the hard limit)")
     max_connections_per_client: int = described(CONNECTION_DEFAULTS.max_connections_per_client,
                                                 "open connections from one client address at most (as "
                                                 "--max-connections, among that address's connections)")

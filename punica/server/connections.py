@@ -13,8 +13,9 @@ GuardedServer serves with GuardedH11Protocol, uvicorn's h11 protocol with these 
   is answered 408 and the connection closed (its handler sees the client go away);
 - caps: a new connection past `max_connections` open ones, or past `max_connections_per_client`
   from its address, closes the connection (of that address, for the latter) idle the longest, one
-  with no request in progress and nothing left to send: a response in progress, a stream say, is
-  never cut. Where there is none, the new connection is answered 503 and closed;
+  with no request in progress and nothing left to send, idle for MIN_IDLE_S at least: a response
+  in progress, a stream say, is never cut. Where there is none, the new connection is answered
+  503 and closed;
 - file descriptors: the process's limit is raised to fit the cap (`fit_fd_limit`), and the
   accept errors that running out of them would still cause are logged once per interval.
 """
@@ -30,6 +31,7 @@ import resource
 import time
 from collections import Counter, OrderedDict
 from collections.abc import Callable
+from itertools import takewhile
 
 import h11
 import uvicorn
@@ -40,6 +42,10 @@ from punica.server.args import CONNECTION_DEFAULTS, NUM_RESERVED_FDS, Connection
 log = logging.getLogger("punica.server")
 
 LOG_INTERVAL_S = 10.0  # failed accepts, refusals, closings for a cap: a line of each per this many seconds at most
+# a connection idle for less is never closed for a cap: a new one may not have been read from yet
+# (under a flood, asyncio admits thousands of connections between a connection's start and its
+# first bytes), and a client that just got an answer may be sending its next request
+MIN_IDLE_S = 1.0
 ACCEPT_FAILED = "socket.accept() out of system resource"  # asyncio's message for EMFILE, ENFILE, ENOBUFS, ENOMEM
 
 
@@ -64,14 +70,14 @@ class EveryInterval:
 
 class ConnectionTable:
     """The open connections, per client address, and which of them are idle (no request in
-    progress), longest idle first."""
+    progress), longest idle first, with the `clock` time each became idle."""
 
-    def __init__(self, limits: ConnectionLimits):
-        self.limits = limits
+    def __init__(self, limits: ConnectionLimits, clock: Callable[[], float] = time.monotonic):
+        self.limits, self.clock = limits, clock
         self.open: set[GuardedH11Protocol] = set()
-        self.idle: OrderedDict[GuardedH11Protocol, None] = OrderedDict()
+        self.idle: OrderedDict[GuardedH11Protocol, float] = OrderedDict()
         self.num_per_client: Counter[str] = Counter()
-        self.idle_per_client: dict[str, OrderedDict[GuardedH11Protocol, None]] = {}
+        self.idle_per_client: dict[str, OrderedDict[GuardedH11Protocol, float]] = {}
         self.closings, self.refusals = EveryInterval(), EveryInterval()
 
     def admit(self, connection: GuardedH11Protocol) -> bool:
@@ -80,10 +86,11 @@ class ConnectionTable:
         if self.num_per_client[client] >= limits.max_connections_per_client:
             if not self._close_longest_idle(self.idle_per_client.get(client, {}), client):
                 return self._refuse(f"its address {client} has {limits.max_connections_per_client} "
-                                    "(--max-connections-per-client), each with a request in progress")
+                                    f"(--max-connections-per-client), none idle for {MIN_IDLE_S:g} s")
         if len(self.open) >= limits.max_connections:
             if not self._close_longest_idle(self.idle, None):
-                return self._refuse(f"all {limits.max_connections} (--max-connections) have a request in progress")
+                return self._refuse(f"{limits.max_connections} are open (--max-connections), none idle for "
+                                    f"{MIN_IDLE_S:g} s")
         self.open.add(connection)
         self.num_per_client[client] += 1
         self.mark_idle(connection)
@@ -97,8 +104,9 @@ class ConnectionTable:
         if connection not in self.open:
             return
         self.mark_busy(connection)  # to the end of both orders
-        self.idle[connection] = None
-        self.idle_per_client.setdefault(connection.address, OrderedDict())[connection] = None
+        since = self.clock()
+        self.idle[connection] = since
+        self.idle_per_client.setdefault(connection.address, OrderedDict())[connection] = since
 
     def remove(self, connection: GuardedH11Protocol) -> None:
         if connection not in self.open:
@@ -111,8 +119,11 @@ class ConnectionTable:
             del self.num_per_client[client]
             self.idle_per_client.pop(client, None)
 
-    def _close_longest_idle(self, idle: OrderedDict[GuardedH11Protocol, None], client: str | None) -> bool:
-        victim = next((c for c in idle if c.transport.get_write_buffer_size() == 0), None)
+    def _close_longest_idle(self, idle: OrderedDict[GuardedH11Protocol, float], client: str | None) -> bool:
+        """Close the connection of `idle` idle the longest, if for MIN_IDLE_S at least, with nothing left to send."""
+        now = self.clock()
+        victim = next((c for c in takewhile(lambda c: now - idle[c] >= MIN_IDLE_S, idle)
+                       if c.transport.get_write_buffer_size() == 0), None)
         if victim is None:
             return False
         self.remove(victim)
@@ -239,9 +250,10 @@ class GuardedServer(uvicorn.Server):
     """uvicorn's server over GuardedH11Protocol (no WebSocket upgrades: the API has none), with the
     file-descriptor limit fitted to the caps and failed accepts logged once per interval."""
 
-    def __init__(self, config: uvicorn.Config, limits: ConnectionLimits = CONNECTION_DEFAULTS):
+    def __init__(self, config: uvicorn.Config, limits: ConnectionLimits = CONNECTION_DEFAULTS,
+                 clock: Callable[[], float] = time.monotonic):
         self.limits = fit_fd_limit(limits)
-        self.table = ConnectionTable(self.limits)
+        self.table = ConnectionTable(self.limits, clock)
         config.http = functools.partial(GuardedH11Protocol, table=self.table)
         config.ws = "none"
         super().__init__(config)
