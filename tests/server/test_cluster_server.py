@@ -9,7 +9,9 @@ import ray
 from prometheus_client.parser import text_string_to_metric_families
 
 from punica import LLM, SamplingParams
-from punica.config import EngineArgs
+from punica.config import EngineArgs, ModelConfig
+from punica.lora.dummy import save_random_adapter
+from punica.models.loader import resolve_model_dir
 from punica.server.serve import build_state
 
 pytestmark = pytest.mark.slow
@@ -68,6 +70,9 @@ def test_adapters_load_and_unload_at_run_time_on_every_worker(cluster_server, ad
     broken.mkdir()
     (broken / "adapter_config.json").write_text("{")
     assert "unreadable" in error(load("broken", broken), 400)
+    config = ModelConfig.from_dir(resolve_model_dir(None))
+    wide = save_random_adapter(private_dir / "wide", config, rank=32, seed=0)  # over the workers' rank 16
+    assert "its rank 32 is over this engine's max_lora_rank 16" in error(load("wide", wide), 400)
     assert "already loaded" in error(load("tenant-0", loadable / "extra-1"), 400)
     assert "outside" in error(load("sneaky", served["tenant-0"]), 403)
     assert all(names == set(served) for names in served_by_workers(cluster_server))  # no worker changed
