@@ -14,7 +14,8 @@ latency, how many of the idle connections the server still holds at the end (it 
 ones past --max-connections, or --max-connections-per-client from one address, and each at
 --header-timeout), and how much the server's log grew.
 
-Checks, each a failure (exit code 1) when broken, in each scenario: every probe answered 200, those
+Checks, each a failure (exit code 1) when broken, in each scenario: every probe answered 200 (a 503
+means the server had no room: all the connections it holds were idle for under a second), those
 once all connections are open within a second, and the log grew by less than 1 MB. Reported, not
 judged: the probes' latency while the connections are opened (a flood as fast as the client
 processes go, on the same machine), and the server's CPU time. Writes connections.json and connections.png
@@ -34,6 +35,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections import Counter
 from pathlib import Path
 
 import httpx
@@ -52,14 +54,17 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def probe(url: str) -> float | None:
-    """Seconds /health took from a new connection, None if it did not answer 200 within PROBE_TIMEOUT_S."""
+def probe(url: str) -> dict:
+    """/health from a new connection: {"health_s": seconds it took, "health": "200", another status
+    (503: no room for the connection), "timeout" (none within PROBE_TIMEOUT_S) or the error's name}."""
     start = time.perf_counter()
     try:
-        ok = httpx.get(url, timeout=PROBE_TIMEOUT_S).status_code == 200
-    except httpx.HTTPError:
-        return None
-    return time.perf_counter() - start if ok else None
+        outcome = str(httpx.get(url, timeout=PROBE_TIMEOUT_S).status_code)
+    except httpx.TimeoutException:
+        outcome = "timeout"
+    except httpx.HTTPError as e:
+        outcome = type(e).__name__
+    return {"health_s": time.perf_counter() - start, "health": outcome}
 
 
 def num_per_process(num_connections: int) -> list[int]:
@@ -111,22 +116,19 @@ def flood(port: int, url: str, num_connections: int, num_addresses: int, probe_e
             if not all(c.is_alive() for c in clients):
                 raise RuntimeError("a client process failed while opening its connections")
             if opened.value >= next_probe:
-                rows.append({"connections_opened": opened.value, "t_s": time.monotonic() - start,
-                             "health_s": probe(url)})
+                rows.append({"connections_opened": opened.value, "t_s": time.monotonic() - start, **probe(url)})
                 next_probe += probe_every
             time.sleep(0.01)
         ramp_s = time.monotonic() - start
         for _ in range(20):
-            rows.append({"connections_opened": num_connections, "t_s": time.monotonic() - start,
-                         "health_s": probe(url)})
+            rows.append({"connections_opened": num_connections, "t_s": time.monotonic() - start, **probe(url)})
         release.set()
         num_held = sum(held.get(timeout=60) for _ in clients)
     finally:
         release.set()
         for client in clients:
             client.join(60)
-    ramp, end = ([r["health_s"] for r in rows if (r["connections_opened"] < num_connections) == during]
-                 for during in (True, False))
+    ramp, end = ([r for r in rows if (r["connections_opened"] < num_connections) == during] for during in (True, False))
     summary = {"client_addresses": num_addresses, "client_processes": len(clients), "ramp_s": round(ramp_s, 1),
                "held_by_server_at_end": num_held, **latency_summary("health_during_ramp", ramp),
                **latency_summary("health_at_end", end)}
@@ -139,9 +141,10 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def latency_summary(name: str, latencies: list[float | None]) -> dict:
-    answered = sorted(s for s in latencies if s is not None)
-    return {f"{name}_probes": len(latencies), f"{name}_unanswered": len(latencies) - len(answered),
+def latency_summary(name: str, probes: list[dict]) -> dict:
+    answered = sorted(p["health_s"] for p in probes if p["health"] == "200")
+    return {f"{name}_probes": len(probes),
+            f"{name}_unanswered": dict(Counter(p["health"] for p in probes if p["health"] != "200")),
             f"{name}_median_s": round(answered[len(answered) // 2], 3) if answered else None,
             f"{name}_max_s": round(answered[-1], 3) if answered else None}
 
@@ -157,7 +160,7 @@ def run(args: argparse.Namespace, log_path: Path) -> tuple[list[dict], dict]:
                                   preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_NOFILE, server_limits))
     try:
         deadline = time.monotonic() + 300
-        while probe(url) is None:
+        while probe(url)["health"] != "200":
             if server.poll() is not None or time.monotonic() > deadline:
                 raise RuntimeError(f"the server did not start:\n{log_path.read_text()[-3000:]}")
             time.sleep(0.5)
@@ -188,13 +191,13 @@ def plot(rows: list[dict], path: Path, title: str) -> None:
     fig, ax = plt.subplots(figsize=(7, 3.5))
     for num_addresses in sorted({r["client_addresses"] for r in rows}):
         mine = [r for r in rows if r["client_addresses"] == num_addresses]
-        answered = [r for r in mine if r["health_s"] is not None]
-        failed = [r for r in mine if r["health_s"] is None]
+        answered = [r for r in mine if r["health"] == "200"]
+        failed = [r for r in mine if r["health"] != "200"]
         line, = ax.plot([r["t_s"] for r in answered], [r["health_s"] * 1e3 for r in answered], ".", ms=4,
                         label=f"from {num_addresses} addresses")
         if failed:
-            ax.plot([r["t_s"] for r in failed], [PROBE_TIMEOUT_S * 1e3] * len(failed), "x", ms=5,
-                    color=line.get_color(), label=f"no answer ({num_addresses} addresses)")
+            ax.plot([r["t_s"] for r in failed], [r["health_s"] * 1e3 for r in failed], "x", ms=5,
+                    color=line.get_color(), label=f"not 200 ({num_addresses} addresses)")
     ax.axhline(HEALTH_S * 1e3, color="gray", lw=0.8, ls="--")
     ax.set_yscale("log")
     ax.set_xlabel("seconds since the first idle connection", fontsize=8)
@@ -220,11 +223,13 @@ def main() -> int:
         rows, summary = run(args, Path(tmp) / "server.log")
     failures = []
     for scenario in summary["scenarios"]:
-        unanswered = scenario["health_during_ramp_unanswered"] + scenario["health_at_end_unanswered"]
+        unanswered = sum(scenario["health_during_ramp_unanswered"].values()) + sum(
+            scenario["health_at_end_unanswered"].values())
         slowest = scenario["health_at_end_max_s"]
         if unanswered or (slowest or 0) > HEALTH_S:
-            failures.append(f"{scenario['client_addresses']} addresses: {unanswered} /health probes unanswered; once "
-                            f"all connections were open, the slowest took {slowest} s (must be within {HEALTH_S} s)")
+            failures.append(f"{scenario['client_addresses']} addresses: {unanswered} /health probes not answered "
+                            f"200; once all connections were open, the slowest took {slowest} s (must be within "
+                            f"{HEALTH_S} s)")
         if scenario["log_growth_bytes"] >= MAX_LOG_GROWTH_BYTES:
             failures.append(f"{scenario['client_addresses']} addresses: the log grew by "
                             f"{scenario['log_growth_bytes']} bytes")
