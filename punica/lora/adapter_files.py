@@ -25,7 +25,7 @@ from typing import BinaryIO
 import safetensors.torch
 import torch
 
-# safetensors' dtype names of the floating-point types an adapter may hold, and their sizes
+# safetensors' dtype names: of the floating-point types an adapter may hold, and of others, refused by name
 FLOAT_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
                 "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}
 OTHER_DTYPES = {"I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
