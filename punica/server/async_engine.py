@@ -2,10 +2,12 @@
 
 Every Engine call happens on that thread. The asyncio side sends commands (add, abort,
 load/unload adapter) through a queue and awaits their result; outputs come back to each
-request's asyncio.Queue. A failure inside a step fails the requests of that step (each gets a
-finished output with finish_reason "error"), and the loop keeps serving the others. Every
-finished output, whether a step, an abort or a failure ended the request, goes to `on_finished`
-exactly once.
+request's asyncio.Queue. A request's grammar is compiled before its add is sent (by the engine's
+GrammarPool, on threads of its own), so a request waiting for its grammar holds no place in the
+engine, and one whose client goes away meanwhile never enters it. A failure inside a step fails
+the requests of that step (each gets a finished output with finish_reason "error"), and the loop
+keeps serving the others. Every finished output, whether a step, an abort or a failure ended the
+request, goes to `on_finished` exactly once.
 """
 
 from __future__ import annotations
@@ -41,6 +43,8 @@ class AsyncEngine:
         self._commands: queue.Queue[tuple[Callable[[], Any], Future]] = queue.Queue()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._stop = threading.Event()
+        if engine.tokenizer is not None:
+            engine.grammars  # noqa: B018 - made now, not by the first constrained request on the event loop
         self._thread = threading.Thread(target=self._run, name="punica-engine", daemon=True)
         self._thread.start()
 
@@ -60,8 +64,11 @@ class AsyncEngine:
         self._streams[request_id] = (asyncio.get_running_loop(), stream)
         finished = False
         try:
+            grammar = None
+            if params.structured_outputs is not None:  # compiled before the request enters the engine
+                grammar = await self.engine.grammars.pool.compiled(params.structured_outputs)
             await self.call(lambda: self.engine.add_request(prompt, params, adapter, request_id, tenant=tenant,
-                                                            cache_salt=cache_salt))
+                                                            cache_salt=cache_salt, grammar=grammar))
             while not finished:
                 item = await stream.get()
                 if isinstance(item, BaseException):
