@@ -43,8 +43,8 @@ class AsyncEngine:
         self._commands: queue.Queue[tuple[Callable[[], Any], Future]] = queue.Queue()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._stop = threading.Event()
-        if engine.tokenizer is not None:
-            engine.grammars  # noqa: B018 - made now, not by the first constrained request on the event loop
+        # made now, not by the first constrained request on the event loop
+        self._grammars = engine.grammars.pool if engine.tokenizer is not None else None
         self._thread = threading.Thread(target=self._run, name="punica-engine", daemon=True)
         self._thread.start()
 
@@ -66,7 +66,8 @@ class AsyncEngine:
         try:
             grammar = None
             if params.structured_outputs is not None:  # compiled before the request enters the engine
-                grammar = await self.engine.grammars.pool.compiled(params.structured_outputs)
+                pool = self._grammars or self.engine.grammars.pool  # a ValueError without a tokenizer
+                grammar = await pool.compiled(params.structured_outputs)
             await self.call(lambda: self.engine.add_request(prompt, params, adapter, request_id, tenant=tenant,
                                                             cache_salt=cache_salt, grammar=grammar))
             while not finished:
@@ -103,7 +104,8 @@ class AsyncEngine:
         return engine_listing(await self.call(self.engine.adapters.snapshot))
 
     def num_waiting(self) -> int:
-        return self.engine.stats().num_waiting
+        """Requests queued in the engine, and those waiting for their grammars to enter it."""
+        return self.engine.stats().num_waiting + (self._grammars.num_waiting if self._grammars is not None else 0)
 
     async def load_adapter(self, name: str, path: str) -> None:
         """Read the adapter once (so a broken one fails here), then register it."""
