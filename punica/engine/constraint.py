@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
+from punica.config import EngineConfig
 from punica.engine.sampling_params import StructuredOutputs
 
 ANNOTATIONS = frozenset({"description", "title", "examples", "$comment"})
@@ -43,6 +44,10 @@ class GrammarLimits:
     max_chars: int
     max_depth: int
     max_compile_seconds: float
+
+    @classmethod
+    def of(cls, config: EngineConfig) -> GrammarLimits:
+        return cls(config.max_grammar_chars, config.max_grammar_depth, config.max_grammar_compile_seconds)
 
 
 @dataclass(frozen=True)

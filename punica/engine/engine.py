@@ -170,9 +170,8 @@ class Engine:
         if self._grammars is None:
             if self.tokenizer is None:
                 raise ValueError("structured_outputs need a tokenizer, and this engine has none")
-            limits = GrammarLimits(self.config.max_grammar_chars, self.config.max_grammar_depth,
-                                   self.config.max_grammar_compile_seconds)
-            self._grammars = GrammarCompiler(self.tokenizer, self.vocab_size, self.eos_token_ids, limits)
+            self._grammars = GrammarCompiler(self.tokenizer, self.vocab_size, self.eos_token_ids,
+                                             GrammarLimits.of(self.config))
         return self._grammars
 
     def abort(self, request_id: str) -> RequestOutput | None:
