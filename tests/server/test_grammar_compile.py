@@ -1,7 +1,7 @@
 """Grammars compile off the engine's thread: a request waiting for its grammar holds up nobody else,
 is refused at the compile time limit, never enters the engine if its client goes away, and grammars
-differing only in annotations compile once. xgrammar's compile of regexes holding "HOLD" is made to
-wait for the test's go, so that what happens meanwhile is certain, not a matter of timing."""
+differing only in annotations compile once. xgrammar's compile of regexes holding "HOLD" waits for
+the test's go (the `held` fixture), so that what happens meanwhile is certain, not a matter of timing."""
 
 import asyncio
 import json
@@ -19,24 +19,6 @@ from punica.server.serve import build_state
 COMPILE_LIMIT_S = 3.0
 
 
-class HeldCompiles:
-    """Wraps xgrammar's regex compile: a regex holding "HOLD" waits for `go` (bounded), saying when it starts and ends."""
-
-    def __init__(self, compile_regex):
-        self.compile_regex = compile_regex
-        self.started, self.ended, self.go = threading.Event(), threading.Event(), threading.Event()
-
-    def __call__(self, compiler, regex: str):
-        if "HOLD" in regex:
-            self.started.set()
-            self.go.wait(60)
-        try:
-            return self.compile_regex(compiler, regex)
-        finally:
-            if "HOLD" in regex:
-                self.ended.set()
-
-
 class CountedSchemas:
     """Wraps xgrammar's JSON-schema compile, counting the schemas that hold `marker`."""
 
@@ -47,14 +29,6 @@ class CountedSchemas:
         if self.marker in schema:
             self.count += 1
         return self.compile_json_schema(compiler, schema, **kwargs)
-
-
-@pytest.fixture()
-def held(monkeypatch):
-    hold = HeldCompiles(xgr.GrammarCompiler.compile_regex)
-    monkeypatch.setattr(xgr.GrammarCompiler, "compile_regex", lambda compiler, regex: hold(compiler, regex))
-    yield hold
-    hold.go.set()
 
 
 @pytest.fixture(scope="module")
@@ -111,8 +85,8 @@ def test_a_compile_past_the_time_limit_is_a_400_that_says_so(server, client, hel
                                        messages=[{"role": "user", "content": "A code"}],
                                        extra_body={"structured_outputs": {"regex": "HOLD[a-z]"}})
     assert not held.ended.is_set()
-    assert e.value.body["message"] == (f"compiling structured_outputs.regex took longer than {COMPILE_LIMIT_S:g} s, this "
-                               f"server's limit (--max-grammar-compile-seconds)")
+    assert e.value.body["message"] == (f"compiling structured_outputs.regex took longer than {COMPILE_LIMIT_S:g} "
+                                       f"s, this server's limit (--max-grammar-compile-seconds)")
     assert e.value.body["param"] == "structured_outputs"
     held.go.set()
     assert held.ended.wait(30)
