@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from punica.engine.constraint import GrammarError, GrammarLimits, GrammarSource, checked_source
 from punica.engine.sampling_params import StructuredOutputs
 
-COMPILE_THREADS = min(4, os.cpu_count() or 1)
+COMPILE_THREADS = max(1, min(4, (os.cpu_count() or 1) // 2))  # compiles at once: half the cores at most
 CACHE_BYTES = 256 << 20
 
 

@@ -53,7 +53,10 @@ class GrammarCompiler:
     def __init__(self, tokenizer, vocab_size: int, stop_token_ids: set[int], limits: GrammarLimits):
         self.info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size,
                                                        stop_token_ids=sorted(stop_token_ids))
-        self.compiler = xgr.GrammarCompiler(self.info, cache_enabled=False)  # the pool caches
+        # one thread a compile (xgrammar's default is 8): on 2 cores beside the engine, the 256-level
+        # schema of benchmarks/grammar_stall.py compiled in 0.8 s instead of 3.6 s, and the engine's
+        # stream kept its pace; several compiles run at once on the pool's threads
+        self.compiler = xgr.GrammarCompiler(self.info, max_threads=1, cache_enabled=False)  # the pool caches
         self.pool = GrammarPool(self._compile_source, limits)
         self.batch = xgr.BatchGrammarMatcher(max_threads=MATCHER_THREADS)
         self.vocab_size = vocab_size
