@@ -32,10 +32,17 @@ JSON_OBJECT_SCHEMA = '{"type":"object"}'
 
 
 class GrammarError(ValueError):
-    """A constraint refused before or while compiling; the message says why. `field` is the request
-    field at fault (structured_outputs), as SamplingParamsError's."""
+    """A constraint refused before or while compiling: its message is f"structured_outputs.{kind}
+    {problem}"; `kind` and `problem` let a caller name the constraint as its user wrote it."""
 
-    field = "structured_outputs"
+    def __init__(self, kind: str, problem: str):
+        super().__init__(f"structured_outputs.{kind} {problem}")
+        self.kind, self.problem = kind, problem
+
+
+def rejected(kind: str, reason: str) -> GrammarError:
+    """The GrammarError of a constraint the grammar engine rejects, for `reason`."""
+    return GrammarError(kind, f"is not accepted by the grammar engine: {reason}")
 
 
 @dataclass(frozen=True)
@@ -60,7 +67,6 @@ class GrammarSource:
 
 def checked_source(spec: StructuredOutputs, limits: GrammarLimits) -> GrammarSource:
     """The canonical source of a constraint within `limits`; GrammarError naming the limit otherwise."""
-    field = f"structured_outputs.{spec.kind}"
     if spec.json_object:
         return GrammarSource("json", JSON_OBJECT_SCHEMA)
     if spec.choice is not None:
@@ -68,14 +74,14 @@ def checked_source(spec: StructuredOutputs, limits: GrammarLimits) -> GrammarSou
     else:
         num_chars = len(spec.json if spec.json is not None else spec.regex if spec.regex is not None else spec.grammar)
     if num_chars > limits.max_chars:
-        raise GrammarError(f"{field} has {num_chars} characters, over this server's limit of {limits.max_chars} "
-                           f"(--max-grammar-chars)")
+        raise GrammarError(spec.kind, f"has {num_chars} characters, over this server's limit of {limits.max_chars} "
+                                      f"(--max-grammar-chars)")
     if spec.json is not None:
         schema = json.loads(spec.json)
         depth = nesting_depth(schema, limits.max_depth)
         if depth > limits.max_depth:
-            raise GrammarError(f"{field} nests objects and arrays more than {limits.max_depth} levels deep, this "
-                               f"server's limit (--max-grammar-depth)")
+            raise GrammarError(spec.kind, f"nests objects and arrays more than {limits.max_depth} levels deep, "
+                                          f"this server's limit (--max-grammar-depth)")
         return GrammarSource("json", json.dumps(_canonical(schema), ensure_ascii=False, separators=(",", ":")))
     if spec.regex is not None:
         return GrammarSource("regex", spec.regex)

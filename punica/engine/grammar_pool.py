@@ -30,7 +30,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from punica.engine.constraint import GrammarError, GrammarLimits, GrammarSource, checked_source
+from punica.engine.constraint import GrammarError, GrammarLimits, GrammarSource, checked_source, rejected
 from punica.engine.sampling_params import StructuredOutputs
 
 COMPILE_THREADS = max(1, min(4, (os.cpu_count() or 1) // 2))  # compiles at once: half the cores at most
@@ -128,14 +128,14 @@ class GrammarPool:
             return limit
         left = job.started_at + limit - time.monotonic()
         if left <= 0:
-            raise GrammarError(f"compiling structured_outputs.{spec.kind} took longer than {limit:g} s, this "
-                               f"server's limit (--max-grammar-compile-seconds)")
+            raise GrammarError(spec.kind, f"took longer than {limit:g} s to compile, this server's limit "
+                                          f"(--max-grammar-compile-seconds)")
         return left
 
     @staticmethod
     def _result(spec: StructuredOutputs, result):
         if isinstance(result, ValueError):
-            raise GrammarError(f"structured_outputs.{spec.kind} is not accepted by the grammar engine: {result}")
+            raise rejected(spec.kind, str(result))
         return result
 
     def _run(self, source: GrammarSource, job: _Compile):

@@ -19,7 +19,7 @@ import re
 import torch
 import xgrammar as xgr
 
-from punica.engine.constraint import GrammarError, GrammarLimits, GrammarSource, choice_grammar
+from punica.engine.constraint import GrammarLimits, GrammarSource, choice_grammar, rejected
 from punica.engine.grammar_pool import GrammarPool
 from punica.engine.sampling_params import StructuredOutputs
 
@@ -31,8 +31,9 @@ _LOG_PREFIX = re.compile(r"^\[[0-9:]+\] \S+:\d+: ")  # xgrammar's "[time] file.c
 
 
 def check_grammar(spec: StructuredOutputs) -> None:
-    """GrammarError if the grammar engine rejects the constraint. Needs no tokenizer, so a command
-    can check its arguments before loading a model; compiling (GrammarCompiler) checks the same."""
+    """GrammarError (punica.engine.constraint) if the grammar engine rejects the constraint. Needs no
+    tokenizer, so a command can check its arguments before loading a model; compiling (GrammarCompiler)
+    checks the same."""
     try:
         if spec.json is not None:
             xgr.Grammar.from_json_schema(spec.json, **JSON_FORMAT)
@@ -41,8 +42,7 @@ def check_grammar(spec: StructuredOutputs) -> None:
         elif spec.choice is not None or spec.grammar is not None:
             xgr.Grammar.from_ebnf(spec.grammar if spec.grammar is not None else choice_grammar(spec.choice))
     except (RuntimeError, ValueError, TypeError) as e:  # xgrammar's errors derive from RuntimeError
-        raise GrammarError(f"structured_outputs.{spec.kind} is not accepted by the grammar engine: "
-                           f"{_LOG_PREFIX.sub('', str(e).strip())}") from e
+        raise rejected(spec.kind, _LOG_PREFIX.sub("", str(e).strip())) from e
 
 
 class GrammarCompiler:
@@ -74,7 +74,7 @@ class GrammarCompiler:
     def matcher(self, spec: StructuredOutputs, grammar: xgr.CompiledGrammar,
                 output_token_ids: list[int] = ()) -> xgr.GrammarMatcher:
         """A matcher of the compiled constraint that has accepted `output_token_ids` (a request resumed
-        after them); GrammarError if they do not match it."""
+        after them); ValueError if they do not match it."""
         matcher = xgr.GrammarMatcher(grammar)
         for token in output_token_ids:
             if not matcher.accept_token(token):

@@ -4,10 +4,11 @@ anything is queued, grammar masks touch only their rows, and top logprobs are th
 import pytest
 import torch
 
+from punica.engine.constraint import GrammarError
 from punica.engine.request import Request
 from punica.engine.sampler import apply_logit_bias, sample
 from punica.engine.sampling_params import SamplingParams, SamplingParamsError, StructuredOutputs
-from punica.engine.structured import GrammarError, apply_bitmasks, check_grammar
+from punica.engine.structured import apply_bitmasks, check_grammar
 
 # bf16 logits of the tiny model (|logit| < 1) against fp32 ones: a few bf16 ulps at most
 BF16_LOGPROB_TOL = 0.02

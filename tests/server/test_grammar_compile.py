@@ -85,9 +85,9 @@ def test_a_compile_past_the_time_limit_is_a_400_that_says_so(server, client, hel
                                        messages=[{"role": "user", "content": "A code"}],
                                        extra_body={"structured_outputs": {"regex": "HOLD[a-z]"}})
     assert not held.ended.is_set()
-    assert e.value.body["message"] == (f"compiling structured_outputs.regex took longer than {COMPILE_LIMIT_S:g} "
-                                       f"s, this server's limit (--max-grammar-compile-seconds)")
-    assert e.value.body["param"] == "structured_outputs"
+    assert e.value.body["message"] == (f"structured_outputs.regex took longer than {COMPILE_LIMIT_S:g} s to "
+                                       f"compile, this server's limit (--max-grammar-compile-seconds)")
+    assert e.value.body["param"] == "structured_outputs.regex"
     held.go.set()
     assert held.ended.wait(30)
 
@@ -130,10 +130,10 @@ def nested_arrays(depth: int) -> dict:
 
 
 @pytest.mark.parametrize("extra, message", [
-    ({"guided_json": nested_arrays(65)}, "structured_outputs.json nests objects and arrays more than 64 levels "
-                                         "deep, this server's limit (--max-grammar-depth)"),
-    ({"guided_choice": ["x" * 256] * 300}, "structured_outputs.choice has 76800 characters, over this server's "
-                                           "limit of 65536 (--max-grammar-chars)"),
+    ({"guided_json": nested_arrays(65)}, "guided_json nests objects and arrays more than 64 levels deep, this "
+                                         "server's limit (--max-grammar-depth)"),
+    ({"guided_choice": ["x" * 256] * 300}, "guided_choice has 76800 characters, over this server's limit of 65536 "
+                                           "(--max-grammar-chars)"),
 ])
 def test_constraints_over_the_limits_are_a_400_before_compiling(server, client, extra, message, monkeypatch):
     compiles = []
@@ -141,7 +141,7 @@ def test_constraints_over_the_limits_are_a_400_before_compiling(server, client, 
     monkeypatch.setattr(xgr.GrammarCompiler, "compile_grammar", lambda *a, **k: compiles.append(a))
     with pytest.raises(openai.BadRequestError) as e:
         client.completions.create(model=server.state.base_model_name, prompt="Hi", max_tokens=2, extra_body=extra)
-    assert e.value.body["message"] == message and not compiles
+    assert e.value.body["message"] == message and e.value.body["param"] == next(iter(extra)) and not compiles
     monkeypatch.undo()
     client.completions.create(model=server.state.base_model_name, prompt="Hi", max_tokens=2,
                               extra_body={"guided_json": nested_arrays(64)})
