@@ -35,6 +35,7 @@ from punica.engine.sampling_params import StructuredOutputs
 
 COMPILE_THREADS = max(1, min(4, (os.cpu_count() or 1) // 2))  # compiles at once: half the cores at most
 CACHE_BYTES = 256 << 20
+COMPILE_NICENESS = 10  # a compile thread's niceness on Linux: where cores are short, engine steps go first
 
 
 @dataclass(eq=False)
@@ -54,7 +55,8 @@ class GrammarPool:
                  num_threads: int = COMPILE_THREADS, max_cache_bytes: int = CACHE_BYTES):
         self.limits, self.max_cache_bytes = limits, max_cache_bytes
         self._compile_source = compile_source
-        self._executor = concurrent.futures.ThreadPoolExecutor(num_threads, thread_name_prefix="punica-grammar")
+        self._executor = concurrent.futures.ThreadPoolExecutor(num_threads, thread_name_prefix="punica-grammar",
+                                                               initializer=_lower_priority)
         self._lock = threading.Lock()
         self._cache: OrderedDict[GrammarSource, _Compile] = OrderedDict()
         self._num_cached_bytes = 0
@@ -166,6 +168,16 @@ class GrammarPool:
             if old is not job and old.future.done():
                 del self._cache[old_source]
                 self._num_cached_bytes -= old.num_bytes
+
+
+def _lower_priority() -> None:
+    """Make this (compile) thread yield its core to the engine's under contention: on Linux a thread's
+    niceness is its own (setpriority of its thread id); elsewhere nothing changes."""
+    if hasattr(os, "setpriority") and hasattr(threading, "get_native_id"):
+        try:
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), COMPILE_NICENESS)
+        except OSError:  # not allowed here: the thread keeps the process's priority
+            pass
 
 
 def _retrieve(future: asyncio.Future) -> None:

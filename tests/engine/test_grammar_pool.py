@@ -3,6 +3,7 @@ limit, dropped compiles, bounded cache), over a fake compile that the tests hold
 
 import asyncio
 import json
+import os
 import threading
 import time
 
@@ -10,7 +11,7 @@ import pytest
 
 from punica.config import EngineConfig
 from punica.engine.constraint import GrammarError, GrammarLimits, GrammarSource, checked_source
-from punica.engine.grammar_pool import GrammarPool
+from punica.engine.grammar_pool import COMPILE_NICENESS, GrammarPool
 from punica.engine.sampling_params import SamplingParamsError, StructuredOutputs
 
 LIMITS = GrammarLimits(max_chars=1000, max_depth=6, max_compile_seconds=30)
@@ -181,3 +182,15 @@ def test_the_cache_keeps_the_most_recently_used_grammars_within_its_bound(fake):
     pool.compile(StructuredOutputs(regex="aaaa"))
     pool.compile(StructuredOutputs(regex="bbbb"))
     assert [s.text for s in fake.compiled][3:] == ["bbbb"]
+
+
+@pytest.mark.skipif(not hasattr(os, "setpriority"), reason="a thread's own niceness is Linux's")
+def test_compiles_run_at_a_lower_priority_than_the_engine():
+    niceness = []
+
+    def compile_source(source):
+        niceness.append(os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))
+        return object()
+
+    GrammarPool(compile_source, LIMITS).compile(StructuredOutputs(regex="[a-z]"))
+    assert niceness[0] >= COMPILE_NICENESS > os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
