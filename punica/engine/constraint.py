@@ -1,8 +1,8 @@
 """A structured-output constraint before it is compiled: what it may cost, and its canonical form.
 
 `checked_source` refuses a constraint over the engine's limits (its size in characters, a JSON
-schema's nesting depth: xgrammar's compile time grows with the cube of the depth, 13 s at 400 levels
-of nested arrays and 48 s at 900) before anything compiles it, and returns what to compile: a
+schema's nesting depth: xgrammar's compile time grows steeply with it, 0.1 s at 128 levels of nested
+arrays, 13 s at 400 and 48 s at 900) before anything compiles it, and returns what to compile: a
 `GrammarSource`, the kind of xgrammar compile and its text. That text is the canonical form of the
 constraint, and the compiled-grammar cache's key: a JSON schema is parsed, its annotation-only
 keywords (`description`, `title`, `examples`, `$comment`) dropped from every subschema and each

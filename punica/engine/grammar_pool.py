@@ -4,9 +4,10 @@ Nothing a tenant sends compiles on the thread that runs engine steps: the server
 (its event loop is free meanwhile) and hands the engine the compiled grammar. xgrammar releases the
 GIL while it compiles (measured: a Python loop beside a 13 s compile in a thread runs as fast as
 beside the same compile in another process), so a compile thread takes a core, not the engine's
-thread. Threads, not processes: a compiled grammar crosses processes only as xgrammar's JSON
-serialization, which is far slower than compiling (a 700-property schema: 0.6 s to compile, 97 s and
-818 MB to serialize; four tools of 50 arguments: 29 ms, 1.3 s and 34 MB).
+thread; the compile threads run at a lower priority (COMPILE_NICENESS), so that where cores are
+short the engine's steps go first. Threads, not processes: a compiled grammar crosses processes only
+as xgrammar's JSON serialization, which is far slower than compiling (a 700-property schema: 0.6 s
+to compile, 97 s and 818 MB to serialize; four tools of 50 arguments: 29 ms, 1.3 s and 34 MB).
 
 A thread cannot be stopped: a compile past the time limit is answered with GrammarError at the
 limit, and goes on to its end (its grammar then serves a later request from the cache); one not
