@@ -33,6 +33,7 @@ from transformers import AutoTokenizer
 
 from benchmarks.common import format_table, save_figure, warm_up, write_results
 from punica.config import EngineConfig, preset_config
+from punica.engine.constraint import GrammarLimits
 from punica.engine.sampling_params import SamplingParams, StructuredOutputs
 from punica.engine.structured import GrammarCompiler
 from punica.factory import engine_on_model
@@ -50,7 +51,7 @@ def schema_50(tag: str) -> dict:
 
 
 def compile_times(tokenizer, vocab_size: int) -> dict:
-    compiler = GrammarCompiler(tokenizer, vocab_size, {0})
+    compiler = GrammarCompiler(tokenizer, vocab_size, {0}, GrammarLimits.of(EngineConfig())).pool
     cold = []
     for i in range(5):
         spec = StructuredOutputs(json=schema_50(f"c{i}"))

@@ -49,8 +49,9 @@ def json_schema_constraint(path: str | None):
     ValueError naming what is wrong."""
     if path is None:
         return None
+    from punica.engine.constraint import GrammarError
     from punica.engine.sampling_params import SamplingParamsError, StructuredOutputs
-    from punica.engine.structured import GrammarError, check_grammar
+    from punica.engine.structured import check_grammar
 
     try:
         spec = StructuredOutputs(json=open(path, encoding="utf-8").read())

@@ -157,6 +157,9 @@ def described(default, help: str, **metadata):
 
 
 KV_CACHE_DTYPES = ("auto", "fp8")
+# a schema is read, canonicalized and written by recursive code (json's and ours): far below Python's
+# recursion limit of 1000 frames
+MAX_GRAMMAR_DEPTH = 256
 
 
 @dataclass(frozen=True)
@@ -188,11 +191,19 @@ class EngineConfig:
     # no flag of its own: punica serve's --adapter-dir. An adapter inside one of these directories
     # reads only files inside it (punica.lora.adapter_files)
     adapter_dirs: tuple[str, ...] = ()
+    max_grammar_compile_seconds: float = described(
+        5.0, "a structured-output grammar (JSON schema, regex, choice, EBNF, required tool call) not compiled "
+             "within this many seconds is refused (400); compiles run off the engine's thread")
+    max_grammar_chars: int = described(1 << 16, "a structured-output constraint over this many characters (a JSON "
+                                                "schema as JSON, a regex, an EBNF grammar, all choices together) is "
+                                                "refused (400) before compiling")
+    max_grammar_depth: int = described(64, "a JSON schema nesting objects and arrays deeper than this is refused "
+                                           f"(400) before compiling (at most {MAX_GRAMMAR_DEPTH})")
 
     def __post_init__(self):
         object.__setattr__(self, "adapter_dirs", tuple(str(d) for d in self.adapter_dirs))
         for name in ("max_batch_size", "page_size", "max_num_batched_tokens", "max_loras", "max_lora_rank",
-                     "lora_host_bytes"):
+                     "lora_host_bytes", "max_grammar_chars"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         for name in ("kv_cache_tokens", "kv_cache_bytes", "max_model_len"):
@@ -207,6 +218,10 @@ class EngineConfig:
             raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
         if not 0 < self.kv_cache_memory_fraction <= 1:
             raise ValueError(f"kv_cache_memory_fraction must be in (0, 1], got {self.kv_cache_memory_fraction}")
+        if not 1 <= self.max_grammar_depth <= MAX_GRAMMAR_DEPTH:
+            raise ValueError(f"max_grammar_depth must be in [1, {MAX_GRAMMAR_DEPTH}], got {self.max_grammar_depth}")
+        if not self.max_grammar_compile_seconds > 0:
+            raise ValueError(f"max_grammar_compile_seconds must be > 0, got {self.max_grammar_compile_seconds}")
 
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import os
+import threading
 from pathlib import Path
 
 import pytest
@@ -236,3 +237,33 @@ def hf_greedy_fixture():
     """The function `hf_greedy(peft_model, prompt, adapter, steps)`: the tokens transformers + PEFT
     generate greedily (adapter None: the base model)."""
     return hf_greedy
+
+
+class HeldCompiles:
+    """xgrammar's regex compile, made to wait for `go` (at most 60 s) when the regex holds "HOLD";
+    `started` and `ended` say where such a compile is."""
+
+    def __init__(self, compile_regex):
+        self.compile_regex = compile_regex
+        self.started, self.ended, self.go = threading.Event(), threading.Event(), threading.Event()
+
+    def __call__(self, compiler, regex: str):
+        if "HOLD" in regex:
+            self.started.set()
+            self.go.wait(60)
+        try:
+            return self.compile_regex(compiler, regex)
+        finally:
+            if "HOLD" in regex:
+                self.ended.set()
+
+
+@pytest.fixture()
+def held(monkeypatch):
+    """A HeldCompiles in place of xgrammar's regex compile for the test (let go at its end)."""
+    import xgrammar as xgr
+
+    hold = HeldCompiles(xgr.GrammarCompiler.compile_regex)
+    monkeypatch.setattr(xgr.GrammarCompiler, "compile_regex", lambda compiler, regex: hold(compiler, regex))
+    yield hold
+    hold.go.set()

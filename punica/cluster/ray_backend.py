@@ -30,11 +30,13 @@ from ray.exceptions import RayActorError
 from punica.cluster.placement import POLICIES, PunicaPolicy
 from punica.cluster.policy import ClusterPolicy, PolicyConfig
 from punica.cluster.worker import EngineWorker, StepResult, WorkerInfo
-from punica.config import EngineArgs
+from punica.config import EngineArgs, EngineConfig
 from punica.engine.admission import checked_prompt
+from punica.engine.constraint import GrammarLimits
 from punica.engine.outputs import RequestOutput
 from punica.engine.sampling_params import SamplingParams
 from punica.engine.stats import EngineStats
+from punica.engine.structured import GrammarCompiler
 from punica.lora.adapter import load_adapter
 
 
@@ -65,12 +67,15 @@ class ClusterEngine:
     """The async front the OpenAI server calls: `generate` streams RequestOutput deltas."""
 
     def __init__(self, make_worker: Callable[[], ray.actor.ActorHandle], min_workers: int, max_workers: int,
-                 policy: ClusterPolicy | None = None, tokenizer=None, adapters: dict[str, str] | None = None):
+                 policy: ClusterPolicy | None = None, tokenizer=None, adapters: dict[str, str] | None = None,
+                 grammar_limits: GrammarLimits | None = None):
         if not 1 <= min_workers <= max_workers:
             raise ValueError(f"need 1 <= min_workers <= max_workers, got {min_workers} and {max_workers}")
         self.make_worker, self.min_workers, self.max_workers = make_worker, min_workers, max_workers
         self.policy = policy or PunicaPolicy(PolicyConfig(min_gpus=min_workers))
         self.tokenizer, self.adapters = tokenizer, dict(adapters or {})
+        self.grammar_limits = grammar_limits or GrammarLimits.of(EngineConfig())
+        self.grammars: GrammarCompiler | None = None  # the driver's, made by `start` (with a tokenizer)
         self.model_config = None            # from the first worker: what adapters are checked against
         self.max_lora_rank, self.adapter_dirs = None, ()  # and their rank, and where they are read from
         self._adapters_lock = asyncio.Lock()  # one change of the served set at a time; workers join between
@@ -86,8 +91,19 @@ class ClusterEngine:
 
     async def start(self) -> None:
         await asyncio.gather(*(self._add_worker() for _ in range(self.min_workers)))
+        if self.tokenizer is not None:
+            stop_token_ids = set(self.model_config.eos_token_ids) | (
+                {self.tokenizer.eos_token_id} if self.tokenizer.eos_token_id is not None else set())
+            self.grammars = await asyncio.to_thread(GrammarCompiler, self.tokenizer, self.model_config.vocab_size,
+                                                    stop_token_ids, self.grammar_limits)
+
+    def num_waiting(self) -> int:
+        """Requests waiting to be placed, and those waiting for their grammars to be checked first."""
+        return self.policy.num_waiting + (self.grammars.pool.num_waiting if self.grammars is not None else 0)
 
     async def shutdown(self) -> None:
+        if self.grammars is not None:
+            self.grammars.pool.close()
         for task in list(self._tasks):
             task.cancel()
         for actor in self.workers.values():
@@ -99,7 +115,13 @@ class ClusterEngine:
                        request_id: str, *, tenant: str | None = None,
                        cache_salt: str | None = None) -> AsyncIterator[RequestOutput]:
         """Stream one request's outputs; the last has finished=True. ValueError on bad input.
-        `tenant` and `cache_salt` go with it to each worker it runs on (Engine.add_request)."""
+        `tenant` and `cache_salt` go with it to each worker it runs on (Engine.add_request). Its
+        grammar is compiled here first (GrammarError, a ValueError, past the limits), so that a bad one
+        is refused before it is placed; each worker it runs on compiles it again, off its step thread."""
+        if params.structured_outputs is not None:
+            if self.grammars is None:
+                raise ValueError("structured_outputs need a tokenizer, and this server has none")
+            await self.grammars.pool.compiled(params.structured_outputs)
         tracked = self._track(prompt, params, adapter, request_id, tenant, cache_salt)
         self.policy.submit(request_id, len(tracked.prompt_token_ids), adapter)
         self._place()
@@ -365,4 +387,5 @@ def build_cluster_engine(args: EngineArgs, adapters: dict[str, str], max_workers
                                            light_load_batch=max(1, args.max_batch_size // 2), min_gpus=args.workers,
                                            max_loras=args.max_loras, max_packed_kv_tokens=max_packed_kv_tokens)
     return ClusterEngine(lambda: actor_class.remote(args, adapters), args.workers, max_workers,
-                         POLICIES[policy](config), load_tokenizer(model_source(args)[1]), adapters)
+                         POLICIES[policy](config), load_tokenizer(model_source(args)[1]), adapters,
+                         GrammarLimits.of(args))

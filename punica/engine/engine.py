@@ -34,10 +34,12 @@ from functools import partial
 from operator import attrgetter
 
 import torch
+import xgrammar as xgr
 
 from punica.config import EngineConfig
 from punica.engine import prompt_logprobs
 from punica.engine.admission import acquire_adapter, adapter_error, check_lora_scale, checked_prompt, release_adapter
+from punica.engine.constraint import GrammarLimits
 from punica.engine.detokenizer import IncrementalDetokenizer
 from punica.engine.executor import Executor
 from punica.engine.kv_cache import PageAllocator
@@ -124,10 +126,12 @@ class Engine:
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
                     adapter: str | None = None, request_id: str | None = None,
                     output_token_ids: list[int] = (), *, tenant: str | None = None,
-                    cache_salt: str | None = None) -> str:
+                    cache_salt: str | None = None, grammar: xgr.CompiledGrammar | None = None) -> str:
         """Queue a request. `output_token_ids`: tokens it already generated elsewhere (a migrated
         request resumes after them; their text is not returned again). `tenant`: who sent it;
-        `cache_salt`: it shares prefix-cache pages only with requests of the same salt."""
+        `cache_salt`: it shares prefix-cache pages only with requests of the same salt. `grammar`: its
+        structured_outputs compiled (`grammars.pool`); without it, it is compiled here, on the
+        caller's thread (the offline API's way; a server compiles before it calls)."""
         params = params or SamplingParams()
         text, token_ids = checked_prompt(prompt, self.tokenizer, self.max_model_len, self.vocab_size)
         if adapter is not None and adapter not in self.adapters.registry:
@@ -140,7 +144,8 @@ class Engine:
             raise ValueError(f"logit_bias keys must be token ids below {self.vocab_size}")
         matcher = None
         if params.structured_outputs is not None:
-            matcher = self.grammars.matcher(params.structured_outputs, list(output_token_ids))
+            spec = params.structured_outputs
+            matcher = self.grammars.matcher(spec, grammar or self.grammars.pool.compile(spec), list(output_token_ids))
             self._num_constrained += 1
         request = Request(request_id, token_ids, params, adapter=adapter, tenant=tenant, cache_salt=cache_salt,
                           prompt=text, output_token_ids=list(output_token_ids),
@@ -166,7 +171,8 @@ class Engine:
         if self._grammars is None:
             if self.tokenizer is None:
                 raise ValueError("structured_outputs need a tokenizer, and this engine has none")
-            self._grammars = GrammarCompiler(self.tokenizer, self.vocab_size, self.eos_token_ids)
+            self._grammars = GrammarCompiler(self.tokenizer, self.vocab_size, self.eos_token_ids,
+                                             GrammarLimits.of(self.config))
         return self._grammars
 
     def abort(self, request_id: str) -> RequestOutput | None:
@@ -186,8 +192,11 @@ class Engine:
         return taken
 
     def close(self) -> None:
-        """Stop what the executor started (tensor-parallel processes); idempotent."""
+        """Stop what the executor started (tensor-parallel processes) and the grammar compiles not
+        started; idempotent."""
         self.executor.close()
+        if self._grammars is not None:
+            self._grammars.pool.close()
 
     def running_request_ids(self) -> list[str]:
         return [r.request_id for r in self.scheduler.running]
@@ -213,7 +222,7 @@ class Engine:
             num_adapter_slots=self.adapters.pool.max_loras, num_adapter_slots_used=len(self.adapters.resident),
             num_adapter_slots_held=len(self.adapters.refs),
             num_preemptions=self.scheduler.num_preemptions, num_constrained_requests=self._num_constrained,
-            grammar_compile_seconds=self._grammars.compile_seconds if self._grammars is not None else 0.0,
+            grammar_compile_seconds=self._grammars.pool.compile_seconds if self._grammars is not None else 0.0,
             num_kv_pages_cached=self.allocator.num_cached, num_chunked_steps=self.scheduler.num_chunked_steps,
             prefix_cache={name: replace(counts) for name, counts in self.scheduler.prefix_cache.items()})
 

@@ -42,6 +42,7 @@ class Request:
     prompt_logprob_chunks: list = field(default_factory=list)  # (punica.engine.prompt_logprobs.Chunk, row, count)
     num_prompt_logprobs: int = 0         # prompt tokens whose logprob is computed, those in chunks included
     matcher: object = None               # its grammar's xgrammar.GrammarMatcher (structured outputs), or None
+    logit_bias_tensors: object = None    # its logit_bias as host tensors, made at its first step (engine.sampler)
     pages: list[int] = field(default_factory=list)
     num_cached: int = 0                  # tokens whose K/V are in the cache
     num_scheduled: int = 0               # tokens the scheduled step computes (a prompt chunk, or 1 to decode)

@@ -72,18 +72,26 @@ class Sampled(NamedTuple):
 
 
 def apply_logit_bias(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
-    """Each request's logit_bias added to its row, in one op for the batch."""
-    rows, cols, values = [], [], []
-    for row, request in enumerate(requests):
-        for token, bias in request.params.logit_bias:
-            rows.append(row)
-            cols.append(token)
-            values.append(bias)
-    if not rows:
+    """Each request's logit_bias added to its row, in one op for the batch. A request's bias is made
+    into tensors once, at its first step: up to 1024 biases of 32 rows, read from Python tuples at
+    every step, cost about 30 ms a step on a CPU core."""
+    biased = [(row, _bias_tensors(r)) for row, r in enumerate(requests) if r.params.logit_bias]
+    if not biased:
         return logits
-    index = to_device(torch.tensor([rows, cols]), logits.device)
-    bias = to_device(torch.tensor(values, dtype=logits.dtype), logits.device)
+    rows = torch.cat([torch.full_like(ids, row) for row, (ids, _) in biased])
+    cols = torch.cat([ids for _, (ids, _) in biased])
+    values = torch.cat([values for _, (_, values) in biased])
+    index = to_device(torch.stack([rows, cols]), logits.device)
+    bias = to_device(values.to(logits.dtype), logits.device)
     return logits.index_put((index[0], index[1]), bias, accumulate=True)
+
+
+def _bias_tensors(request: Request) -> tuple[torch.Tensor, torch.Tensor]:
+    """(token ids int64, biases float32) of the request's logit_bias, on the host, made once."""
+    if request.logit_bias_tensors is None:
+        ids, values = zip(*request.params.logit_bias)
+        request.logit_bias_tensors = torch.tensor(ids, dtype=torch.int64), torch.tensor(values, dtype=torch.float32)
+    return request.logit_bias_tensors
 
 
 def sample(logits: torch.Tensor, requests: list[Request],

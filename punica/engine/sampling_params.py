@@ -24,7 +24,6 @@ MAX_STOP_STRINGS = MAX_STOP_TOKEN_IDS = 64
 MAX_STOP_STRING_CHARS = 256
 MAX_TOP_LOGPROBS = 20  # OpenAI's bound on top_logprobs
 MAX_LOGIT_BIAS_TOKENS, MAX_ABS_LOGIT_BIAS = 1024, 100.0
-MAX_CONSTRAINT_CHARS = 1 << 16  # a schema (as JSON), regex or grammar
 MAX_CHOICES = 1024
 # a request's lora_scale multiplies its adapter's delta, and so the gain punica.lora.adapter bounds
 # (MAX_LORA_GAIN); 10x an adapter's trained strength still leaves that bound's margin
@@ -87,9 +86,9 @@ class StructuredOutputs:
             raise SamplingParamsError("structured_outputs", "structured_outputs.json_object must be a bool")
         for name in ("regex", "grammar"):
             value = getattr(self, name)
-            if value is not None and not (isinstance(value, str) and 0 < len(value) <= MAX_CONSTRAINT_CHARS):
+            if value is not None and not (isinstance(value, str) and value):
                 raise SamplingParamsError("structured_outputs", f"structured_outputs.{name} must be a non-empty "
-                                          f"string of at most {MAX_CONSTRAINT_CHARS} characters")
+                                          "string")
         if self.choice is not None:
             if not isinstance(self.choice, (list, tuple)) or not 0 < len(self.choice) <= MAX_CHOICES or not all(
                     isinstance(c, str) and 0 < len(c) <= MAX_STOP_STRING_CHARS for c in self.choice):
@@ -104,20 +103,19 @@ class StructuredOutputs:
 
 def _schema_text(schema) -> str:
     """A JSON schema (dict or JSON text) as JSON text (its keys in order: properties are generated in
-    the schema's order); the compiled-grammar cache is keyed by it."""
-    if isinstance(schema, str):
-        try:
+    the schema's order). Its size and depth are the engine's to limit (punica.engine.constraint)."""
+    try:
+        if isinstance(schema, str):
             schema = json.loads(schema)
-        except json.JSONDecodeError as e:
-            raise SamplingParamsError("structured_outputs", f"structured_outputs.json is not valid JSON: {e}") from e
-    if not isinstance(schema, (dict, bool)):
-        raise SamplingParamsError("structured_outputs", "structured_outputs.json must be a JSON schema: an object "
-                                  f"(or true/false), got {type(schema).__name__}")
-    text = json.dumps(schema, ensure_ascii=False)
-    if len(text) > MAX_CONSTRAINT_CHARS:
-        raise SamplingParamsError("structured_outputs", f"structured_outputs.json is {len(text)} characters as JSON;"
-                                  f" at most {MAX_CONSTRAINT_CHARS}")
-    return text
+        if not isinstance(schema, (dict, bool)):
+            raise SamplingParamsError("structured_outputs", "structured_outputs.json must be a JSON schema: an "
+                                      f"object (or true/false), got {type(schema).__name__}")
+        return json.dumps(schema, ensure_ascii=False)
+    except json.JSONDecodeError as e:
+        raise SamplingParamsError("structured_outputs", f"structured_outputs.json is not valid JSON: {e}") from e
+    except RecursionError as e:  # json reads and writes nested values recursively
+        raise SamplingParamsError("structured_outputs", "structured_outputs.json nests objects and arrays too "
+                                  "deep to be read") from e
 
 
 @dataclass(frozen=True)

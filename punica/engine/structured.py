@@ -1,8 +1,9 @@
 """Grammar state of constrained requests (structured outputs), on top of xgrammar.
 
 xgrammar (the grammar engine of vLLM and SGLang) compiles a JSON schema, regex, choice or EBNF
-grammar against the tokenizer's vocabulary once; its GrammarCompiler caches compiled grammars,
-so requests with the same constraint share one. Each constrained request has its own
+grammar against the tokenizer's vocabulary once, in a GrammarPool (punica.engine.grammar_pool: off
+the engine's thread, under the limits of punica.engine.constraint, cached by canonical form), so
+requests with the same constraint share one. Each constrained request has its own
 GrammarMatcher, advanced by every output token whose value reaches the host. Before a step
 samples, `fill_bitmasks` writes, on the host, one row of allowed-token bits per constrained
 request (xgrammar's BatchGrammarMatcher, over threads) and `apply_bitmasks` masks the logits of
@@ -12,17 +13,16 @@ its stop tokens (the engine's EOS tokens) only where the output is complete.
 
 from __future__ import annotations
 
-import json
 import os
 import re
-import time
 
 import torch
 import xgrammar as xgr
 
+from punica.engine.constraint import GrammarLimits, GrammarSource, choice_grammar, rejected
+from punica.engine.grammar_pool import GrammarPool
 from punica.engine.sampling_params import StructuredOutputs
 
-COMPILER_CACHE_BYTES = 256 << 20
 MATCHER_THREADS = min(8, os.cpu_count() or 1)
 # JSON as json.dumps writes it ({"a": 1, "b": [2, 3]}): a small model let free to put any whitespace
 # between tokens can emit it without end and never close the object
@@ -30,71 +30,52 @@ JSON_FORMAT = {"any_whitespace": False}
 _LOG_PREFIX = re.compile(r"^\[[0-9:]+\] \S+:\d+: ")  # xgrammar's "[time] file.cc:line: " before a message
 
 
-class GrammarError(ValueError):
-    """A constraint the grammar engine rejects; the message says why, naming the constraint as
-    structured_outputs.KIND. `kind` and `reason` let a caller name the constraint as its user wrote it."""
-
-    def __init__(self, kind: str, reason: str):
-        super().__init__(f"structured_outputs.{kind} is not accepted by the grammar engine: {reason}")
-        self.kind, self.reason = kind, reason
-
-
-def _rejected(spec: StructuredOutputs, error: Exception) -> GrammarError:
-    return GrammarError(spec.kind, _LOG_PREFIX.sub("", str(error).strip()))
-
-
 def check_grammar(spec: StructuredOutputs) -> None:
-    """GrammarError if the grammar engine rejects the constraint. Needs no tokenizer, so a command
-    can check its arguments before loading a model; compiling (GrammarCompiler) checks the same."""
+    """GrammarError (punica.engine.constraint) if the grammar engine rejects the constraint. Needs no
+    tokenizer, so a command can check its arguments before loading a model; compiling (GrammarCompiler)
+    checks the same."""
     try:
         if spec.json is not None:
             xgr.Grammar.from_json_schema(spec.json, **JSON_FORMAT)
         elif spec.regex is not None:
             xgr.Grammar.from_regex(spec.regex)
         elif spec.choice is not None or spec.grammar is not None:
-            xgr.Grammar.from_ebnf(spec.grammar if spec.grammar is not None else _choice_grammar(spec.choice))
+            xgr.Grammar.from_ebnf(spec.grammar if spec.grammar is not None else choice_grammar(spec.choice))
     except (RuntimeError, ValueError, TypeError) as e:  # xgrammar's errors derive from RuntimeError
-        raise _rejected(spec, e) from e
-
-
-def _choice_grammar(choices: tuple[str, ...]) -> str:
-    """An EBNF grammar of exactly one of the strings (EBNF string literals escape as JSON's do)."""
-    return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
+        raise rejected(spec.kind, _LOG_PREFIX.sub("", str(e).strip())) from e
 
 
 class GrammarCompiler:
-    """One engine's compiler over its tokenizer, vocabulary and stop tokens, with its compiled-grammar
-    cache; counts what it compiled and for how long (the server's metrics)."""
+    """One engine's grammars over its tokenizer, vocabulary and stop tokens: compiled by `pool` (off
+    the calling thread, under the limits, through its cache; it counts the compiles and their time
+    for the server's metrics), matched by a GrammarMatcher per request, masks filled per step."""
 
-    def __init__(self, tokenizer, vocab_size: int, stop_token_ids: set[int]):
+    def __init__(self, tokenizer, vocab_size: int, stop_token_ids: set[int], limits: GrammarLimits):
         self.info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size,
                                                        stop_token_ids=sorted(stop_token_ids))
-        self.compiler = xgr.GrammarCompiler(self.info, cache_enabled=True, cache_limit_bytes=COMPILER_CACHE_BYTES)
+        # one thread a compile (xgrammar's default is 8): on 2 cores beside the engine, the 256-level
+        # schema of benchmarks/grammar_stall.py compiled in 0.8 s instead of 3.6 s, and the engine's
+        # stream kept its pace; several compiles run at once on the pool's threads
+        self.compiler = xgr.GrammarCompiler(self.info, max_threads=1, cache_enabled=False)  # the pool caches
+        self.pool = GrammarPool(self._compile_source, limits)
         self.batch = xgr.BatchGrammarMatcher(max_threads=MATCHER_THREADS)
         self.vocab_size = vocab_size
-        self.compile_seconds = 0.0
 
-    def compile(self, spec: StructuredOutputs) -> xgr.CompiledGrammar:
-        start = time.perf_counter()
+    def _compile_source(self, source: GrammarSource) -> xgr.CompiledGrammar:
         try:
-            if spec.json is not None:
-                return self.compiler.compile_json_schema(spec.json, **JSON_FORMAT)
-            if spec.json_object:
-                return self.compiler.compile_json_schema('{"type": "object"}', **JSON_FORMAT)
-            if spec.regex is not None:
-                return self.compiler.compile_regex(spec.regex)
-            if spec.choice is not None:
-                return self.compiler.compile_grammar(_choice_grammar(spec.choice))
-            return self.compiler.compile_grammar(spec.grammar)
+            if source.kind == "json":
+                return self.compiler.compile_json_schema(source.text, **JSON_FORMAT)
+            if source.kind == "regex":
+                return self.compiler.compile_regex(source.text)
+            return self.compiler.compile_grammar(source.text)
         except (RuntimeError, ValueError, TypeError) as e:  # xgrammar's errors derive from RuntimeError
-            raise _rejected(spec, e) from e
-        finally:
-            self.compile_seconds += time.perf_counter() - start
+            raise ValueError(_LOG_PREFIX.sub("", str(e).strip())) from e
 
-    def matcher(self, spec: StructuredOutputs, output_token_ids: list[int] = ()) -> xgr.GrammarMatcher:
-        """A matcher of the constraint that has accepted `output_token_ids` (a request resumed after
-        them); GrammarError if the grammar engine rejects the constraint, ValueError if the tokens do not match it."""
-        matcher = xgr.GrammarMatcher(self.compile(spec))
+    def matcher(self, spec: StructuredOutputs, grammar: xgr.CompiledGrammar,
+                output_token_ids: list[int] = ()) -> xgr.GrammarMatcher:
+        """A matcher of the compiled constraint that has accepted `output_token_ids` (a request resumed
+        after them); ValueError if they do not match it."""
+        matcher = xgr.GrammarMatcher(grammar)
         for token in output_token_ids:
             if not matcher.accept_token(token):
                 raise ValueError(f"the output tokens already generated do not match structured_outputs.{spec.kind}")

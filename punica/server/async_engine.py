@@ -2,10 +2,12 @@
 
 Every Engine call happens on that thread. The asyncio side sends commands (add, abort,
 load/unload adapter) through a queue and awaits their result; outputs come back to each
-request's asyncio.Queue. A failure inside a step fails the requests of that step (each gets a
-finished output with finish_reason "error"), and the loop keeps serving the others. Every
-finished output, whether a step, an abort or a failure ended the request, goes to `on_finished`
-exactly once.
+request's asyncio.Queue. A request's grammar is compiled before its add is sent (by the engine's
+GrammarPool, on threads of its own), so a request waiting for its grammar holds no place in the
+engine, and one whose client goes away meanwhile never enters it. A failure inside a step fails
+the requests of that step (each gets a finished output with finish_reason "error"), and the loop
+keeps serving the others. Every finished output, whether a step, an abort or a failure ended the
+request, goes to `on_finished` exactly once.
 """
 
 from __future__ import annotations
@@ -41,6 +43,8 @@ class AsyncEngine:
         self._commands: queue.Queue[tuple[Callable[[], Any], Future]] = queue.Queue()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._stop = threading.Event()
+        # made now, not by the first constrained request on the event loop
+        self._grammars = engine.grammars.pool if engine.tokenizer is not None else None
         self._thread = threading.Thread(target=self._run, name="punica-engine", daemon=True)
         self._thread.start()
 
@@ -60,8 +64,12 @@ class AsyncEngine:
         self._streams[request_id] = (asyncio.get_running_loop(), stream)
         finished = False
         try:
+            grammar = None
+            if params.structured_outputs is not None:  # compiled before the request enters the engine
+                pool = self._grammars or self.engine.grammars.pool  # a ValueError without a tokenizer
+                grammar = await pool.compiled(params.structured_outputs)
             await self.call(lambda: self.engine.add_request(prompt, params, adapter, request_id, tenant=tenant,
-                                                            cache_salt=cache_salt))
+                                                            cache_salt=cache_salt, grammar=grammar))
             while not finished:
                 item = await stream.get()
                 if isinstance(item, BaseException):
@@ -96,7 +104,8 @@ class AsyncEngine:
         return engine_listing(await self.call(self.engine.adapters.snapshot))
 
     def num_waiting(self) -> int:
-        return self.engine.stats().num_waiting
+        """Requests queued in the engine, and those waiting for their grammars to enter it."""
+        return self.engine.stats().num_waiting + (self._grammars.num_waiting if self._grammars is not None else 0)
 
     async def load_adapter(self, name: str, path: str) -> None:
         """Read the adapter once (so a broken one fails here, one over the engine's rank before its

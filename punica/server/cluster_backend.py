@@ -70,7 +70,7 @@ class ClusterBackend:
         return cluster_listing(dict(self.cluster.adapters), {gpu_id: s for (gpu_id, _), s in zip(workers, snapshots)})
 
     def num_waiting(self) -> int:
-        return self.cluster.policy.num_waiting
+        return self.cluster.num_waiting()
 
     async def load_adapter(self, name: str, path: str) -> None:
         """ValueError (a 400, no worker changed) for a broken adapter or a name in use;
@@ -86,9 +86,12 @@ class ClusterBackend:
         await self.cluster.set_tenants(shares)
 
     def update_gauges(self, metrics) -> None:
-        """The queue, and the counters of what the workers count (as their last steps reported it)."""
-        metrics.queue_length.set(self.num_waiting())
-        metrics.update_totals(self.cluster.worker_stats.values())
+        """The queue, and the counters of what the workers count (as their last steps reported it), with
+        the time the driver spent compiling grammars to check them."""
+        metrics.queue_length.set(self.cluster.policy.num_waiting)
+        grammars = self.cluster.grammars
+        metrics.update_totals(self.cluster.worker_stats.values(),
+                              grammars.pool.compile_seconds if grammars is not None else 0.0)
 
     async def start(self) -> None:
         await self.cluster.start()

@@ -55,7 +55,8 @@ class Metrics:
                                    "constraint (JSON schema or object, regex, choice, grammar, a required tool call)",
                                    registry=r)
         self.grammar_compile = Counter("punica_grammar_compile_seconds", "Time spent compiling the grammars of "
-                                       "constrained requests (compiled-grammar cache hits included)", registry=r)
+                                       "constrained requests (once per grammar while it stays in the cache; a "
+                                       "cluster: on the driver and on each worker)", registry=r)
         self.prefix_queries = Counter("punica_prefix_cache_queried_tokens", "Prompt tokens of finished requests "
                                       "looked up in the prefix cache when first admitted", ["adapter", *tenant],
                                       registry=r)
@@ -120,13 +121,16 @@ class Metrics:
         self.cached_pages.set(stats.num_kv_pages_cached)
         self.update_totals([stats])
 
-    def update_totals(self, stats: Iterable[EngineStats]) -> None:
+    def update_totals(self, stats: Iterable[EngineStats], driver_compile_seconds: float = 0.0) -> None:
         """Advance the counters of what engines count from their start (constrained requests, grammar
         compile time, chunked steps, preemptions) to the sum over `stats`, one per engine (a cluster's
-        workers): each counter advances by what is new since the last update."""
+        workers), with the grammar compile time of a cluster's driver: each counter advances by what is
+        new since the last update."""
         stats = list(stats)
         with self._totals_lock:
             for counter, name in self._totals:
                 total = sum(getattr(s, name) for s in stats)
+                if name == "grammar_compile_seconds":
+                    total += driver_compile_seconds
                 counter.inc(max(0, total - self._seen[name]))
                 self._seen[name] = max(self._seen[name], total)

@@ -16,9 +16,9 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from punica.engine.constraint import GrammarError
 from punica.engine.engine import RequestOutput
 from punica.engine.sampling_params import SamplingParams
-from punica.engine.structured import GrammarError
 from punica.server.interrupts import DISCONNECT, Interrupt
 from punica.server.limits import PromptBound
 from punica.server.protocol import ChatCompletionRequest, CompletionRequest, ProtocolError, SamplingFields
@@ -145,8 +145,7 @@ class OpenAIHandlers:
             head = await _unless_interrupted(anext(gens[0]), interrupt)
         except GrammarError as e:  # only a constrained request meets it; named by the field that constrained it
             interrupt.close()
-            raise ProtocolError(f"{constraint.field} is not accepted by the grammar engine: {e.reason}",
-                                param=constraint.field) from e
+            raise ProtocolError(f"{constraint.field} {e.problem}", param=constraint.field) from e
         except ValueError as e:  # a SamplingParamsError (lora_scale on the base model) names its field
             interrupt.close()
             raise ProtocolError(str(e), param=getattr(e, "field", None)) from e

@@ -4,10 +4,11 @@ anything is queued, grammar masks touch only their rows, and top logprobs are th
 import pytest
 import torch
 
+from punica.engine.constraint import GrammarError
 from punica.engine.request import Request
-from punica.engine.sampler import sample
+from punica.engine.sampler import apply_logit_bias, sample
 from punica.engine.sampling_params import SamplingParams, SamplingParamsError, StructuredOutputs
-from punica.engine.structured import GrammarError, apply_bitmasks, check_grammar
+from punica.engine.structured import apply_bitmasks, check_grammar
 
 # bf16 logits of the tiny model (|logit| < 1) against fp32 ones: a few bf16 ulps at most
 BF16_LOGPROB_TOL = 0.02
@@ -66,6 +67,22 @@ def test_bitmasks_mask_only_their_rows():
         assert torch.equal(out[row][allowed], logits[row][allowed])
         assert (out[row][~allowed] == float("-inf")).all()
     assert torch.equal(out[[1, 3]], logits[[1, 3]])
+
+
+def test_logit_bias_is_read_into_tensors_once_per_request():
+    """Each row gets its request's biases; a request's are made into tensors at its first step and
+    reused at the next (not read from its Python tuples at every step)."""
+    logits = torch.randn(3, 50)
+    requests = [Request("a", [1], SamplingParams(logit_bias={3: 2.0, 7: -1.5})), Request("b", [1], SamplingParams()),
+                Request("c", [1], SamplingParams(logit_bias={3: 1.0}))]
+    expected = logits.clone()
+    expected[0, 3] += 2.0
+    expected[0, 7] -= 1.5
+    expected[2, 3] += 1.0
+    assert torch.equal(apply_logit_bias(logits, requests), expected)
+    made = requests[0].logit_bias_tensors
+    assert made is not None and requests[1].logit_bias_tensors is None
+    assert torch.equal(apply_logit_bias(logits, requests), expected) and requests[0].logit_bias_tensors is made
 
 
 def test_top_logprobs_are_a_reference_softmax_of_the_logits():

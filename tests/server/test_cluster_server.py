@@ -138,6 +138,25 @@ def test_metrics_sum_the_workers_constrained_requests_and_compile_time(cluster_s
         assert now[0] == constrained + 2 and now[1] > seconds
 
 
+def test_grammars_are_checked_on_the_driver_before_a_worker_sees_them(cluster_server):
+    """A grammar the grammar engine refuses, or one over the limits, is a 400 from the driver; a good
+    one runs on a worker, which compiles it off its step thread."""
+    with httpx.Client(base_url=cluster_server.url, timeout=120) as http:
+        def complete(constraint: dict) -> httpx.Response:
+            return http.post("/v1/completions", json={"model": "tenant-0", "prompt": "Hi", "max_tokens": 4,
+                                                      **constraint})
+
+        refused = complete({"guided_grammar": "root ::= undefined_rule"})
+        assert refused.status_code == 400 and "undefined_rule" in refused.json()["error"]["message"]
+        schema = {"type": "string"}
+        for _ in range(70):
+            schema = {"type": "array", "items": schema}
+        too_deep = complete({"guided_json": schema})
+        assert too_deep.status_code == 400 and "--max-grammar-depth" in too_deep.json()["error"]["message"]
+        answered = complete({"guided_regex": "[0-9]{2}"})
+        assert answered.status_code == 200 and answered.json()["choices"][0]["text"].isdigit()
+
+
 def test_adapters_listing_reports_each_worker(cluster_server):
     """Each worker places and evicts adapters on its own: GET /v1/adapters gives its residency per worker."""
     with httpx.Client(base_url=cluster_server.url, timeout=120) as http:

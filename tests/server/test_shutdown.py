@@ -169,12 +169,13 @@ class HungEngine:
     It has what AsyncEngine uses of an Engine."""
 
     max_model_len, vocab_size = 2048, 49152
+    tokenizer = None  # no structured outputs: AsyncEngine makes no grammar compiler
 
     def __init__(self):
         self.requests: dict[str, object] = {}
         self.stepping, self.release = threading.Event(), threading.Event()
 
-    def add_request(self, prompt, params, adapter, request_id, *, tenant=None, cache_salt=None):
+    def add_request(self, prompt, params, adapter, request_id, *, tenant=None, cache_salt=None, grammar=None):
         self.requests[request_id] = prompt
 
     def abort(self, request_id):
