@@ -53,7 +53,7 @@ from punica.engine.scheduler import ScheduledBatch, Scheduler
 from punica.engine.stats import EngineStats, StepShape
 from punica.engine.step_input import StepInput
 from punica.engine.structured import GrammarCompiler
-from punica.engine.tenancy import TenantShare, tenant_key
+from punica.engine.tenancy import TenantShare, checked_shares, tenant_key
 from punica.engine.waiting import FcfsQueue
 from punica.engine.worker import context_limit
 from punica.lora.manager import AdapterManager
@@ -123,10 +123,7 @@ class Engine:
         """Give each named tenant (punica.engine.tenancy.tenant_key) its weight and caps, replacing
         the shares given before; the others get the default share. Requests already queued or
         running stay: a lower max_concurrent_requests refuses new ones only."""
-        for name, share in shares.items():
-            if not isinstance(name, str) or not isinstance(share, TenantShare):
-                raise TypeError(f"tenant shares map names to TenantShare, got {name!r}: {share!r}")
-        self.scheduler.waiting.set_shares(shares)
+        self.scheduler.waiting.set_shares(checked_shares(shares))
 
     # requests ------------------------------------------------------------------------------
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,

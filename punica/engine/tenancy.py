@@ -52,6 +52,14 @@ class TenantStats:
     service: float               # its virtual token counter: computed tokens / weight, lifted on return from idle
 
 
+def checked_shares(shares: dict[str, TenantShare]) -> dict[str, TenantShare]:
+    """A copy of `shares`; TypeError unless it maps tenant names to TenantShares."""
+    for name, share in shares.items():
+        if not isinstance(name, str) or not isinstance(share, TenantShare):
+            raise TypeError(f"tenant shares map names to TenantShare, got {name!r}: {share!r}")
+    return dict(shares)
+
+
 def tenant_key(tenant: str | None, adapter: str | None) -> str | None:
     """The tenant a request of `tenant` on `adapter` belongs to, for fair share and caps."""
     return tenant if tenant is not None else adapter
