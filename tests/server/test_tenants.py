@@ -4,9 +4,13 @@ they exist); /metrics and /v1/adapters are the admin's; the tenant travels with 
 the engine and to the request metrics. Without a tenants file, --admin-api-key guards the same
 endpoints. cache_salt reaches the engine."""
 
+import dataclasses
+import threading
+
 import httpx
 import openai
 import pytest
+import xgrammar as xgr
 from prometheus_client.parser import text_string_to_metric_families
 
 from punica.config import EngineArgs
@@ -198,6 +202,54 @@ def test_a_tenant_at_its_max_concurrent_requests_gets_429_and_then_is_served(ten
             with as_("acme", tenanted) as acme:  # another tenant is not held back
                 assert complete(acme, base).status_code == 200
         assert complete(initech, base).status_code == 200  # the stream left: its request was aborted
+
+
+def test_a_request_waiting_for_its_grammar_counts_toward_its_tenants_max_concurrent_requests(tenanted, held,
+                                                                                           monkeypatch):
+    pool = tenanted.engine.grammars.pool  # a held compile stays within its time limit however slow the machine
+    monkeypatch.setattr(pool, "limits", dataclasses.replace(pool.limits, max_compile_seconds=600))
+    base = tenanted.state.base_model_name
+    answer = {}
+
+    def constrained():
+        with as_("initech", tenanted) as initech:
+            answer["response"] = complete(initech, base, guided_regex="HOLD[0-9]{3}c")
+
+    thread = threading.Thread(target=constrained)
+    thread.start()
+    try:
+        assert held.started.wait(60)  # its grammar compiles (held): it is initech's one request
+        with as_("initech", tenanted) as initech:
+            refused = complete(initech, base)
+            assert refused.status_code == 429 and "max_concurrent_requests" in refused.text, refused.text
+    finally:
+        held.go.set()
+        thread.join(60)
+    assert answer["response"].status_code == 200, answer["response"].text
+    with as_("initech", tenanted) as initech:
+        assert complete(initech, base).status_code == 200
+
+
+def test_a_tenant_at_its_max_concurrent_requests_gets_429_before_its_grammar_compiles(tenanted, monkeypatch):
+    compiled = []
+    compile_json_schema = xgr.GrammarCompiler.compile_json_schema
+
+    def counting(compiler, schema, **kwargs):
+        compiled.append(schema)
+        return compile_json_schema(compiler, schema, **kwargs)
+
+    monkeypatch.setattr(xgr.GrammarCompiler, "compile_json_schema", counting)
+    base = tenanted.state.base_model_name
+    schema = {"type": "object", "properties": {"never_compiled_at_the_cap": {"type": "string"}}}
+    with as_("initech", tenanted) as streaming, as_("initech", tenanted) as initech:
+        body = {"model": base, "prompt": "Count:", "max_tokens": 4000, "ignore_eos": True, "stream": True}
+        with streaming.stream("POST", "/v1/completions", json=body) as running:
+            assert running.status_code == 200
+            lines = running.iter_lines()  # held: a dropped iterator closes the stream
+            next(lines)
+            refused = complete(initech, base, guided_json=schema)
+            assert refused.status_code == 429, refused.text
+    assert not [s for s in compiled if "never_compiled_at_the_cap" in s]
 
 
 @pytest.fixture()
