@@ -18,8 +18,7 @@ says which adapters the worker's GPU holds (resident or loading), and the policy
 
 Tenants: `set_tenants` gives every worker, and a joining one, the tenants' weights and KV caps
 (Engine.set_tenants); each tenant's max_concurrent_requests is counted here, over the whole cluster,
-with its requests waiting here for their grammars: a tenant at its cap is refused before a compile
-(and after the grammar's limits are checked).
+with its requests waiting here for their grammars: a tenant at its cap is refused before a compile.
 """
 
 from __future__ import annotations
@@ -38,7 +37,7 @@ from punica.cluster.policy import ClusterPolicy, PolicyConfig
 from punica.cluster.worker import EngineWorker, StepResult, WorkerInfo
 from punica.config import EngineArgs, EngineConfig
 from punica.engine.admission import checked_prompt
-from punica.engine.constraint import GrammarLimits, checked_source
+from punica.engine.constraint import GrammarLimits
 from punica.engine.outputs import RequestOutput
 from punica.engine.sampling_params import SamplingParams
 from punica.engine.stats import EngineStats
@@ -128,18 +127,15 @@ class ClusterEngine:
         `tenant` and `cache_salt` go with it to each worker it runs on (Engine.add_request). Its
         grammar is compiled here first (GrammarError, a ValueError, past the limits), so that a bad one
         is refused before it is placed; each worker it runs on compiles it again, off its step thread.
-        TenantLimitError, after the grammar's limits and before any compile, when its tenant has
-        its max_concurrent_requests."""
-        spec = params.structured_outputs
-        if spec is not None:
+        TenantLimitError, before any compile, when its tenant has its max_concurrent_requests."""
+        if params.structured_outputs is not None:
             if self.grammars is None:
                 raise ValueError("structured_outputs need a tokenizer, and this server has none")
-            source = checked_source(spec, self.grammars.pool.limits)
             key = tenant_key(tenant, adapter)
             self._check_room(key)
             self._num_compiling[key] += 1
             try:
-                await self.grammars.pool.compiled(spec, source)
+                await self.grammars.pool.compiled(params.structured_outputs)
             finally:
                 self._num_compiling[key] -= 1
                 if not self._num_compiling[key]:

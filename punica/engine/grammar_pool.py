@@ -76,12 +76,11 @@ class GrammarPool:
         finally:
             self._leave(source, job)
 
-    async def compiled(self, spec: StructuredOutputs, source: GrammarSource | None = None):
+    async def compiled(self, spec: StructuredOutputs):
         """As `compile`, awaited: this event loop's thread waits for nothing. Cancelling the caller
         (its client went away) drops the compile if no other request waits for it and it has not
-        started. `source`: spec's checked_source under this pool's limits, where the caller checked
-        them first."""
-        source, job = self._join(spec, source)
+        started."""
+        source, job = self._join(spec)
         done = asyncio.wrap_future(job.future)  # never cancelled: that would cancel the shared compile
         try:
             while not job.future.done():
@@ -102,9 +101,8 @@ class GrammarPool:
         self._executor.shutdown(wait=False, cancel_futures=True)
 
     # ------------------------------------------------------------------------------------
-    def _join(self, spec: StructuredOutputs, source: GrammarSource | None = None) -> tuple[GrammarSource, _Compile]:
-        if source is None:
-            source = checked_source(spec, self.limits)
+    def _join(self, spec: StructuredOutputs) -> tuple[GrammarSource, _Compile]:
+        source = checked_source(spec, self.limits)
         with self._lock:
             job = self._cache.get(source)
             if job is None:

@@ -5,12 +5,12 @@ load/unload adapter) through a queue and awaits their result; outputs come back 
 request's asyncio.Queue. A request's grammar is compiled before its add is sent (by the engine's
 GrammarPool, on threads of its own), so a request waiting for its grammar holds no place in the
 engine, and one whose client goes away meanwhile never enters it. It counts toward its tenant's
-max_concurrent_requests all the same: the cap is checked here, after the grammar's limits (a 400
-tells more than a 429) and before any compile, counting each tenant's requests from the start of
-their `generate` to their last output (the engine checks it again when it adds one). A failure
-inside a step fails the requests of that step (each gets a finished output with finish_reason
-"error"), and the loop keeps serving the others. Every finished output, whether a step, an abort
-or a failure ended the request, goes to `on_finished` exactly once.
+max_concurrent_requests all the same: the cap is checked here, before any grammar compiles,
+counting each tenant's requests from the start of their `generate` to their last output (the
+engine checks it again when it adds one). A failure inside a step fails the requests of that step
+(each gets a finished output with finish_reason "error"), and the loop keeps serving the others.
+Every finished output, whether a step, an abort or a failure ended the request, goes to
+`on_finished` exactly once.
 """
 
 from __future__ import annotations
@@ -26,7 +26,6 @@ from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Future
 from typing import Any
 
-from punica.engine.constraint import checked_source
 from punica.engine.engine import Engine, RequestOutput
 from punica.engine.sampling_params import SamplingParams
 from punica.engine.tenancy import DEFAULT_SHARE, TenantLimitError, TenantShare, checked_shares, tenant_key
@@ -66,13 +65,8 @@ class AsyncEngine:
                        request_id: str, *, tenant: str | None = None,
                        cache_salt: str | None = None) -> AsyncIterator[RequestOutput]:
         """Outputs of one request as they come; the last has finished=True. Raises ValueError
-        for a request the engine rejects (GrammarError for a grammar past the limits, then
-        TenantLimitError, before any compile, for one whose tenant has its max_concurrent_requests).
-        Leaving the iteration early aborts the request."""
-        spec = params.structured_outputs
-        if spec is not None:
-            pool = self._grammars or self.engine.grammars.pool  # a ValueError without a tokenizer
-            source = checked_source(spec, pool.limits)
+        for a request the engine rejects (TenantLimitError, before its grammar compiles, for one
+        whose tenant has its max_concurrent_requests). Leaving the iteration early aborts the request."""
         key = tenant_key(tenant, adapter)
         self._enter(key)
         stream: asyncio.Queue = asyncio.Queue()
@@ -80,8 +74,9 @@ class AsyncEngine:
         finished = False
         try:
             grammar = None
-            if spec is not None:  # compiled before the request enters the engine
-                grammar = await pool.compiled(spec, source)
+            if params.structured_outputs is not None:  # compiled before the request enters the engine
+                pool = self._grammars or self.engine.grammars.pool  # a ValueError without a tokenizer
+                grammar = await pool.compiled(params.structured_outputs)
             await self.call(lambda: self.engine.add_request(prompt, params, adapter, request_id, tenant=tenant,
                                                             cache_salt=cache_salt, grammar=grammar))
             while not finished:
