@@ -198,8 +198,10 @@ class CountRejections:
             raise
 
 
-def request_caller(request: Request) -> Caller:
-    """Who sends the request (a FastAPI dependency): ServerState.caller, with a 401 for a missing or unknown key."""
+async def request_caller(request: Request) -> Caller:
+    """Who sends the request (a FastAPI dependency): ServerState.caller, with a 401 for a missing or
+    unknown key. Async, so that it runs on the event loop: a sync dependency would take a trip
+    through a thread pool for every request."""
     return request.app.state.server.caller(request.headers.get("authorization"))
 
 
@@ -257,7 +259,7 @@ def build_app(state: ServerState, max_request_bytes: int = DEFAULT_MAX_REQUEST_B
 
     async def metrics_access(request: Request) -> None:
         if state.has_admin_key and not state.metrics_public:
-            await admin_only(request, request_caller(request))
+            await admin_only(request, await request_caller(request))
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request, caller: Authorized):
