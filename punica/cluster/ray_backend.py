@@ -131,8 +131,8 @@ class ClusterEngine:
         if params.structured_outputs is not None:
             if self.grammars is None:
                 raise ValueError("structured_outputs need a tokenizer, and this server has none")
+            self.check_room(tenant, adapter)
             key = tenant_key(tenant, adapter)
-            self._check_room(key)
             self._num_compiling[key] += 1
             try:
                 await self.grammars.pool.compiled(params.structured_outputs)
@@ -241,13 +241,14 @@ class ClusterEngine:
         if adapter is not None and adapter not in self.adapters:
             raise ValueError(f"unknown adapter {adapter!r} ({len(self.adapters)} adapters are registered)")
         text, token_ids = checked_prompt(prompt, self.tokenizer, self.max_model_len)
-        self._check_room(tenant_key(tenant, adapter))
+        self.check_room(tenant, adapter)
         tracked = self.requests[request_id] = Tracked(request_id, text, token_ids, params, adapter, tenant, cache_salt)
         return tracked
 
-    def _check_room(self, key: str | None) -> None:
-        """TenantLimitError if tenant `key` has its max_concurrent_requests here already (tracked, or
-        waiting for their grammars)."""
+    def check_room(self, tenant: str | None, adapter: str | None) -> None:
+        """TenantLimitError if the tenant of a request of `tenant` on `adapter` has its
+        max_concurrent_requests here already (tracked, or waiting for their grammars)."""
+        key = tenant_key(tenant, adapter)
         share = self.tenant_shares.get(key)
         limit = share.max_concurrent_requests if share is not None else None
         if limit is None:

@@ -16,6 +16,7 @@ from fastapi.responses import HTMLResponse, JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from punica.engine.tenancy import TenantLimitError
 from punica.lora.adapter import AdapterError
 from punica.server.adapter_paths import resolved_inside, top_folder
 from punica.server.args import DEFAULT_MAX_REQUEST_BYTES
@@ -102,6 +103,15 @@ class ServerState:
         and rights apply at the edge. Requests already accepted keep going."""
         await self.backend.set_tenants(tenants.shares)
         self.tenants = tenants
+
+    def check_tenant_room(self, tenant: str | None, adapter: str | None) -> None:
+        """A 429 when the tenant of a request of `tenant` on `adapter` has its max_concurrent_requests
+        (Backend.check_room): asked before any work is done for the request (its prompt tokenized,
+        its grammar read), so a tenant flooding past its cap costs the server little."""
+        try:
+            self.backend.check_room(tenant, adapter)
+        except TenantLimitError as e:
+            raise ProtocolError(str(e), status=429, kind="requests", code="rate_limit_exceeded") from e
 
     def check_queue(self, num_new: int) -> None:
         if self.backend.num_waiting() + num_new > self.max_queue:

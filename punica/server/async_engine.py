@@ -67,8 +67,9 @@ class AsyncEngine:
         """Outputs of one request as they come; the last has finished=True. Raises ValueError
         for a request the engine rejects (TenantLimitError, before its grammar compiles, for one
         whose tenant has its max_concurrent_requests). Leaving the iteration early aborts the request."""
+        self.check_room(tenant, adapter)
         key = tenant_key(tenant, adapter)
-        self._enter(key)
+        self._num_in_flight[key] += 1
         stream: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = (asyncio.get_running_loop(), stream)
         finished = False
@@ -93,12 +94,12 @@ class AsyncEngine:
                 self._leave(key)
                 self._abort_soon(request_id)
 
-    def _enter(self, key: str | None) -> None:
-        """Count a request of tenant `key`; TenantLimitError when it has its max_concurrent_requests."""
+    def check_room(self, tenant: str | None, adapter: str | None) -> None:
+        """TenantLimitError when the tenant has its max_concurrent_requests in generate already."""
+        key = tenant_key(tenant, adapter)
         limit = self._shares.get(key, DEFAULT_SHARE).max_concurrent_requests
         if limit is not None and self._num_in_flight[key] >= limit:
             raise TenantLimitError(key, limit)
-        self._num_in_flight[key] += 1
 
     def _leave(self, key: str | None) -> None:
         self._num_in_flight[key] -= 1
