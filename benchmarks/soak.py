@@ -28,7 +28,8 @@ Checks, each a failure (exit code 1) when broken: no normal request lost (every 
 answers 200 with finish_reason stop or length and no more tokens than asked), no hostile request
 answered 5xx, /health always answering within a second, and, once traffic stops and the server is
 idle, no running or queued request, KV page or adapter slot held (from /metrics). With
---tenants-file also: every probe answered as expected, the flood met its cap (429s), and the
+--tenants-file also: every probe answered as expected, the flood met its cap (429s), the grammars
+past the limits met them (400s; one sent while its tenant is at its cap gets the 429 first), and the
 reload applied (the new key refused before it, accepted after). Reported, not judged: memory (the
 resident set over time, and its growth after the first fifth of the run), what the KV cache went
 through (preemptions, chunked steps, prefix-cache hits and pages) and, with --tenants-file, the
@@ -435,6 +436,9 @@ async def soak(args: argparse.Namespace, url: str, port: int, pid: int, root: Pa
     flood = tally.probes["flood"]
     if sum(flood.values()) and not flood["429"]:
         tally.fail(f"the flood of {sum(flood.values())} requests past max_concurrent_requests got no 429")
+    past_limits = [tally.probes[kind] for kind in ("deep_schema", "huge_schema", "big_choice")]
+    if sum(sum(p.values()) for p in past_limits) and not sum(p["400"] for p in past_limits):
+        tally.fail("no grammar past the limits got a 400 (each found its tenant at its cap)")
     extra = {"probes": {kind: dict(outcomes) for kind, outcomes in sorted(tally.probes.items())},
              "unexpected_by_kind": dict(tally.unexpected), "ttft": tally.ttft_summary(),
              "prefix_cache_probe": secrets.summary(), "reload": {"at_s": args.duration / 2, **results[0]},
