@@ -26,7 +26,7 @@ schema apart) is reported with and without the flood.
 
 Checks, each a failure (exit code 1) when broken: no normal request lost (every one not cancelled
 answers 200 with finish_reason stop or length and no more tokens than asked), no hostile request
-answered 5xx, /health always answering within a second, and, once traffic stops and the server is
+answered 5xx, /health always answering within --health-s (a second), and, once traffic stops and the server is
 idle, no running or queued request, KV page or adapter slot held (from /metrics). With
 --tenants-file also: every probe answered as expected, the flood met its cap (429s), the grammars
 past the limits met them (400s; one sent while its tenant is at its cap gets the 429 first), and the
@@ -79,7 +79,6 @@ from punica.config import ModelConfig
 from punica.lora.dummy import save_random_adapter
 from punica.models.loader import resolve_model_dir
 
-HEALTH_S = 1.0
 KEEPALIVE_S = 2.0  # well under the server's header timeout, so a client never sends on a connection it closes
 RELOAD_WAIT_S = 60.0
 MAX_REQUEST_BYTES = 256 << 10
@@ -318,16 +317,16 @@ async def hostile(client: httpx.AsyncClient, rng: random.Random, tally: Tally, u
 
 
 async def watch(client: httpx.AsyncClient, pid: int, tally: Tally, until: float, sample_s: float,
-                series: list[dict], start: float) -> None:
+                series: list[dict], start: float, health_s: float) -> None:
     next_sample = time.monotonic()
     while time.monotonic() < until:
         t = time.monotonic()
         try:
-            r = await client.get("/health", timeout=HEALTH_S)
+            r = await client.get("/health", timeout=health_s)
             if r.status_code != 200:
                 tally.fail(f"/health {r.status_code}")
         except httpx.TimeoutException:
-            tally.fail(f"/health did not answer within {HEALTH_S} s")
+            tally.fail(f"/health did not answer within {health_s} s")
         latency = time.monotonic() - t
         if t >= next_sample:
             series.append({"t_s": t - start, "rss_mb": rss_mb(pid), "health_ms": 1e3 * latency,
@@ -397,7 +396,7 @@ async def soak(args: argparse.Namespace, url: str, port: int, pid: int, root: Pa
     tally, series, extra = Tally(start if setup is not None else None), [], {}
     limits = httpx.Limits(max_connections=args.tenants * 4 + 8 + CAPPED_CONCURRENCY, keepalive_expiry=KEEPALIVE_S)
     async with httpx.AsyncClient(base_url=url, timeout=300, limits=limits) as client:
-        jobs = [watch(client, pid, tally, until, args.sample_s, series, start)]
+        jobs = [watch(client, pid, tally, until, args.sample_s, series, start, args.health_s)]
         if setup is None:
             target = HostileTarget(TENANTS, ("../x", "a" * 300, "", "a b", "ok-name", "tenant-0", "\ud800"),
                                    root / "hostile", tuple(OPEN_HOSTILE_ADAPTERS))
@@ -484,6 +483,8 @@ def main() -> int:
     parser.add_argument("--tenants", type=int, default=6, help="clients sending normal requests")
     parser.add_argument("--sample-s", type=float, default=10.0, help="seconds between memory samples")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--health-s", type=float, default=1.0,
+                        help="seconds /health may take to answer (longer is a failure)")
     parser.add_argument("--long-share", type=float, default=0.0,
                         help="share of normal requests that carry a shared system prompt and ask for 24-96 tokens")
     parser.add_argument("--tenants-file", action="store_true",
