@@ -43,6 +43,7 @@ from punica.engine.sampling_params import SamplingParams
 from punica.factory import engine_on_model, load_tokenizer
 from punica.lora.adapter import adapter_rank, load_adapter
 from punica.lora.batch import LoraBatch
+from punica.lora.layers import attach_pool
 from punica.lora.pool import LoraPool
 from punica.models.loader import load_hf_dir, resolve_model_dir
 from punica.ops.attention import AttnBatch
@@ -72,7 +73,7 @@ def attach_adapters(model, adapters: dict[str, str]) -> dict[str, int]:
     pool.base_weight = model.group_weight
     for slot, (name, path) in enumerate(adapters.items()):
         pool.write(slot, load_adapter(path, model.config, name))
-    model.set_lora(pool)
+    attach_pool(model, pool)
     return {name: slot for slot, name in enumerate(adapters)}
 
 

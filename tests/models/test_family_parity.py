@@ -12,6 +12,7 @@ from punica.config import EngineConfig
 from punica.factory import engine_on_model
 from punica.lora.adapter import load_adapter
 from punica.lora.batch import LoraBatch
+from punica.lora.layers import attach_pool
 from punica.lora.pool import LoraPool
 from punica.models.loader import load_hf_dir, resolve_model_dir
 from punica.ops.attention import AttnBatch
@@ -41,7 +42,7 @@ def punica_with_pool(model, paths):
     pool = LoraPool(model.config, max_loras=len(paths), max_rank=16, dtype=torch.float32, device="cpu")
     for slot, (name, path) in enumerate(paths.items()):
         pool.write(slot, load_adapter(path, model.config, name=name))
-    model.set_lora(pool)
+    attach_pool(model, pool)
     return {name: slot for slot, name in enumerate(paths)}
 
 

@@ -9,6 +9,7 @@ import torch.multiprocessing as mp
 
 from punica.lora.adapter import load_adapter
 from punica.lora.batch import LoraBatch
+from punica.lora.layers import attach_pool
 from punica.lora.pool import LoraPool
 from punica.models.loader import load_hf_dir
 from punica.ops.attention import AttnBatch
@@ -58,7 +59,7 @@ def scenario(group, base_dir, adapter_paths, prompts, kv_cache_dtype="auto"):
         tensor_parallel_(model, pool, group)  # shards the adapters already in the pool
         last = shard_adapter(last, full_config, group.rank(), group.size())  # and one written after
     pool.write(len(adapters) - 1, last)
-    model.set_lora(pool)
+    attach_pool(model, pool)
     row_slots = list(range(len(adapters))) + [-1]  # every adapter, then a base-model row
 
     # 1. one mixed prefill batch, every position's logits
