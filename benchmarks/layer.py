@@ -44,6 +44,7 @@ from punica.lora.dummy import save_random_adapter
 from punica.lora.layers import attach_pool
 from punica.lora.pool import LoraPool
 from punica.models.decoder import DecoderForCausalLM
+from punica.models.forward_batch import ForwardBatch
 from punica.models.loader import dummy_model
 from punica.ops.attention import AttnBatch
 from punica.workloads import WORKLOADS, adapter_ids
@@ -135,7 +136,7 @@ def main() -> None:
     model = build(args.preset, args.rank, max(args.batches), dtype, device)
     layer, config = model.layers[0], model.config
     num_pages = max(args.batches) * ceil_div(max(args.seq_lens) + 1, PAGE_SIZE)
-    kv_layer = model.new_kv_cache(num_pages, PAGE_SIZE).pages[0]
+    kv_cache = model.new_kv_cache(num_pages, PAGE_SIZE)
     rng = random.Random(0)
     started = time.time()
     rows = []
@@ -147,9 +148,7 @@ def main() -> None:
                     attn, lora = step_batches(phase, b, s, slots, num_pages, device, rng)
                     x = torch.randn(attn.num_tokens, config.hidden_size, dtype=dtype, device=device)
                     residual = torch.randn_like(x)  # a middle layer: its input norm adds the residual
-                    cos, sin = model.rope_cos_sin(attn.positions)
-
-                    forward = partial(layer, x, cos, sin, attn, lora, kv_layer, residual)
+                    forward = partial(layer, x, residual, ForwardBatch(attn, lora, kv_cache))
 
                     row = {"phase": phase, "seq_len": s, "batch": b, "workload": workload,
                            "num_adapters": len(set(slots) - {-1}), "num_tokens": attn.num_tokens,
@@ -157,7 +156,7 @@ def main() -> None:
                     if device.type == "cuda":
                         row["graph_us"] = time_us(forward, device, graph=True)
                     rows.append(row)
-                    del forward, attn, lora, x, residual, cos, sin
+                    del forward, attn, lora, x, residual
                 base = rows[-1 - len(WORKLOADS)][key]
                 for row in rows[-1 - len(WORKLOADS):]:
                     row["ratio"] = row[key] / base

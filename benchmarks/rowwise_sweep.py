@@ -31,17 +31,17 @@ from benchmarks.common import format_table, write_results
 from benchmarks.layer import PAGE_SIZE, build, step_batches, time_us
 from punica.config import ceil_div
 from punica.lora import layers as lora_layers
+from punica.models.forward_batch import ForwardBatch
 from punica.ops import lora_triton
 from punica.workloads import adapter_ids
 
 WORKLOADS = ("distinct", "identical")
 
 
-def layer_us(model, kv_layer, num_pages, batch, seq_len, slots, rng) -> float:
+def layer_us(model, kv_cache, num_pages, batch, seq_len, slots, rng) -> float:
     attn, lora = step_batches("decode", batch, seq_len, slots, num_pages, "cuda", rng)
     x = torch.randn(attn.num_tokens, model.config.hidden_size, dtype=torch.bfloat16, device="cuda")
-    cos, sin = model.rope_cos_sin(attn.positions)
-    return time_us(partial(model.layers[0], x, cos, sin, attn, lora, kv_layer, torch.randn_like(x)),
+    return time_us(partial(model.layers[0], x, torch.randn_like(x), ForwardBatch(attn, lora, kv_cache)),
                    torch.device("cuda"), graph=True)
 
 
@@ -59,9 +59,9 @@ def main() -> None:
     started = time.time()
     model = build(args.preset, 16, max(args.batches), torch.bfloat16, "cuda")
     num_pages = max(args.batches) * ceil_div(args.seq_len + 1, PAGE_SIZE)
-    kv_layer = model.new_kv_cache(num_pages, PAGE_SIZE).pages[0]
+    kv_cache = model.new_kv_cache(num_pages, PAGE_SIZE)
     rng = random.Random(0)
-    measure = partial(layer_us, model, kv_layer, num_pages, seq_len=args.seq_len, rng=rng)
+    measure = partial(layer_us, model, kv_cache, num_pages, seq_len=args.seq_len, rng=rng)
     base = {b: measure(batch=b, slots=[-1] * b) for b in args.batches}
     in_use = {k: (getattr(lora_triton, f"{k}_ROWWISE_TILE"), getattr(lora_triton, f"{k}_ROWWISE_WARPS"))
               for k in ("SHRINK", "EXPAND")}

@@ -10,6 +10,7 @@ from punica.lora.batch import LoraBatch
 from punica.lora.layers import LoraLinear, attach_pool
 from punica.lora.pool import GROUPS, LoraPool
 from punica.models.decoder import DecoderForCausalLM
+from punica.models.forward_batch import ForwardBatch
 from punica.models.quantized import Fp8Format, Fp8Linear, Linear
 from punica.ops.attention import AttnBatch
 from punica.ops.fp8 import quantize_per_channel
@@ -127,7 +128,7 @@ def test_model_adds_lora_once_per_group(monkeypatch, punica_config, tiny_llama):
     monkeypatch.setattr(layers, "lora_expand",
                         lambda y, *args: calls.append((y.shape[1], args[4])) or real_expand(y, *args))
     attn = AttnBatch.build([3], [3], [[0]], 4, 1)
-    model(torch.tensor([5, 6, 7]), attn, LoraBatch.build([0], [3]), model.new_kv_cache(2, 4))
+    model(torch.tensor([5, 6, 7]), ForwardBatch(attn, LoraBatch.build([0], [3]), model.new_kv_cache(2, 4)))
     c = model.config
     per_layer = [(c.q_size + 2 * c.kv_size, (0, c.q_size, c.q_size + c.kv_size, c.q_size + 2 * c.kv_size)),
                  (c.hidden_size, (0, c.hidden_size)),
@@ -136,5 +137,5 @@ def test_model_adds_lora_once_per_group(monkeypatch, punica_config, tiny_llama):
     assert calls == per_layer * c.num_layers
     assert shrinks == [c.hidden_size, c.q_size, c.hidden_size, c.intermediate_size] * c.num_layers
     calls.clear()
-    model(torch.tensor([5, 6, 7]), attn, LoraBatch.build([-1], [3]), model.new_kv_cache(2, 4))
+    model(torch.tensor([5, 6, 7]), ForwardBatch(attn, LoraBatch.build([-1], [3]), model.new_kv_cache(2, 4)))
     assert calls == [] and len(shrinks) == 4 * c.num_layers

@@ -15,6 +15,7 @@ from punica.lora.dummy import save_random_adapter
 from punica.lora.layers import attach_pool
 from punica.lora.manager import AdapterManager
 from punica.lora.pool import LoraPool
+from punica.models.forward_batch import ForwardBatch
 from punica.models.loader import load_hf_dir
 from punica.ops.attention import AttnBatch
 
@@ -65,7 +66,7 @@ def reference_greedy(model, adapter_path, prompt, steps):
     for step in range(steps):
         q = len(tokens) if step == 0 else 1
         attn = AttnBatch.build([q], [len(tokens)], [pages], 4, int(step == 0))
-        logits = model(torch.tensor(tokens[-q:]), attn, LoraBatch.build([0], [q]), kv)
+        logits = model(torch.tensor(tokens[-q:]), ForwardBatch(attn, LoraBatch.build([0], [q]), kv))
         tokens.append(int(logits[-1].argmax()))
     return tokens[len(prompt):]
 

@@ -14,6 +14,7 @@ from punica.lora.adapter import load_adapter
 from punica.lora.batch import LoraBatch
 from punica.lora.layers import attach_pool
 from punica.lora.pool import LoraPool
+from punica.models.forward_batch import ForwardBatch
 from punica.models.loader import load_hf_dir, resolve_model_dir
 from punica.ops.attention import AttnBatch
 
@@ -70,7 +71,7 @@ class PagedRun:
             ids.extend(tokens[-q:])
         attn = AttnBatch.build(query_lens, context_lens, tables, PAGE_SIZE, num_prefills, all_logits=all_logits)
         lora = LoraBatch.build(slots, query_lens)
-        return self.model(torch.tensor(ids), attn, lora, self.kv)
+        return self.model(torch.tensor(ids), ForwardBatch(attn, lora, self.kv))
 
 
 def hf_greedy(peft_model, prompt, adapter, steps):

@@ -14,6 +14,7 @@ from safetensors.torch import load_file, save_file
 from punica.config import EngineConfig
 from punica.factory import engine_on_model
 from punica.lora.batch import LoraBatch
+from punica.models.forward_batch import ForwardBatch
 from punica.models.fp8_checkpoint import checkpoint_fp8
 from punica.models.loader import dummy_model, load_hf_dir
 from punica.models.quantized import Fp8Linear
@@ -34,8 +35,8 @@ def prefill_logits(model, prompts=PROMPTS):
         first += len(tables[-1])
     device = model.embed.weight.device
     attn = AttnBatch.build(lens, lens, tables, PAGE_SIZE, len(prompts), device, all_logits=True)
-    return model(torch.tensor(sum(prompts, []), device=device), attn,
-                 LoraBatch.build([-1] * len(prompts), lens, device), model.new_kv_cache(first, PAGE_SIZE))
+    batch = ForwardBatch(attn, LoraBatch.build([-1] * len(prompts), lens, device), model.new_kv_cache(first, PAGE_SIZE))
+    return model(torch.tensor(sum(prompts, []), device=device), batch)
 
 
 # each format's quantizer as its spec writes it: (weight e4m3, the stored scale tensor)
