@@ -160,6 +160,7 @@ KV_CACHE_DTYPES = ("auto", "fp8")
 # a schema is read, canonicalized and written by recursive code (json's and ours): far below Python's
 # recursion limit of 1000 frames
 MAX_GRAMMAR_DEPTH = 256
+SCHEDULINGS = ("fair", "fcfs")
 
 
 @dataclass(frozen=True)
@@ -180,6 +181,10 @@ class EngineConfig:
     chunked_prefill: bool = described(True, "prefill a long prompt over several steps, beside the running decodes")
     prefix_caching: bool = described(True, "reuse the KV pages of prompt prefixes computed before under the "
                                            "same adapter (or base model)")
+    scheduling: str = described(
+        "fair", "fair: admit the waiting request of the tenant served least (tokens computed / weight), and "
+                "preempt the newest of the tenant served most; a request's tenant is the server's tenant (or API "
+                "key), else its adapter; fcfs: first come, first served", choices=SCHEDULINGS)
     max_model_len: int | None = described(None, "longest prompt + output (default: the model's context)")
     max_loras: int = described(8, "adapters on the GPU at once (slots of the adapter pool)")
     max_lora_rank: int = described(16, "rank of every GPU adapter slot (raised to the largest adapter given at "
@@ -214,6 +219,8 @@ class EngineConfig:
             raise ValueError(f"with chunked prefill, max_num_batched_tokens ({self.max_num_batched_tokens}) must "
                              f"exceed max_batch_size ({self.max_batch_size}): a full batch of decodes leaves "
                              f"prompts no tokens otherwise")
+        if self.scheduling not in SCHEDULINGS:
+            raise ValueError(f"scheduling must be one of {', '.join(SCHEDULINGS)}, got {self.scheduling!r}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
         if not 0 < self.kv_cache_memory_fraction <= 1:

@@ -1,4 +1,4 @@
-"""The cluster policy, the simulator and the scheduler import in an environment without torch (or
+"""The cluster policy, the simulator, the scheduler and its queues import in an environment without torch (or
 any installed package): `python -S` runs without site-packages, with only the repository on its path."""
 
 import subprocess
@@ -6,7 +6,8 @@ import sys
 from pathlib import Path
 
 MODULES = ("punica", "punica.cluster.policy", "punica.cluster.placement", "punica.cluster.simulator",
-           "punica.cluster.step_time", "punica.engine.scheduler", "punica.engine.request", "punica.config")
+           "punica.cluster.step_time", "punica.engine.scheduler", "punica.engine.request", "punica.engine.tenancy",
+           "punica.engine.waiting", "punica.engine.fair_share", "punica.config")
 CHECK = """
 import importlib.util, sys
 sys.path.insert(0, {root!r})

@@ -15,6 +15,9 @@ registers exactly that set: `load_adapter` / `unload_adapter` send it to all wor
 joining worker gets it before it takes requests, one lock orders the two. Each step's result
 says which adapters the worker's GPU holds (resident or loading), and the policy follows it
 (`ClusterPolicy.set_adapters`): the adapter-aware policy places by it.
+
+Tenants: `set_tenants` gives every worker, and a joining one, the tenants' weights and KV caps
+(Engine.set_tenants); each tenant's max_concurrent_requests is counted here, over the whole cluster.
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ from punica.engine.outputs import RequestOutput
 from punica.engine.sampling_params import SamplingParams
 from punica.engine.stats import EngineStats
 from punica.engine.structured import GrammarCompiler
+from punica.engine.tenancy import TenantLimitError, TenantShare, checked_shares, tenant_key
 from punica.lora.adapter import load_adapter
 
 
@@ -78,7 +82,9 @@ class ClusterEngine:
         self.grammars: GrammarCompiler | None = None  # the driver's, made by `start` (with a tokenizer)
         self.model_config = None            # from the first worker: what adapters are checked against
         self.max_lora_rank, self.adapter_dirs = None, ()  # and their rank, and where they are read from
-        self._adapters_lock = asyncio.Lock()  # one change of the served set at a time; workers join between
+        self.tenant_shares: dict[str, TenantShare] = {}
+        # one change of the served set (adapters, tenants) at a time; workers join between
+        self._adapters_lock = asyncio.Lock()
         self.workers: dict[int, ray.actor.ActorHandle] = {}
         self.requests: dict[str, Tracked] = {}
         self.worker_stats: dict[int, EngineStats] = {}  # each worker's after its last step (kept when it leaves)
@@ -163,9 +169,9 @@ class ClusterEngine:
         async with self._adapters_lock:
             if name in self.adapters:  # loaded meanwhile
                 raise ValueError(f"adapter {name!r} is already registered")
-            failed = await self._send_adapters({**self.adapters, name: path})
+            failed = await self._send_all("set_adapters", {**self.adapters, name: path})
             if failed:
-                await self._send_adapters(self.adapters)
+                await self._send_all("set_adapters", self.adapters)
                 raise RuntimeError(f"loading adapter {name!r} failed on {failed}; rolled back, no worker serves it")
             self.adapters[name] = path
 
@@ -180,15 +186,31 @@ class ClusterEngine:
         async with self._adapters_lock:
             if self.adapters.pop(name, None) is None:
                 raise ValueError(f"unknown adapter {name!r}")
-            failed = await self._send_adapters(self.adapters)
+            failed = await self._send_all("set_adapters", self.adapters)
         if failed:
             raise RuntimeError(f"unloading adapter {name!r} failed on {failed}")
 
-    async def _send_adapters(self, adapters: dict[str, str]) -> str:
-        """Set every worker's adapters; the workers that failed and why ('' when none did).
-        A dead worker is not a failure: it leaves, its requests are placed again."""
+    async def set_tenants(self, shares: dict[str, TenantShare]) -> None:
+        """Replace the tenants' shares (Engine.set_tenants) on every worker, and on workers that join
+        later; RuntimeError names the workers that failed to take them."""
+        shares = checked_shares(shares)
+        async with self._adapters_lock:
+            self.tenant_shares = shares
+            failed = await self._send_all("set_tenants", self._worker_shares())
+        if failed:
+            raise RuntimeError(f"setting the tenants' shares failed on {failed}")
+
+    def _worker_shares(self) -> dict[str, TenantShare]:
+        """The shares as workers apply them: without max_concurrent_requests, which the driver counts
+        (a worker sees only the requests placed on it)."""
+        return {name: replace(share, max_concurrent_requests=None) for name, share in self.tenant_shares.items()}
+
+    async def _send_all(self, method: str, value) -> str:
+        """Call a method of every worker (set_adapters, set_tenants) with `value`; the workers that
+        failed and why ('' when none did). A dead worker is not a failure: it leaves, its requests
+        are placed again."""
         workers = list(self.workers.items())
-        results = await asyncio.gather(*(actor.set_adapters.remote(adapters) for _, actor in workers),
+        results = await asyncio.gather(*(getattr(actor, method).remote(value) for _, actor in workers),
                                        return_exceptions=True)
         failed = []
         for (gpu_id, _), result in zip(workers, results):
@@ -207,8 +229,16 @@ class ClusterEngine:
         if adapter is not None and adapter not in self.adapters:
             raise ValueError(f"unknown adapter {adapter!r} ({len(self.adapters)} adapters are registered)")
         text, token_ids = checked_prompt(prompt, self.tokenizer, self.max_model_len)
+        self._check_room(tenant_key(tenant, adapter))
         tracked = self.requests[request_id] = Tracked(request_id, text, token_ids, params, adapter, tenant, cache_salt)
         return tracked
+
+    def _check_room(self, key: str | None) -> None:
+        """TenantLimitError if tenant `key` has its max_concurrent_requests here already."""
+        share = self.tenant_shares.get(key)
+        limit = share.max_concurrent_requests if share is not None else None
+        if limit is not None and sum(tenant_key(t.tenant, t.adapter) == key for t in self.requests.values()) >= limit:
+            raise TenantLimitError(key, limit)
 
     @staticmethod
     def _record_output(tracked: Tracked, out: RequestOutput, now: float) -> RequestOutput:
@@ -275,8 +305,9 @@ class ClusterEngine:
         actor = self.make_worker()
         try:
             info: WorkerInfo = await actor.info.remote()
-            async with self._adapters_lock:  # joins with the current adapters, none changing meanwhile
+            async with self._adapters_lock:  # joins with the current adapters and tenants, none changing meanwhile
                 await actor.set_adapters.remote(self.adapters)
+                await actor.set_tenants.remote(self._worker_shares())
         except BaseException:
             ray.kill(actor)  # cancelled by shutdown, or the worker failed to start
             raise

@@ -26,6 +26,7 @@ from punica.config import EngineArgs, ModelConfig
 from punica.engine.outputs import RequestOutput
 from punica.engine.sampling_params import SamplingParams
 from punica.engine.stats import EngineStats
+from punica.engine.tenancy import TenantShare
 
 # a step with nothing to run but requests waiting for their grammars waits this long for one of them
 GRAMMAR_WAIT_S = 0.05
@@ -100,6 +101,10 @@ class EngineWorker:
         for name, path in adapters.items():
             if not self.engine.has_adapter(name):
                 self.engine.load_adapter(name, path)
+
+    def set_tenants(self, shares: dict[str, TenantShare]) -> None:
+        """The tenants' shares, as Engine.set_tenants."""
+        self.engine.set_tenants(shares)
 
     def add(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
             adapter: str | None, output_token_ids: list[int], tenant: str | None = None,

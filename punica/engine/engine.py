@@ -3,6 +3,8 @@
 `add_request` validates one request (a ValueError names what is wrong with it and nothing
 else is disturbed), `step` runs one fused prefill+decode batch and returns what requests
 produced, `abort` drops a request and frees its pages, `steps` runs until no request is left.
+`set_tenants` gives tenants their weights and caps (punica.engine.tenancy); `scheduling` picks
+the waiting queue: fair share across tenants (punica.engine.fair_share) or first come, first served.
 
 Steps overlap: step t+1 is scheduled and launched before step t's sampled tokens reach the
 host. Its decode rows read those tokens on the device (the StepInput's fed rows), and the host
@@ -42,6 +44,7 @@ from punica.engine.admission import acquire_adapter, adapter_error, check_lora_s
 from punica.engine.constraint import GrammarLimits
 from punica.engine.detokenizer import IncrementalDetokenizer
 from punica.engine.executor import Executor
+from punica.engine.fair_share import FairQueue
 from punica.engine.kv_cache import PageAllocator
 from punica.engine.launched import LaunchedStep, to_host
 from punica.engine.outputs import RequestOutput, request_output
@@ -52,7 +55,8 @@ from punica.engine.scheduler import ScheduledBatch, Scheduler
 from punica.engine.stats import EngineStats, StepShape
 from punica.engine.step_input import StepInput
 from punica.engine.structured import GrammarCompiler
-from punica.engine.tenancy import TenantShare
+from punica.engine.tenancy import TenantShare, checked_shares, tenant_key
+from punica.engine.waiting import FcfsQueue
 from punica.engine.worker import context_limit
 from punica.lora.manager import AdapterManager
 from punica.ops.transfer import to_device
@@ -86,7 +90,8 @@ class Engine:
         self.scheduler = Scheduler(self.allocator, config.max_batch_size, config.max_num_batched_tokens,
                                    config.chunked_prefill,
                                    acquire=partial(acquire_adapter, self.adapters),
-                                   release=partial(release_adapter, self.adapters))
+                                   release=partial(release_adapter, self.adapters),
+                                   waiting=FairQueue() if config.scheduling == "fair" else FcfsQueue())
         self.requests: dict[str, Request] = {}
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
         self._ids = itertools.count()
@@ -95,12 +100,6 @@ class Engine:
         self._num_constrained = 0
         self.last_step: StepShape | None = None  # of the last `step` call, None if it launched nothing
         self._errors_seen, self._preemptions_seen, self._queued_unloadable = 0, 0, False  # see _fail_unloadable
-        self.tenant_shares: dict[str, TenantShare] = {}
-
-    # tenants -------------------------------------------------------------------------------
-    def set_tenants(self, shares: dict[str, TenantShare]) -> None:
-        """The tenants' fair-share settings, by tenant id (Request.tenant); replaces the last set."""
-        self.tenant_shares = dict(shares)
 
     # adapters ------------------------------------------------------------------------------
     def load_adapter(self, name: str, path: str, pinned: bool = False) -> None:
@@ -122,6 +121,13 @@ class Engine:
         """Every registered adapter: name -> directory."""
         return {name: str(path) for name, path in self.adapters.registry.items()}
 
+    # tenants -------------------------------------------------------------------------------
+    def set_tenants(self, shares: dict[str, TenantShare]) -> None:
+        """Give each named tenant (punica.engine.tenancy.tenant_key) its weight and caps, replacing
+        the shares given before; the others get the default share. Requests already queued or
+        running stay: a lower max_concurrent_requests refuses new ones only."""
+        self.scheduler.waiting.set_shares(checked_shares(shares))
+
     # requests ------------------------------------------------------------------------------
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
                     adapter: str | None = None, request_id: str | None = None,
@@ -129,9 +135,11 @@ class Engine:
                     cache_salt: str | None = None, grammar: xgr.CompiledGrammar | None = None) -> str:
         """Queue a request. `output_token_ids`: tokens it already generated elsewhere (a migrated
         request resumes after them; their text is not returned again). `tenant`: who sent it;
-        `cache_salt`: it shares prefix-cache pages only with requests of the same salt. `grammar`: its
-        structured_outputs compiled (`grammars.pool`); without it, it is compiled here, on the
-        caller's thread (the offline API's way; a server compiles before it calls)."""
+        `cache_salt`: it shares prefix-cache pages only with requests of the same salt (and tenant).
+        `grammar`: its structured_outputs compiled (`grammars.pool`); without it, it is compiled here,
+        on the caller's thread (the offline API's way; a server compiles before it calls).
+        punica.engine.tenancy.TenantLimitError (a ValueError) when its tenant has its
+        max_concurrent_requests queued or running."""
         params = params or SamplingParams()
         text, token_ids = checked_prompt(prompt, self.tokenizer, self.max_model_len, self.vocab_size)
         if adapter is not None and adapter not in self.adapters.registry:
@@ -142,6 +150,10 @@ class Engine:
             raise ValueError(f"request id {request_id!r} is already in use")
         if any(token >= self.vocab_size for token, _ in params.logit_bias):
             raise ValueError(f"logit_bias keys must be token ids below {self.vocab_size}")
+        for name, value in (("tenant", tenant), ("cache_salt", cache_salt)):
+            if value is not None and not isinstance(value, str):
+                raise ValueError(f"{name} must be a string or None, got {type(value).__name__}")
+        self.scheduler.waiting.check_room(tenant_key(tenant, adapter))
         matcher = None
         if params.structured_outputs is not None:
             spec = params.structured_outputs
@@ -224,7 +236,8 @@ class Engine:
             num_preemptions=self.scheduler.num_preemptions, num_constrained_requests=self._num_constrained,
             grammar_compile_seconds=self._grammars.pool.compile_seconds if self._grammars is not None else 0.0,
             num_kv_pages_cached=self.allocator.num_cached, num_chunked_steps=self.scheduler.num_chunked_steps,
-            prefix_cache={name: replace(counts) for name, counts in self.scheduler.prefix_cache.items()})
+            prefix_cache={name: replace(counts) for name, counts in self.scheduler.prefix_cache.items()},
+            tenants=self.scheduler.tenant_stats())
 
     # the step loop ---------------------------------------------------------------------------
     def steps(self) -> Iterator[list[RequestOutput]]:

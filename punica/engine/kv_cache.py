@@ -4,10 +4,13 @@ prefix cache of full pages.
 Prefix caching: a full page's K and V are a function of the model, the adapter and every token
 up to the page's end, so a full page is named by a hash chain: digest(page i) = sha256(digest(page
 i - 1), namespace, the page's token ids), the namespace being the adapter's identity (base
-requests share one). The identity is the adapter's registration version, which changes on every
-load, never its name alone, and the request's lora_scale: a tenant that loads new weights under
-the same name never reads KV its old weights made. SHA-256, not Python's hash, because a tenant
-who could make a collision would read another tenant's KV.
+requests share one), the request's tenant and its cache salt. The identity is the adapter's
+registration version, which changes on every load, never its name alone, and the request's
+lora_scale: a tenant that loads new weights under the same name never reads KV its old weights
+made. The tenant and the salt keep the cache private: a request finds only pages that requests of
+its own tenant and salt computed (so its cached_tokens and time to first token say nothing of
+other tenants' prompts). SHA-256, not Python's hash, because a tenant who could make a collision
+would read another tenant's KV.
 
 Pages are reference-counted. A page whose last holder lets go returns to the free list, or, if
 it is in the prefix cache, stays there (its KV intact) until the allocator needs a page and no
@@ -22,6 +25,7 @@ in the LRU order.
 from __future__ import annotations
 
 import hashlib
+import json
 import weakref
 from array import array
 from collections import OrderedDict
@@ -36,10 +40,16 @@ if TYPE_CHECKING:
 
 def namespace(request: Request) -> bytes:
     """Whose KV a request makes: the base model's, or that of one registration of its adapter at
-    the request's lora_scale (the scale changes k_proj's and v_proj's outputs as the weights do)."""
+    the request's lora_scale (the scale changes k_proj's and v_proj's outputs as the weights do);
+    then, if it has a tenant or a cache salt, those two as a JSON array after a NUL byte (JSON
+    escapes a NUL, so no two namespaces read alike)."""
     if request.adapter is None:
-        return b"base"
-    return f"adapter {request.adapter} #{request.registration.version} x{request.params.lora_scale!r}".encode()
+        weights = b"base"
+    else:
+        weights = f"adapter {request.adapter} #{request.registration.version} x{request.params.lora_scale!r}".encode()
+    if request.tenant is None and request.cache_salt is None:
+        return weights
+    return weights + b"\0" + json.dumps([request.tenant, request.cache_salt]).encode()
 
 
 class PageAllocator:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from punica.engine.scheduler import PrefixCacheCounts
+from punica.engine.tenancy import TenantStats
 
 
 @dataclass(frozen=True)
@@ -22,6 +23,7 @@ class EngineStats:
     num_kv_pages_cached: int = 0       # in the prefix cache (held by requests or idle)
     num_chunked_steps: int = 0         # steps that ran a prompt chunk short of its prompt's end
     prefix_cache: dict[str | None, PrefixCacheCounts] = field(default_factory=dict)  # per adapter (None: base)
+    tenants: dict[str | None, TenantStats] = field(default_factory=dict)  # per tenant (tenancy.tenant_key)
 
 
 @dataclass(frozen=True)

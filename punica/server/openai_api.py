@@ -19,6 +19,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from punica.engine.constraint import GrammarError
 from punica.engine.engine import RequestOutput
 from punica.engine.sampling_params import SamplingParams
+from punica.engine.tenancy import TenantLimitError
 from punica.server.interrupts import DISCONNECT, Interrupt
 from punica.server.limits import PromptBound
 from punica.server.protocol import ChatCompletionRequest, CompletionRequest, ProtocolError, SamplingFields
@@ -146,6 +147,9 @@ class OpenAIHandlers:
         except GrammarError as e:  # only a constrained request meets it; named by the field that constrained it
             interrupt.close()
             raise ProtocolError(f"{constraint.field} {e.problem}", param=constraint.field) from e
+        except TenantLimitError as e:
+            interrupt.close()
+            raise ProtocolError(str(e), status=429, kind="requests", code="rate_limit_exceeded") from e
         except ValueError as e:  # a SamplingParamsError (lora_scale on the base model) names its field
             interrupt.close()
             raise ProtocolError(str(e), param=getattr(e, "field", None)) from e

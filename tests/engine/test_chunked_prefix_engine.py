@@ -26,7 +26,7 @@ def test_outputs_match_with_prefix_caching_and_chunked_prefill_on_and_off(setup,
     outputs, engines = {}, {}
     for chunked in (False, True):
         for caching in (False, True):
-            engine = make_engine(setup, max_batch_size=6, page_size=4, kv_cache_tokens=128,
+            engine = make_engine(setup, max_batch_size=6, page_size=4, kv_cache_tokens=112,
                                  max_num_batched_tokens=20 if chunked else 4096, chunked_prefill=chunked,
                                  prefix_caching=caching)
             # adapters resident first: batches then do not depend on when a load finishes

@@ -15,12 +15,13 @@ from punica.server.args import ServerArgs
 from punica.server.serve import build_state
 from punica.server.tenants import hash_key
 
-KEYS = {"admin": "admin-key", "acme": "acme-key", "globex": "globex-key"}
+KEYS = {"admin": "admin-key", "acme": "acme-key", "globex": "globex-key", "initech": "initech-key"}
 SERVED = ("tenant-0", "tenant-1", "tenant-2")
 
 
 def tenants_file(path, keys: dict[str, str]) -> str:
-    """acme: tenant-0 and the extra-* adapters; globex: the tenant-1* adapters; tenant-2 is no one's."""
+    """acme: tenant-0 and the extra-* adapters; globex: the tenant-1* adapters; tenant-2 is no one's;
+    initech: the base model only, one request at a time."""
     path.write_text(f"""
 [admin]
 api_keys = ["{hash_key(keys["admin"])}"]
@@ -34,6 +35,10 @@ max_concurrent_requests = 8
 [tenants.globex]
 api_keys = ["{hash_key(keys["globex"])}"]
 adapters = ["tenant-1*"]
+
+[tenants.initech]
+api_keys = ["{hash_key(keys["initech"])}"]
+max_concurrent_requests = 1
 """)
     return str(path)
 
@@ -63,7 +68,8 @@ def openai_client(who: str, server) -> openai.OpenAI:
 
 
 def test_the_tenants_shares_reach_the_engine_at_start(tenanted):
-    assert tenanted.engine.tenant_shares == {"acme": TenantShare(2.0, 8, None), "globex": TenantShare()}
+    assert tenanted.engine.scheduler.waiting.shares == {"acme": TenantShare(2.0, 8, None), "globex": TenantShare(),
+                                                         "initech": TenantShare(max_concurrent_requests=1)}
 
 
 def test_a_tenant_cannot_use_another_tenants_adapter_nor_tell_it_exists(tenanted):
@@ -174,6 +180,24 @@ def test_request_metrics_carry_the_tenant(tenanted):
         assert requests_by_tenant(after, adapter, tenant) == requests_by_tenant(before, adapter, tenant) + 1
     families = {f.name: f for f in text_string_to_metric_families(after)}
     assert {s.labels["tenant"] for s in families["punica_prompt_tokens"].samples} >= {"acme", "globex", "admin"}
+
+
+def test_a_tenant_at_its_max_concurrent_requests_gets_429_and_then_is_served(tenanted):
+    base = tenanted.state.base_model_name
+    with as_("initech", tenanted) as streaming, as_("initech", tenanted) as initech:
+        body = {"model": base, "prompt": "Count:", "max_tokens": 4000, "ignore_eos": True, "stream": True}
+        with streaming.stream("POST", "/v1/completions", json=body) as running:
+            assert running.status_code == 200
+            lines = running.iter_lines()  # held: a dropped iterator closes the stream
+            next(lines)  # its first chunk: the request is in the engine, far from its end
+            refused = complete(initech, base)
+            assert refused.status_code == 429, refused.text
+            assert refused.headers["Retry-After"]
+            error = refused.json()["error"]
+            assert error["code"] == "rate_limit_exceeded" and "max_concurrent_requests" in error["message"]
+            with as_("acme", tenanted) as acme:  # another tenant is not held back
+                assert complete(acme, base).status_code == 200
+        assert complete(initech, base).status_code == 200  # the stream left: its request was aborted
 
 
 @pytest.fixture()
