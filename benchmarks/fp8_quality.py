@@ -43,7 +43,9 @@ from punica.engine.sampling_params import SamplingParams
 from punica.factory import engine_on_model, load_tokenizer
 from punica.lora.adapter import adapter_rank, load_adapter
 from punica.lora.batch import LoraBatch
+from punica.lora.layers import attach_pool
 from punica.lora.pool import LoraPool
+from punica.models.forward_batch import ForwardBatch
 from punica.models.loader import load_hf_dir, resolve_model_dir
 from punica.ops.attention import AttnBatch
 
@@ -72,7 +74,7 @@ def attach_adapters(model, adapters: dict[str, str]) -> dict[str, int]:
     pool.base_weight = model.group_weight
     for slot, (name, path) in enumerate(adapters.items()):
         pool.write(slot, load_adapter(path, model.config, name))
-    model.set_lora(pool)
+    attach_pool(model, pool)
     return {name: slot for slot, name in enumerate(adapters)}
 
 
@@ -95,10 +97,12 @@ def query_logits(model, prompts: list[list[int]], slots: list[int], prefix_len: 
     if shared:
         lens = [prefix_len] * len(distinct)
         attn = AttnBatch.build(lens, lens, list(prefix_pages.values()), PAGE_SIZE, len(distinct))
-        model(torch.tensor(prompts[0][:prefix_len] * len(distinct)), attn, LoraBatch.build(distinct, lens), kv)
+        batch = ForwardBatch(attn, LoraBatch.build(distinct, lens), kv)
+        model(torch.tensor(prompts[0][:prefix_len] * len(distinct)), batch)
     queries, lens = [len(p) - prefix_len for p in prompts], [len(p) for p in prompts]
     attn = AttnBatch.build(queries, lens, tables, PAGE_SIZE, len(prompts), all_logits=True)
-    return model(torch.tensor([t for p in prompts for t in p[prefix_len:]]), attn, LoraBatch.build(slots, queries), kv)
+    batch = ForwardBatch(attn, LoraBatch.build(slots, queries), kv)
+    return model(torch.tensor([t for p in prompts for t in p[prefix_len:]]), batch)
 
 
 def compare(ref: torch.Tensor, fp8: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -41,7 +41,10 @@ from punica.config import ceil_div, preset_config
 from punica.lora.adapter import load_adapter
 from punica.lora.batch import LoraBatch
 from punica.lora.dummy import save_random_adapter
+from punica.lora.layers import attach_pool
 from punica.lora.pool import LoraPool
+from punica.models.decoder import DecoderForCausalLM
+from punica.models.forward_batch import ForwardBatch
 from punica.models.loader import dummy_model
 from punica.ops.attention import AttnBatch
 from punica.workloads import WORKLOADS, adapter_ids
@@ -86,8 +89,8 @@ def step_batches(phase: str, b: int, s: int, slots: list[int], num_pages: int, d
     return attn, LoraBatch.build(slots, query_lens, device)
 
 
-def build(preset: str, rank: int, num_slots: int, dtype: torch.dtype, device):
-    """(one-layer dummy model, LoraPool with a random rank-`rank` adapter in every slot)."""
+def build(preset: str, rank: int, num_slots: int, dtype: torch.dtype, device) -> DecoderForCausalLM:
+    """A one-layer dummy model, attached to a LoraPool with a random rank-`rank` adapter in every slot."""
     config = dataclasses.replace(preset_config(preset), num_layers=1)
     model = dummy_model(config, dtype, device)
     pool = LoraPool(config, num_slots, rank, dtype, device)
@@ -95,7 +98,8 @@ def build(preset: str, rank: int, num_slots: int, dtype: torch.dtype, device):
         for slot in range(num_slots):
             path = save_random_adapter(Path(tmp) / f"a{slot}", config, rank, seed=slot)
             pool.write(slot, load_adapter(path, config, dtype=dtype))
-    return model, pool
+    attach_pool(model, pool)
+    return model
 
 
 def plot(rows: list[dict], key: str, path: Path, title: str) -> None:
@@ -129,10 +133,10 @@ def main() -> None:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     key = "graph_us" if device.type == "cuda" else "eager_us"
-    model, pool = build(args.preset, args.rank, max(args.batches), dtype, device)
+    model = build(args.preset, args.rank, max(args.batches), dtype, device)
     layer, config = model.layers[0], model.config
     num_pages = max(args.batches) * ceil_div(max(args.seq_lens) + 1, PAGE_SIZE)
-    kv_layer = model.new_kv_cache(num_pages, PAGE_SIZE).pages[0]
+    kv_cache = model.new_kv_cache(num_pages, PAGE_SIZE)
     rng = random.Random(0)
     started = time.time()
     rows = []
@@ -144,9 +148,7 @@ def main() -> None:
                     attn, lora = step_batches(phase, b, s, slots, num_pages, device, rng)
                     x = torch.randn(attn.num_tokens, config.hidden_size, dtype=dtype, device=device)
                     residual = torch.randn_like(x)  # a middle layer: its input norm adds the residual
-                    cos, sin = model.rope_cos_sin(attn.positions)
-
-                    forward = partial(layer, x, cos, sin, attn, lora, kv_layer, pool, residual)
+                    forward = partial(layer, x, residual, ForwardBatch(attn, lora, kv_cache))
 
                     row = {"phase": phase, "seq_len": s, "batch": b, "workload": workload,
                            "num_adapters": len(set(slots) - {-1}), "num_tokens": attn.num_tokens,
@@ -154,7 +156,7 @@ def main() -> None:
                     if device.type == "cuda":
                         row["graph_us"] = time_us(forward, device, graph=True)
                     rows.append(row)
-                    del forward, attn, lora, x, residual, cos, sin
+                    del forward, attn, lora, x, residual
                 base = rows[-1 - len(WORKLOADS)][key]
                 for row in rows[-1 - len(WORKLOADS):]:
                     row["ratio"] = row[key] / base

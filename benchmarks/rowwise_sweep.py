@@ -13,7 +13,7 @@ is timed once per batch. lora_us = the layer's us - the no-LoRA layer's. Writes
 rowwise_sweep.json under --out and prints the configurations best first.
 
 With --compare-delta, the kernels keep the module's configurations and the layer runs with the
-expand's delta beside the base GEMM (punica.models.decoder.SIDE_STREAM_DELTA_MAX_TOKENS) and
+expand's delta beside the base GEMM (punica.lora.layers.SIDE_STREAM_DELTA_MAX_TOKENS) and
 without, twice each in turn.
 """
 
@@ -30,18 +30,18 @@ import torch
 from benchmarks.common import format_table, write_results
 from benchmarks.layer import PAGE_SIZE, build, step_batches, time_us
 from punica.config import ceil_div
-from punica.models import decoder
+from punica.lora import layers as lora_layers
+from punica.models.forward_batch import ForwardBatch
 from punica.ops import lora_triton
 from punica.workloads import adapter_ids
 
 WORKLOADS = ("distinct", "identical")
 
 
-def layer_us(model, pool, kv_layer, num_pages, batch, seq_len, slots, rng) -> float:
+def layer_us(model, kv_cache, num_pages, batch, seq_len, slots, rng) -> float:
     attn, lora = step_batches("decode", batch, seq_len, slots, num_pages, "cuda", rng)
     x = torch.randn(attn.num_tokens, model.config.hidden_size, dtype=torch.bfloat16, device="cuda")
-    cos, sin = model.rope_cos_sin(attn.positions)
-    return time_us(partial(model.layers[0], x, cos, sin, attn, lora, kv_layer, pool, torch.randn_like(x)),
+    return time_us(partial(model.layers[0], x, torch.randn_like(x), ForwardBatch(attn, lora, kv_cache)),
                    torch.device("cuda"), graph=True)
 
 
@@ -57,11 +57,11 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path("results/rowwise_sweep"))
     args = parser.parse_args()
     started = time.time()
-    model, pool = build(args.preset, 16, max(args.batches), torch.bfloat16, "cuda")
+    model = build(args.preset, 16, max(args.batches), torch.bfloat16, "cuda")
     num_pages = max(args.batches) * ceil_div(args.seq_len + 1, PAGE_SIZE)
-    kv_layer = model.new_kv_cache(num_pages, PAGE_SIZE).pages[0]
+    kv_cache = model.new_kv_cache(num_pages, PAGE_SIZE)
     rng = random.Random(0)
-    measure = partial(layer_us, model, pool, kv_layer, num_pages, seq_len=args.seq_len, rng=rng)
+    measure = partial(layer_us, model, kv_cache, num_pages, seq_len=args.seq_len, rng=rng)
     base = {b: measure(batch=b, slots=[-1] * b) for b in args.batches}
     in_use = {k: (getattr(lora_triton, f"{k}_ROWWISE_TILE"), getattr(lora_triton, f"{k}_ROWWISE_WARPS"))
               for k in ("SHRINK", "EXPAND")}
@@ -77,13 +77,13 @@ def main() -> None:
         return row
 
     if args.compare_delta:
-        max_tokens = decoder.SIDE_STREAM_DELTA_MAX_TOKENS
+        max_tokens = lora_layers.SIDE_STREAM_DELTA_MAX_TOKENS
         for _ in range(2):
             for side_delta in (True, False):
-                decoder.SIDE_STREAM_DELTA_MAX_TOKENS = max_tokens if side_delta else 0
+                lora_layers.SIDE_STREAM_DELTA_MAX_TOKENS = max_tokens if side_delta else 0
                 rows.append(lora_row({"kernel": "side-stream delta" if side_delta else "expand after the GEMM",
                                       "tile": in_use["EXPAND"][0], "warps": in_use["EXPAND"][1], "in_use": True}))
-        decoder.SIDE_STREAM_DELTA_MAX_TOKENS = max_tokens
+        lora_layers.SIDE_STREAM_DELTA_MAX_TOKENS = max_tokens
     else:
         for kernel in ("SHRINK", "EXPAND"):
             for tile in args.tiles:

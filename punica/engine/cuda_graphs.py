@@ -44,6 +44,7 @@ import torch
 from punica.engine.step_input import StepInput
 from punica.lora.batch import LoraBatch
 from punica.models.decoder import DecoderForCausalLM
+from punica.models.forward_batch import ForwardBatch
 from punica.ops.attention import AttnBatch
 from punica.ops.kv_cache import KVCache
 from punica.ops.lora_shapes import sgmv_block_m
@@ -187,7 +188,7 @@ class StaticBatch:
         else:
             lora = LoraBatch(seg_indptr=self.no_segments, seg_slots=self.no_segments[:0], token_slots=token_slots,
                              token_scales=self.token_scales, sgmv_tokens=0, sgmv_block_m=1, any_lora=with_lora)
-        return model(ids, attn, lora, kv_cache)
+        return model(ids, ForwardBatch(attn, lora, kv_cache))
 
 
 class CudaGraphs:

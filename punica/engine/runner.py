@@ -11,6 +11,7 @@ from punica.config import ceil_div
 from punica.engine.cuda_graphs import CudaGraphs, fed_token_ids
 from punica.engine.step_input import StepInput
 from punica.models.decoder import DecoderForCausalLM
+from punica.models.forward_batch import ForwardBatch
 from punica.ops.kv_cache import kv_bytes_per_token as layer_bytes_per_token
 from punica.ops.transfer import to_device
 
@@ -68,4 +69,5 @@ class ModelRunner:
         input_ids = to_device(torch.from_numpy(step.token_ids), self.device)
         if step.any_fed:
             input_ids = fed_token_ids(input_ids, to_device(torch.from_numpy(step.fed_rows), self.device), self.sampled)
-        return self.model(input_ids, step.attn_batch(self.device), step.lora_batch(self.device), self.kv_cache)
+        batch = ForwardBatch(step.attn_batch(self.device), step.lora_batch(self.device), self.kv_cache)
+        return self.model(input_ids, batch)

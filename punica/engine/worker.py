@@ -10,6 +10,7 @@ import torch
 from punica.config import EngineConfig, ModelConfig, ceil_div
 from punica.engine.runner import ModelRunner, kv_bytes_per_token
 from punica.engine.step_input import StepInput
+from punica.lora.layers import attach_pool
 from punica.lora.pool import LoraPool
 from punica.models.decoder import DecoderForCausalLM
 
@@ -47,7 +48,7 @@ class ModelWorker:
         self.device = weight.device
         self.pool = LoraPool(model.config, config.max_loras, config.max_lora_rank, weight.dtype, weight.device)
         self.pool.base_weight = model.group_weight  # DoRA's norms
-        model.set_lora(self.pool)  # before the runner captures CUDA graphs that read the pool
+        attach_pool(model, self.pool)  # before the runner captures CUDA graphs that read the pool
         self.runner = ModelRunner(model, num_pages, config.page_size, config.max_batch_size,
                                   context_limit(model.config, config, num_pages), eager=config.enforce_eager,
                                   kv_cache_dtype=config.kv_cache_dtype)

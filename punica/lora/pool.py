@@ -24,7 +24,9 @@ The expand multiplies a DoRA slot's tokens' projection outputs by its out_scales
 on the device that holds both, in float32, from `base_weight(layer, group)` [sum h_out, h_in]
 (the model's fused projection weight, set by the worker that owns both).
 
-Indexing a layer gives the [S, R, h] tensors the operators take, without a copy. An adapter's
+Indexing a layer gives the [S, R, h] tensors the operators take, without a copy;
+`group_weights(layer, group)` gathers those of one layer's group with the scales and DoRA's
+tensors, what that group's punica.lora.layers.LoraLinear reads. An adapter's
 rows beyond its rank, and projections it does not target, are zero in its slot, so a group's
 fused delta is exact for adapters that target only some of its projections.
 """
@@ -32,6 +34,7 @@ fused delta is exact for adapters that target only some of its projections.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
@@ -41,6 +44,18 @@ from punica.lora.adapter import AdapterWeights, LoraAdapter
 # groups of projections that share their input, in the column order of the model's fused GEMMs
 GROUPS = {"qkv": ("q", "k", "v"), "o": ("o",), "gate_up": ("gate", "up"), "down": ("down",)}
 NORM_ROWS = 4096  # rows of W + scale * B @ A formed at once (float32) while computing DoRA's norms
+
+
+@dataclass(frozen=True, eq=False)
+class GroupWeights:
+    """What one layer's projection group reads of the pool (punica.lora.layers.LoraLinear): views
+    of the pool's tensors, S = max_loras slots, n projections of max_rank R each."""
+    lora_a: torch.Tensor              # [S, n*R, h_in]
+    lora_b: torch.Tensor              # [S, sum h_out, R]
+    slice_bounds: tuple[int, ...]     # where each projection's output columns start, and the end
+    scales: torch.Tensor              # [S] float32
+    out_scales: torch.Tensor          # [S, sum h_out] float32, DoRA's (1 where the slot has none)
+    dora_slots: torch.Tensor          # [S] int32, 1 where the slot holds a DoRA adapter
 
 
 class LoraPool:
@@ -55,7 +70,8 @@ class LoraPool:
         self.allocate(config, dtype, torch.device(device))
 
     def allocate(self, config: ModelConfig, dtype: torch.dtype, device: torch.device) -> None:
-        """Fresh zeroed slots laid out for `config`'s projection shapes."""
+        """Fresh zeroed slots laid out for `config`'s projection shapes (views taken before, such as
+        `group_weights`, keep the old tensors: attach the pool to a model after this)."""
         self.config = config
         L, R = config.num_layers, self.max_rank
         shapes = config.projection_shapes()
@@ -118,13 +134,11 @@ class LoraPool:
                 col += h_out
         return a, b
 
-    def weights(self, layer: int, group: str) -> tuple[torch.Tensor, torch.Tensor, tuple[int, ...]]:
-        """(lora_a [S, n*R, h_in], lora_b [S, sum h_out, R], slice_bounds) of one layer's group."""
-        return self.group_a[group][layer], self.group_b[group][layer], self.slice_bounds[group]
-
-    def dora(self, layer: int, group: str) -> tuple[torch.Tensor, torch.Tensor]:
-        """(out_scales [S, sum h_out] float32, dora_slots [S] int32) of one layer's group."""
-        return self.out_scales[group][layer], self.dora_slots
+    def group_weights(self, layer: int, group: str) -> GroupWeights:
+        """One layer's group of every slot, as views that later writes to the pool show through."""
+        return GroupWeights(lora_a=self.group_a[group][layer], lora_b=self.group_b[group][layer],
+                            slice_bounds=self.slice_bounds[group], scales=self.scales,
+                            out_scales=self.out_scales[group][layer], dora_slots=self.dora_slots)
 
     @property
     def packed_shape(self) -> tuple[int, ...]:

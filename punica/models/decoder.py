@@ -8,74 +8,36 @@ before their residual adds (`sandwich_norms`), softcapped attention scores and l
 query scale (`attn_scale`); with none of them it is Llama. (Gemma's (1 + w) norm weights are
 stored with the 1 added, by the loader.)
 
-The forward pass takes one fused batch (prefill tokens first, decode tokens after) with its
-per-step metadata as explicit frozen dataclasses: `AttnBatch` (positions, pages, lengths)
-and `LoraBatch` (which adapter slot each token uses). LoRA weights live in a `LoraWeights`
-source (the GPU adapter pool) attached once with `set_lora`; the model never copies them.
-q/k/v and gate/up run as one fused base GEMM each, and so does each group's LoRA: one shrink
-over the group's stacked A and one sliced expand into the fused output (2 LoRA kernels for
-q/k/v, gate/up, o and down each: 8 per layer). On CUDA each shrink, which reads only the
-group's input, runs on a side stream beside the base GEMM (inside captured graphs too: two
-branches joined before the expand), so the GPU overlaps its launch and ramp with the GEMM's.
+The forward pass takes one fused batch of tokens (prefill tokens first, decode tokens after)
+and one ForwardBatch (punica.models.forward_batch: the step's AttnBatch, LoraBatch and KV
+cache), which every layer takes as it is. q/k/v and gate/up run as one fused projection each;
+each of the four projection groups is a LoraLinear (punica.lora.layers) around its base linear,
+which adds the group's LoRA deltas by the batch's LoraBatch, so the decoder picks no LoRA
+kernel and holds no adapter weights (punica.lora.layers.attach_pool points each LoraLinear at
+its part of the adapter pool).
 The elementwise work runs fused (punica.ops.layers): each residual add folds into the RMSNorm
 after it, so a layer takes and returns (output, residual stream) as vLLM's layers do; rotary
 and the KV-cache append run as one kernel (q rotated in place, k rotated on its way into the
 cache, k in qkv left as it was); SiLU-and-mul reads the gate/up GEMM's output once.
 With a `weight_format` (punica.models.quantized) the four fused projections hold fp8 weights
-(Fp8Linear, punica.ops.fp8's GEMMs); everything else, and the LoRA path, is unchanged.
+(Fp8Linear, punica.ops.fp8's GEMMs); everything else, and the LoRA path, is unchanged. Under
+tensor parallelism (punica.parallel.tensor_parallel) o and down are row-parallel: their
+LoraLinears all-reduce the ranks' partial outputs.
 """
 
 from __future__ import annotations
 
-import math
-from typing import Protocol
-
 import torch
-import torch.distributed as dist
 from torch import nn
 
-from punica.config import ModelConfig, RopeConfig
-from punica.lora.batch import LoraBatch
+from punica.config import ModelConfig
+from punica.lora.layers import LoraLinear
+from punica.models.forward_batch import ForwardBatch
 from punica.models.quantized import Fp8Format, Fp8Linear, Linear, projection
-from punica.ops.attention import AttnBatch, paged_attention, rope_and_write_kv_, softcap_ref
+from punica.models.rotary import Rotary
+from punica.ops.attention import paged_attention, rope_and_write_kv_, softcap_ref
 from punica.ops.kv_cache import KVCache
 from punica.ops.layers import gelu_tanh_and_mul, rms_norm, silu_and_mul
-from punica.ops.lora import add_delta, bgmv_delta, lora_expand, lora_shrink
-
-
-class LoraWeights(Protocol):
-    """Where the model reads LoRA weights: punica.lora.pool.LoraPool provides this."""
-
-    scales: torch.Tensor  # [num_slots] float32
-
-    def weights(self, layer: int, group: str
-                ) -> tuple[torch.Tensor, torch.Tensor, tuple[int, ...]] | None:
-        """(lora_a [S, n*R, h_in], lora_b [S, h_out, R], slice_bounds) of one layer's projection
-        group ("qkv", "o", "gate_up", "down"; see punica.ops.lora.add_lora), or None."""
-
-    def dora(self, layer: int, group: str) -> tuple[torch.Tensor, torch.Tensor]:
-        """(out_scales [S, h_out] float32, dora_slots [S] int32) of the group: DoRA slots' tokens'
-        outputs are multiplied by their slot's out_scales row (punica.ops.lora.lora_expand)."""
-
-
-_side_streams: dict[torch.device, torch.cuda.Stream] = {}
-
-
-# BGMV batches of up to this many tokens compute the expand's delta on the side stream too,
-# beside the base GEMM, into a float32 [tokens, h_out] buffer that the main stream then adds
-# (punica.ops.lora.bgmv_delta; benchmarks.rowwise_sweep --compare-delta); larger batches, whose
-# buffer would cost activation memory, expand after the GEMM
-SIDE_STREAM_DELTA_MAX_TOKENS = 256
-
-
-def side_stream(device: torch.device) -> torch.cuda.Stream | None:
-    """The stream this process runs LoRA shrinks (and deltas) on beside the base GEMMs of `device`;
-    None on CPU."""
-    if device.type != "cuda":
-        return None
-    if device not in _side_streams:
-        _side_streams[device] = torch.cuda.Stream(device)
-    return _side_streams[device]
 
 
 class RMSNorm(nn.Module):
@@ -89,97 +51,41 @@ class RMSNorm(nn.Module):
         return rms_norm(x, self.weight, self.eps, residual)
 
 
-def rope_inv_freq(rope: RopeConfig, head_dim: int) -> torch.Tensor:
-    """Inverse frequencies [head_dim / 2] in float32, with linear or llama3 scaling applied."""
-    inv_freq = 1.0 / (rope.theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
-    if rope.rope_type == "linear":
-        return inv_freq / rope.factor
-    if rope.rope_type == "llama3":
-        low_wavelen = rope.original_max_position_embeddings / rope.low_freq_factor
-        high_wavelen = rope.original_max_position_embeddings / rope.high_freq_factor
-        wavelen = 2 * math.pi / inv_freq
-        smooth = (rope.original_max_position_embeddings / wavelen - rope.low_freq_factor) / (
-            rope.high_freq_factor - rope.low_freq_factor)
-        smoothed = (1 - smooth) * inv_freq / rope.factor + smooth * inv_freq
-        return torch.where(wavelen > low_wavelen, inv_freq / rope.factor,
-                           torch.where(wavelen < high_wavelen, inv_freq, smoothed))
-    return inv_freq
-
-
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, index: int, weight_format: Fp8Format | None = None, **factory):
+    def __init__(self, config: ModelConfig, index: int, rotary: Rotary, weight_format: Fp8Format | None = None,
+                 **factory):
         super().__init__()
         c, fmt = config, weight_format
-        self.index = index
+        self.index, self.rotary = index, rotary
         self.num_heads, self.num_kv_heads, self.head_dim = c.num_heads, c.num_kv_heads, c.head_dim
-        self.window, self.rope = c.window(index), c.layer_rope(index)
+        self.window = c.window(index)
         self.scale, self.softcap = c.attn_scale or c.head_dim ** -0.5, c.attn_softcap
         self.act = gelu_tanh_and_mul if c.hidden_act == "gelu_tanh" else silu_and_mul
+
+        def lora_projection(group: str, in_features: int, out_features: int, bias: bool = False) -> LoraLinear:
+            """A fused projection (Linear, or Fp8Linear in `fmt`) with the LoRA deltas of its group."""
+            return LoraLinear(projection(in_features, out_features, bias, fmt, **factory), index, group)
+
         self.input_norm = RMSNorm(c.hidden_size, c.rms_norm_eps, **factory)
-        self.qkv_proj = projection(c.hidden_size, c.q_size + 2 * c.kv_size, c.qkv_bias, fmt, **factory)
+        self.qkv_proj = lora_projection("qkv", c.hidden_size, c.q_size + 2 * c.kv_size, c.qkv_bias)
         self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps, **factory) if c.qk_norm else None
         self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps, **factory) if c.qk_norm else None
-        self.o_proj = projection(c.q_size, c.hidden_size, False, fmt, **factory)
+        self.o_proj = lora_projection("o", c.q_size, c.hidden_size)
         self.post_norm = RMSNorm(c.hidden_size, c.rms_norm_eps, **factory)  # before the MLP
         # with sandwich norms: on the attention output and on the MLP output
         self.attn_out_norm = RMSNorm(c.hidden_size, c.rms_norm_eps, **factory) if c.sandwich_norms else None
         self.mlp_out_norm = RMSNorm(c.hidden_size, c.rms_norm_eps, **factory) if c.sandwich_norms else None
-        self.gate_up_proj = projection(c.hidden_size, 2 * c.intermediate_size, False, fmt, **factory)
-        self.down_proj = projection(c.intermediate_size, c.hidden_size, False, fmt, **factory)
+        self.gate_up_proj = lora_projection("gate_up", c.hidden_size, 2 * c.intermediate_size)
+        self.down_proj = lora_projection("down", c.intermediate_size, c.hidden_size)
         q, kv, inter = c.q_size, c.kv_size, c.intermediate_size
         self.qkv_slices = {"q": (0, q), "k": (q, q + kv), "v": (q + kv, q + 2 * kv)}
         self.gate_up_slices = {"gate": (0, inter), "up": (inter, 2 * inter)}
-        # Tensor parallelism (punica.parallel.tensor_parallel) sets the group whose ranks each
-        # hold a shard of o_proj and down_proj; their partial outputs are summed over it.
-        self.tp_group: dist.ProcessGroup | None = None
 
-    def _project(self, linear: Linear | Fp8Linear, x: torch.Tensor, group: str, lora: LoraBatch,
-                 lora_weights: LoraWeights | None) -> torch.Tensor:
-        """The fused base GEMM of a projection group plus its LoRA deltas (one shrink, one expand)."""
-        w = lora_weights.weights(self.index, group) if lora_weights is not None and lora.any_lora else None
-        if w is None:
-            return linear(x)
-        lora_a, lora_b, slice_bounds = w
-        scales, dora = lora_weights.scales, lora_weights.dora(self.index, group)
-        stream = side_stream(x.device)
-        if stream is None:
-            y = linear(x)
-            lora_expand(y, lora_shrink(x, lora_a, lora), lora_b, scales, lora, slice_bounds, dora)
-            return y
-        # The shrink (and for small BGMV batches the expand's delta too) runs on the side stream
-        # beside the base GEMM. v and the delta are freed after their last use, which the side
-        # stream's next work waits for; x lives until the join.
-        main = torch.cuda.current_stream(x.device)
-        stream.wait_stream(main)
-        with torch.cuda.stream(stream):
-            v = lora_shrink(x, lora_a, lora)
-            delta = (bgmv_delta(v, lora_b, lora.token_slots, scales, slice_bounds, lora.token_scales)
-                     if lora.sgmv_tokens == 0 and x.shape[0] <= SIDE_STREAM_DELTA_MAX_TOKENS else None)
-        y = linear(x)
-        main.wait_stream(stream)
-        if delta is None:
-            lora_expand(y, v, lora_b, scales, lora, slice_bounds, dora)
-        else:
-            add_delta(y, delta, lora.token_slots, dora)
-        return y
-
-    def _all_reduce(self, y: torch.Tensor) -> torch.Tensor:
-        """Sum a row-parallel projection's partial outputs (base + LoRA) over the TP ranks."""
-        if self.tp_group is not None:
-            dist.all_reduce(y, group=self.tp_group)
-        return y
-
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttnBatch,
-                lora: LoraBatch, kv_layer: torch.Tensor, lora_weights: LoraWeights | None,
-                residual: torch.Tensor | None = None, kv_scales: torch.Tensor | None = None
-                ) -> tuple[torch.Tensor, torch.Tensor]:
-        """x: [T, h], the previous layer's MLP output before its residual add (the embeddings
-        for the first layer, with residual None)  ->  (this layer's MLP output, residual stream);
-        the stream after the layer is their sum, which the next norm computes. kv_layer, kv_scales:
-        this layer's part of the KVCache (KVCache.layer)."""
-        num_tokens = x.shape[0]
-        h, residual = (self.input_norm(x), x) if residual is None else self.input_norm(x, residual)
-        qkv = self._project(self.qkv_proj, h, "qkv", lora, lora_weights)
+    def attention(self, h: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        """h: [T, hidden] normed  ->  o_proj's output [T, hidden]; this layer's keys and values
+        appended to its part of the KV cache."""
+        num_tokens = h.shape[0]
+        qkv = self.qkv_proj(h, batch.lora)
         q_end, k_end = self.qkv_slices["k"][0], self.qkv_slices["v"][0]
         q = qkv[:, :q_end].view(num_tokens, self.num_heads, self.head_dim)
         k = qkv[:, q_end:k_end].view(num_tokens, self.num_kv_heads, self.head_dim)
@@ -187,15 +93,26 @@ class DecoderLayer(nn.Module):
         if self.q_norm is not None:  # over each head: rows of head_dim
             q = self.q_norm(q.reshape(-1, self.head_dim)).view(num_tokens, self.num_heads, self.head_dim)
             k = self.k_norm(k.reshape(-1, self.head_dim)).view(num_tokens, self.num_kv_heads, self.head_dim)
-        rope_and_write_kv_(q, k, v, cos, sin, kv_layer, attn.slot_mapping, kv_scales)  # q rotated in place
-        o = paged_attention(q, kv_layer, attn, self.scale, self.window, self.softcap, kv_scales)
-        o = o.reshape(num_tokens, -1)
-        o = self._all_reduce(self._project(self.o_proj, o, "o", lora, lora_weights))
+        cos, sin = batch.rope(self.rotary)
+        kv_layer, kv_scales = batch.kv.layer(self.index)
+        rope_and_write_kv_(q, k, v, cos, sin, kv_layer, batch.attn.slot_mapping, kv_scales)  # q rotated in place
+        o = paged_attention(q, kv_layer, batch.attn, self.scale, self.window, self.softcap, kv_scales)
+        return self.o_proj(o.reshape(num_tokens, -1), batch.lora)
+
+    def mlp(self, h: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        return self.down_proj(self.act(self.gate_up_proj(h, batch.lora)), batch.lora)
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, batch: ForwardBatch
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: [T, h], the previous layer's MLP output before its residual add (the embeddings
+        for the first layer, with residual None)  ->  (this layer's MLP output, residual stream);
+        the stream after the layer is their sum, which the next norm computes."""
+        h, residual = (self.input_norm(x), x) if residual is None else self.input_norm(x, residual)
+        o = self.attention(h, batch)
         if self.attn_out_norm is not None:
             o = self.attn_out_norm(o)
         h, residual = self.post_norm(o, residual)
-        gate_up = self._project(self.gate_up_proj, h, "gate_up", lora, lora_weights)
-        down = self._all_reduce(self._project(self.down_proj, self.act(gate_up), "down", lora, lora_weights))
+        down = self.mlp(h, batch)
         if self.mlp_out_norm is not None:
             down = self.mlp_out_norm(down)
         return down, residual
@@ -208,7 +125,8 @@ class DecoderForCausalLM(nn.Module):
         factory = {"dtype": dtype, "device": device}
         self.config, self.weight_format = config, weight_format
         self.embed = nn.Embedding(config.vocab_size, config.hidden_size, **factory)
-        self.layers = nn.ModuleList(DecoderLayer(config, i, weight_format, **factory)
+        ropes = {rope: Rotary(rope, config.head_dim) for rope in map(config.layer_rope, range(config.num_layers))}
+        self.layers = nn.ModuleList(DecoderLayer(config, i, ropes[config.layer_rope(i)], weight_format, **factory)
                                     for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, **factory)
         self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False, **factory)
@@ -217,8 +135,6 @@ class DecoderForCausalLM(nn.Module):
         # sqrt(hidden) rounded to the dtype, as transformers' Gemma has it
         scale = torch.tensor(config.hidden_size ** 0.5, dtype=dtype)
         self.embed_multiplier = float(scale) if config.embed_scale else 1.0
-        self.lora_weights: LoraWeights | None = None
-        self._inv_freqs: dict[RopeConfig, torch.Tensor] = {}
 
     def tie_weights(self) -> None:
         if self.config.tie_word_embeddings:
@@ -231,37 +147,19 @@ class DecoderForCausalLM(nn.Module):
         return KVCache.empty(c.num_layers, num_pages, page_size, c.num_kv_heads, c.head_dim, w.dtype, w.device,
                              kv_cache_dtype)
 
-    def set_lora(self, lora_weights: LoraWeights | None) -> None:
-        self.lora_weights = lora_weights
-
     def group_weight(self, layer: int, group: str) -> torch.Tensor:
         """The base weight [h_out, h_in] of one layer's projection group ("qkv", "o", "gate_up", "down")
         in the activation dtype (an fp8 weight dequantized: DoRA's norms read it)."""
-        linear = getattr(self.layers[layer], f"{group}_proj")
+        linear = getattr(self.layers[layer], f"{group}_proj").base
         return linear.dequantized() if isinstance(linear, Fp8Linear) else linear.weight
 
-    def rope_cos_sin(self, positions: torch.Tensor, rope: RopeConfig | None = None
-                     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin [T, head_dim / 2] of the positions under `rope` (default: the config's)."""
-        rope = rope or self.config.rope
-        inv_freq = self._inv_freqs.get(rope)
-        if inv_freq is None or inv_freq.device != positions.device:
-            inv_freq = self._inv_freqs[rope] = rope_inv_freq(rope, self.config.head_dim).to(positions.device)
-        freqs = positions.float()[:, None] * inv_freq[None, :]
-        return freqs.cos(), freqs.sin()
-
-    def forward(self, input_ids: torch.Tensor, attn: AttnBatch, lora: LoraBatch,
-                kv_cache: KVCache) -> torch.Tensor:
-        """input_ids: [T]; kv_cache: pages [L, P, 2, page_size, Hkv, D]  ->  logits [num_logits, V] float32."""
+    def forward(self, input_ids: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        """input_ids: [T]  ->  logits [num_logits, V] float32 of the rows batch.attn.logits_indices."""
         x, residual = self.embed(input_ids), None
         if self.embed_multiplier != 1.0:
             x = x * self.embed_multiplier
-        tables = {}
-        for i, layer in enumerate(self.layers):
-            if layer.rope not in tables:
-                tables[layer.rope] = self.rope_cos_sin(attn.positions, layer.rope)
-            kv_layer, kv_scales = kv_cache.layer(i)
-            x, residual = layer(x, *tables[layer.rope], attn, lora, kv_layer, self.lora_weights, residual, kv_scales)
-        rows = attn.logits_indices
+        for layer in self.layers:
+            x, residual = layer(x, residual, batch)
+        rows = batch.attn.logits_indices
         x = self.norm(x[rows]) if residual is None else self.norm(x[rows], residual[rows])[0]
         return softcap_ref(self.lm_head(x).float(), self.config.final_softcap)

@@ -181,7 +181,8 @@ def _write_rows(param: torch.Tensor, scales: torch.Tensor | None, local: int, ro
 
 def _place(config: ModelConfig, name: str) -> tuple[str, int, int]:
     """(model parameter, first row, end row there) of an HF tensor: q/k/v (weights and biases)
-    and gate/up are row ranges of the fused qkv_proj and gate_up_proj."""
+    and gate/up are row ranges of the fused qkv_proj and gate_up_proj (each projection's base
+    linear: `.base` of its punica.lora.layers.LoraLinear)."""
     h, q, kv, inter = config.hidden_size, config.q_size, config.kv_size, config.intermediate_size
     if name == "model.embed_tokens.weight":
         return "embed.weight", 0, config.vocab_size
@@ -190,13 +191,14 @@ def _place(config: ModelConfig, name: str) -> tuple[str, int, int]:
     if name == "lm_head.weight":
         return "lm_head.weight", 0, config.vocab_size
     m = LAYER_TENSOR.fullmatch(name)
-    places = {"q": ("qkv_proj", 0, q), "k": ("qkv_proj", q, q + kv), "v": ("qkv_proj", q + kv, q + 2 * kv),
-              "o": ("o_proj", 0, h), "gate": ("gate_up_proj", 0, inter), "up": ("gate_up_proj", inter, 2 * inter),
-              "down": ("down_proj", 0, h), "input_layernorm": ("input_norm", 0, h),
+    qkv, gate_up = "qkv_proj.base", "gate_up_proj.base"
+    places = {"q": (qkv, 0, q), "k": (qkv, q, q + kv), "v": (qkv, q + kv, q + 2 * kv),
+              "o": ("o_proj.base", 0, h), "gate": (gate_up, 0, inter), "up": (gate_up, inter, 2 * inter),
+              "down": ("down_proj.base", 0, h), "input_layernorm": ("input_norm", 0, h),
               "post_attention_layernorm": ("post_norm", 0, h), "q_norm": ("q_norm", 0, config.head_dim),
               "k_norm": ("k_norm", 0, config.head_dim)}
     if config.fused_projections:  # Phi-3's checkpoints hold the fused projections as they are
-        places |= {"qkv": ("qkv_proj", 0, q + 2 * kv), "gate_up": ("gate_up_proj", 0, 2 * inter)}
+        places |= {"qkv": (qkv, 0, q + 2 * kv), "gate_up": (gate_up, 0, 2 * inter)}
     if config.sandwich_norms:  # Gemma's post_attention_layernorm normalises the attention output
         places |= {"post_attention_layernorm": ("attn_out_norm", 0, h), "pre_feedforward_layernorm": (
             "post_norm", 0, h), "post_feedforward_layernorm": ("mlp_out_norm", 0, h)}

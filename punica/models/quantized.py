@@ -10,7 +10,8 @@ norms and lm_head stay in the activation dtype.
 `Fp8Linear` replaces nn.Linear for a projection: parameters `weight` [N, K] float8_e4m3fn and
 `weight_scale` (float32 [N], or [ceil(N / B0), ceil(K / B1)]), an optional bias in the
 activation dtype, and a forward through punica.ops.fp8.fp8_linear. The model's LoRA deltas are
-added as for nn.Linear: the shrink reads the same bf16 input, the expand adds into this output.
+added as for Linear (punica.lora.layers.LoraLinear wraps either): the shrink reads the same bf16
+input, the expand adds into this output.
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ Each of N ranks keeps 1/N of every layer:
     column-parallel  q, k, v (whole heads), gate, up   weight rows split: rank r computes its
                                                         heads / its slice of the intermediate
     row-parallel     o, down                           weight columns split: rank r computes a
-                                                        partial sum, all-reduced (DecoderLayer.tp_group)
+                                                        partial sum, all-reduced (LoraLinear.tp_group)
 
 The fused qkv and gate_up GEMMs stay fused: a rank's qkv_proj holds [its q heads; its k heads;
 its v heads], and its gate_up_proj [its gate rows; its up rows]. q heads and kv heads are split
@@ -106,13 +106,13 @@ def model_shards(config: ModelConfig, rank: int, world_size: int) -> dict[str, S
     shards = {}
     for i in range(config.num_layers):
         qkv_rows = (_run(q, rank, world_size), _run(kv, rank, world_size, q), _run(kv, rank, world_size, q + kv))
-        shards[f"layers.{i}.qkv_proj.weight"] = Shard((q + 2 * kv, h), qkv_rows)
+        shards[f"layers.{i}.qkv_proj.base.weight"] = Shard((q + 2 * kv, h), qkv_rows)
         if config.qkv_bias:
-            shards[f"layers.{i}.qkv_proj.bias"] = Shard((q + 2 * kv,), qkv_rows)
-        shards[f"layers.{i}.gate_up_proj.weight"] = Shard((2 * inter, h), (
+            shards[f"layers.{i}.qkv_proj.base.bias"] = Shard((q + 2 * kv,), qkv_rows)
+        shards[f"layers.{i}.gate_up_proj.base.weight"] = Shard((2 * inter, h), (
             _run(inter, rank, world_size), _run(inter, rank, world_size, inter)))
-        shards[f"layers.{i}.o_proj.weight"] = Shard((h, q), ((0, h),), _run(q, rank, world_size))
-        shards[f"layers.{i}.down_proj.weight"] = Shard((h, inter), ((0, h),), _run(inter, rank, world_size))
+        shards[f"layers.{i}.o_proj.base.weight"] = Shard((h, q), ((0, h),), _run(q, rank, world_size))
+        shards[f"layers.{i}.down_proj.base.weight"] = Shard((h, inter), ((0, h),), _run(inter, rank, world_size))
     return shards
 
 
@@ -164,7 +164,7 @@ def shard_model_(model: DecoderForCausalLM, group: dist.ProcessGroup) -> dict[st
     only reshapes, and the loader fills in the rank's slices."""
     shards = split_model_(model, dist.get_rank(group), dist.get_world_size(group))
     for layer in model.layers:
-        layer.tp_group = group
+        layer.o_proj.tp_group = layer.down_proj.tp_group = group
     return shards
 
 

@@ -12,8 +12,10 @@ from punica.factory import engine_on_model
 from punica.lora.adapter import AdapterError, load_adapter, read_adapter
 from punica.lora.batch import LoraBatch
 from punica.lora.dummy import save_random_adapter
+from punica.lora.layers import attach_pool
 from punica.lora.manager import AdapterManager
 from punica.lora.pool import LoraPool
+from punica.models.forward_batch import ForwardBatch
 from punica.models.loader import load_hf_dir
 from punica.ops.attention import AttnBatch
 
@@ -58,13 +60,13 @@ def reference_greedy(model, adapter_path, prompt, steps):
     """The model alone with one adapter in a one-slot pool: what the request must produce."""
     pool = LoraPool(model.config, 1, 8, torch.float32, "cpu")
     pool.write(0, load_adapter(adapter_path, model.config))
-    model.set_lora(pool)
+    attach_pool(model, pool)
     kv = model.new_kv_cache(16, 4)
     tokens, pages = list(prompt), list(range(16))
     for step in range(steps):
         q = len(tokens) if step == 0 else 1
         attn = AttnBatch.build([q], [len(tokens)], [pages], 4, int(step == 0))
-        logits = model(torch.tensor(tokens[-q:]), attn, LoraBatch.build([0], [q]), kv)
+        logits = model(torch.tensor(tokens[-q:]), ForwardBatch(attn, LoraBatch.build([0], [q]), kv))
         tokens.append(int(logits[-1].argmax()))
     return tokens[len(prompt):]
 

@@ -23,7 +23,8 @@ def test_group_weights_stack_the_projections_of_each_group(punica_config, tiny_l
     shapes, R = config.projection_shapes(), 8
     for layer in range(config.num_layers):
         for group, projections in GROUPS.items():
-            lora_a, lora_b, bounds = pool.weights(layer, group)
+            weights = pool.group_weights(layer, group)
+            lora_a, lora_b, bounds = weights.lora_a, weights.lora_b, weights.slice_bounds
             h_in = shapes[projections[0]][0]
             assert lora_a.shape == (3, len(projections) * R, h_in)
             assert lora_b.shape == (3, bounds[-1], R)
@@ -67,38 +68,6 @@ def test_pack_writes_every_element_of_the_slot(monkeypatch, punica_config, tiny_
     pool.write_packed(0, packed, adapter.scale)
     assert torch.equal(pool.a["q"][:, 0, :5], adapter.lora_a["q"]) and not pool.a["q"][:, 0, 5:].any()
     assert not pool.b["k"].any() and not pool.a["gate"].any()
-
-
-def test_model_adds_lora_once_per_group(monkeypatch, punica_config, tiny_llama):
-    """q/k/v, o, gate/up and down: four shrink + expand pairs (8 kernels) per layer, each expand
-    on the whole fused output with the pool's slice bounds; none when no token has an adapter."""
-    import punica.models.decoder as decoder
-    from punica.lora.batch import LoraBatch
-    from punica.ops.attention import AttnBatch
-
-    hf = tiny_llama(seed=4)
-    model = decoder.DecoderForCausalLM(punica_config(hf))
-    pool = LoraPool(model.config, max_loras=1, max_rank=4, dtype=torch.float32, device="cpu")
-    pool.write(0, random_adapter(model.config, 4, ("q", "k", "v", "o", "gate", "up", "down"), seed=3))
-    model.set_lora(pool)
-    calls = []
-    shrinks = []
-    real_shrink, real_expand = decoder.lora_shrink, decoder.lora_expand
-    monkeypatch.setattr(decoder, "lora_shrink", lambda x, *args: shrinks.append(x.shape[1]) or real_shrink(x, *args))
-    monkeypatch.setattr(decoder, "lora_expand",
-                        lambda y, *args: calls.append((y.shape[1], args[4])) or real_expand(y, *args))
-    attn = AttnBatch.build([3], [3], [[0]], 4, 1)
-    model(torch.tensor([5, 6, 7]), attn, LoraBatch.build([0], [3]), model.new_kv_cache(2, 4))
-    c = model.config
-    per_layer = [(c.q_size + 2 * c.kv_size, (0, c.q_size, c.q_size + c.kv_size, c.q_size + 2 * c.kv_size)),
-                 (c.hidden_size, (0, c.hidden_size)),
-                 (2 * c.intermediate_size, (0, c.intermediate_size, 2 * c.intermediate_size)),
-                 (c.hidden_size, (0, c.hidden_size))]
-    assert calls == per_layer * c.num_layers
-    assert shrinks == [c.hidden_size, c.q_size, c.hidden_size, c.intermediate_size] * c.num_layers
-    calls.clear()
-    model(torch.tensor([5, 6, 7]), attn, LoraBatch.build([-1], [3]), model.new_kv_cache(2, 4))
-    assert calls == [] and len(shrinks) == 4 * c.num_layers
 
 
 def test_pack_reads_the_layers_of_a_peft_adapter_straight_into_the_slot(tmp_path, monkeypatch, make_peft_adapter,

@@ -12,7 +12,9 @@ from punica.config import EngineConfig
 from punica.factory import engine_on_model
 from punica.lora.adapter import load_adapter
 from punica.lora.batch import LoraBatch
+from punica.lora.layers import attach_pool
 from punica.lora.pool import LoraPool
+from punica.models.forward_batch import ForwardBatch
 from punica.models.loader import load_hf_dir, resolve_model_dir
 from punica.ops.attention import AttnBatch
 
@@ -41,7 +43,7 @@ def punica_with_pool(model, paths):
     pool = LoraPool(model.config, max_loras=len(paths), max_rank=16, dtype=torch.float32, device="cpu")
     for slot, (name, path) in enumerate(paths.items()):
         pool.write(slot, load_adapter(path, model.config, name=name))
-    model.set_lora(pool)
+    attach_pool(model, pool)
     return {name: slot for slot, name in enumerate(paths)}
 
 
@@ -69,7 +71,7 @@ class PagedRun:
             ids.extend(tokens[-q:])
         attn = AttnBatch.build(query_lens, context_lens, tables, PAGE_SIZE, num_prefills, all_logits=all_logits)
         lora = LoraBatch.build(slots, query_lens)
-        return self.model(torch.tensor(ids), attn, lora, self.kv)
+        return self.model(torch.tensor(ids), ForwardBatch(attn, lora, self.kv))
 
 
 def hf_greedy(peft_model, prompt, adapter, steps):

@@ -14,6 +14,7 @@ from safetensors.torch import load_file, save_file
 from punica.config import EngineConfig
 from punica.factory import engine_on_model
 from punica.lora.batch import LoraBatch
+from punica.models.forward_batch import ForwardBatch
 from punica.models.fp8_checkpoint import checkpoint_fp8
 from punica.models.loader import dummy_model, load_hf_dir
 from punica.models.quantized import Fp8Linear
@@ -34,8 +35,8 @@ def prefill_logits(model, prompts=PROMPTS):
         first += len(tables[-1])
     device = model.embed.weight.device
     attn = AttnBatch.build(lens, lens, tables, PAGE_SIZE, len(prompts), device, all_logits=True)
-    return model(torch.tensor(sum(prompts, []), device=device), attn,
-                 LoraBatch.build([-1] * len(prompts), lens, device), model.new_kv_cache(first, PAGE_SIZE))
+    batch = ForwardBatch(attn, LoraBatch.build([-1] * len(prompts), lens, device), model.new_kv_cache(first, PAGE_SIZE))
+    return model(torch.tensor(sum(prompts, []), device=device), batch)
 
 
 # each format's quantizer as its spec writes it: (weight e4m3, the stored scale tensor)
@@ -123,13 +124,13 @@ def test_quantize_at_load_equals_its_dequantized_weights(original):
     model = load_hf_dir(original, torch.float32, quantization="fp8")
     plain = load_hf_dir(original, torch.float32)
     full = prefill_logits(plain)
-    assert all(isinstance(getattr(layer, f"{g}_proj"), Fp8Linear) for layer in model.layers
+    assert all(isinstance(getattr(layer, f"{g}_proj").base, Fp8Linear) for layer in model.layers
                for g in ("qkv", "o", "gate_up", "down"))
     for layer in plain.layers:  # the same model with the fp8 weights' values
         for group in ("qkv", "o", "gate_up", "down"):
             w = model.group_weight(layer.index, group)
             assert w.dtype == torch.float32
-            getattr(layer, f"{group}_proj").weight.data.copy_(w)
+            getattr(layer, f"{group}_proj").base.weight.data.copy_(w)
     logits = prefill_logits(model)
     assert torch.equal(logits, prefill_logits(plain))
     assert not torch.equal(logits, full)
@@ -142,8 +143,8 @@ def test_pre_quantized_checkpoint_loads_its_weights_as_stored(tmp_path, original
     write_checkpoints(original, tmp_path / "fp8", tmp_path / "dequantized", quantization_config, quantize,
                       scale_name, extra)
     model = load_hf_dir(tmp_path / "fp8", torch.float32)  # no flag needed: the config says fp8
-    assert isinstance(model.layers[0].qkv_proj, Fp8Linear)
-    assert model.layers[0].qkv_proj.block_size == (quantization_config.get("weight_block_size") and (32, 32))
+    assert isinstance(model.layers[0].qkv_proj.base, Fp8Linear)
+    assert model.layers[0].qkv_proj.base.block_size == (quantization_config.get("weight_block_size") and (32, 32))
     logits = prefill_logits(model)
     assert torch.equal(logits, prefill_logits(load_hf_dir(tmp_path / "dequantized", torch.float32)))
     if fmt == "compressed-tensors-channel":  # the same weights as quantizing the original at load
@@ -210,7 +211,7 @@ def test_dummy_fp8_quantizes_the_same_random_values(punica_config, tiny_llama):
     plain = dummy_model(config, torch.float32, seed=4)
     for group in ("qkv", "o", "gate_up", "down"):
         weight, scales = quantize_per_channel(plain.group_weight(1, group))
-        linear = getattr(fp8.layers[1], f"{group}_proj")
+        linear = getattr(fp8.layers[1], f"{group}_proj").base
         assert torch.equal(linear.weight.view(torch.uint8), weight.view(torch.uint8))
         assert torch.equal(linear.weight_scale, scales)
         assert torch.equal(fp8.group_weight(1, group), dequantize(weight, scales, None, torch.float32))
@@ -228,7 +229,7 @@ def test_lora_and_dora_on_fp8_weights_equal_them_on_the_dequantized_weights(orig
     plain = load_hf_dir(original, torch.float32)
     for layer in plain.layers:
         for group in ("qkv", "o", "gate_up", "down"):
-            getattr(layer, f"{group}_proj").weight.data.copy_(model.group_weight(layer.index, group))
+            getattr(layer, f"{group}_proj").base.weight.data.copy_(model.group_weight(layer.index, group))
     requests = [(p, name, 6) for p in PROMPTS for name in (None, "lora", "dora")]
     outputs = [[o.token_ids for o in run_all(engine_on_model(m, EngineConfig(max_batch_size=9, page_size=4), paths),
                                              requests, greedy)] for m in (model, plain)]
@@ -244,7 +245,7 @@ def test_cuda_fp8_model_follows_its_dequantized_weights(original):
     plain = load_hf_dir(original, torch.bfloat16, "cuda")
     for layer in plain.layers:
         for group in ("qkv", "o", "gate_up", "down"):
-            getattr(layer, f"{group}_proj").weight.data.copy_(model.group_weight(layer.index, group))
+            getattr(layer, f"{group}_proj").base.weight.data.copy_(model.group_weight(layer.index, group))
     with torch.inference_mode():
         for prompts in (PROMPTS, [list(range(3, 123))]):  # 22 tokens: weight-only; 120 tokens: _scaled_mm
             got, expect = (prefill_logits(m, prompts) for m in (model, plain))

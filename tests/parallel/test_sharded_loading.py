@@ -49,12 +49,13 @@ def test_dummy_shard_is_the_slice_of_the_full_random_model(monkeypatch, rank, ch
     full = dummy_model(config, torch.float32, seed=3)
     weights = assert_shard_of(dummy_model(config, torch.float32, seed=3, shard=split_on_meta(rank)),
                               dummy_model(config, torch.float32, seed=3), rank)
-    qkv = weights["layers.0.qkv_proj.weight"]
+    qkv = weights["layers.0.qkv_proj.base.weight"]
     assert abs(qkv.std().item() - 0.02) < 0.002 and abs(qkv.mean().item()) < 0.002
-    assert not torch.equal(qkv[:64], weights["layers.1.qkv_proj.weight"][:64])  # each matrix its own values
+    assert not torch.equal(qkv[:64], weights["layers.1.qkv_proj.base.weight"][:64])  # each matrix its own values
     assert torch.equal(weights["layers.0.input_norm.weight"], torch.ones(64))
     other = dict(dummy_model(config, torch.float32, seed=4).named_parameters())
-    assert not torch.equal(other["layers.0.qkv_proj.weight"], dict(full.named_parameters())["layers.0.qkv_proj.weight"])
+    qkv_name = "layers.0.qkv_proj.base.weight"
+    assert not torch.equal(other[qkv_name], dict(full.named_parameters())[qkv_name])
 
 
 @pytest.mark.parametrize("rank", range(WORLD_SIZE))
@@ -62,7 +63,7 @@ def test_dummy_shard_splits_the_qkv_bias(rank, punica_config, tiny_family_model)
     config = punica_config(tiny_family_model("qwen2"))
     weights = assert_shard_of(dummy_model(config, torch.float32, seed=3, shard=split_on_meta(rank)),
                               dummy_model(config, torch.float32, seed=3), rank)
-    bias = weights["layers.0.qkv_proj.bias"]
+    bias = weights["layers.0.qkv_proj.base.bias"]
     assert bias.shape == (config.q_size + 2 * config.kv_size,) and abs(bias.std().item() - 0.02) < 0.01
 
 
@@ -83,7 +84,7 @@ def assert_fp8_shard_of(shard, full, rank):
     """As assert_shard_of, for models with fp8 weights (compared bit for bit) and their scales."""
     split_model_(full, rank, WORLD_SIZE)
     got, expect = dict(shard.named_parameters()), dict(full.named_parameters())
-    assert got.keys() == expect.keys() and "layers.0.qkv_proj.weight_scale" in got
+    assert got.keys() == expect.keys() and "layers.0.qkv_proj.base.weight_scale" in got
     for name, param in expect.items():
         assert got[name].shape == param.shape and same(got[name], param), name
     return got
@@ -95,8 +96,8 @@ def test_fp8_dummy_shard_is_the_slice_of_the_full_fp8_model(rank, punica_config,
     config = punica_config(tiny_llama())
     got = assert_fp8_shard_of(dummy_model(config, torch.float32, seed=3, shard=split_on_meta(rank), quantization="fp8"),
                               dummy_model(config, torch.float32, seed=3, quantization="fp8"), rank)
-    assert got["layers.0.qkv_proj.weight_scale"].shape == ((config.q_size + 2 * config.kv_size) // 2,)
-    assert got["layers.0.o_proj.weight_scale"].shape == (config.hidden_size,)
+    assert got["layers.0.qkv_proj.base.weight_scale"].shape == ((config.q_size + 2 * config.kv_size) // 2,)
+    assert got["layers.0.o_proj.base.weight_scale"].shape == (config.hidden_size,)
 
 
 def write_block_fp8(path, tiny_llama, block):
@@ -119,14 +120,14 @@ def test_fp8_block_checkpoint_shard_reads_whole_blocks(tmp_path, rank, tiny_llam
     write_block_fp8(tmp_path, tiny_llama, 16)
     got = assert_fp8_shard_of(load_hf_dir(tmp_path, torch.float32, shard=split_on_meta(rank)),
                               load_hf_dir(tmp_path, torch.float32), rank)
-    assert got["layers.0.qkv_proj.weight_scale"].shape == (4, 4)  # 32 q + 16 k + 16 v rows of 64 columns
-    assert got["layers.0.down_proj.weight_scale"].shape == (4, 3)  # 48 of the 96 columns
+    assert got["layers.0.qkv_proj.base.weight_scale"].shape == (4, 4)  # 32 q + 16 k + 16 v rows of 64 columns
+    assert got["layers.0.down_proj.base.weight_scale"].shape == (4, 3)  # 48 of the 96 columns
 
 
 def test_fp8_blocks_across_shard_bounds_are_refused(tmp_path, tiny_llama):
     write_block_fp8(tmp_path, tiny_llama, 32)  # a rank holds one kv head of 16 rows
-    with pytest.raises(ValueError, match=r"the 32 x 32 fp8 weight blocks of layers.0.qkv_proj.weight do not split at "
-                                         r"this rank's shard bounds"):
+    with pytest.raises(ValueError, match=r"the 32 x 32 fp8 weight blocks of layers.0.qkv_proj.base.weight do not "
+                                         r"split at this rank's shard bounds"):
         load_hf_dir(tmp_path, torch.float32, shard=split_on_meta(0))
 
 

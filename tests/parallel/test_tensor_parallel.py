@@ -9,7 +9,9 @@ import torch.multiprocessing as mp
 
 from punica.lora.adapter import load_adapter
 from punica.lora.batch import LoraBatch
+from punica.lora.layers import attach_pool
 from punica.lora.pool import LoraPool
+from punica.models.forward_batch import ForwardBatch
 from punica.models.loader import load_hf_dir
 from punica.ops.attention import AttnBatch
 from punica.parallel.launcher import run_parallel
@@ -41,7 +43,7 @@ def step(model, kv, requests, free_pages, all_logits=False):
         ids.extend(tokens[-q:])
     num_prefills = sum(r[3] for r in requests)
     attn = AttnBatch.build(query_lens, context_lens, tables, PAGE_SIZE, num_prefills, all_logits=all_logits)
-    return model(torch.tensor(ids), attn, LoraBatch.build(slots, query_lens), kv)
+    return model(torch.tensor(ids), ForwardBatch(attn, LoraBatch.build(slots, query_lens), kv))
 
 
 def scenario(group, base_dir, adapter_paths, prompts, kv_cache_dtype="auto"):
@@ -58,7 +60,7 @@ def scenario(group, base_dir, adapter_paths, prompts, kv_cache_dtype="auto"):
         tensor_parallel_(model, pool, group)  # shards the adapters already in the pool
         last = shard_adapter(last, full_config, group.rank(), group.size())  # and one written after
     pool.write(len(adapters) - 1, last)
-    model.set_lora(pool)
+    attach_pool(model, pool)
     row_slots = list(range(len(adapters))) + [-1]  # every adapter, then a base-model row
 
     # 1. one mixed prefill batch, every position's logits

@@ -1,0 +1,105 @@
+"""LoraLinear: a base projection plus each token's adapter delta, the one place a model runs LoRA.
+
+Each projection group of a decoder layer (q/k/v, o, gate/up, down: punica.lora.pool.GROUPS) is
+one fused base linear wrapped in a LoraLinear. The base is whichever linear it is given
+(punica.models.quantized's Linear or Fp8Linear, or a tensor-parallel shard of either), called as
+base(x); the LoraLinear adds the group's deltas to its output: one shrink over the group's
+stacked A and one sliced expand into the fused output (punica.ops.lora), DoRA's out_scales
+applied by the expand. It picks the kernels from the step's LoraBatch: SGMV over the batch's
+leading prefill segments, BGMV per token for the rest. On CUDA the shrink runs on a side stream
+beside the base GEMM (inside captured graphs too: two branches joined before the expand), so the
+GPU overlaps its launch and ramp with the GEMM's; in BGMV batches of up to
+SIDE_STREAM_DELTA_MAX_TOKENS tokens, such as decode steps, the expand's delta runs there too.
+
+Its weights are its group's part of the adapter pool (punica.lora.pool.GroupWeights: views of one
+layer's A, B, scales and DoRA tensors), set by `attach_pool`; without them, and in steps where no
+token has an adapter, it is its base linear.
+
+Under tensor parallelism a row-parallel projection (o, down: punica.parallel.tensor_parallel)
+has a `tp_group`: each rank's output, base and delta alike, is a partial sum, all-reduced after
+the delta is added.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from punica.lora.batch import LoraBatch
+from punica.lora.pool import GroupWeights, LoraPool
+from punica.ops.lora import add_delta, bgmv_delta, lora_expand, lora_shrink
+
+# BGMV batches of up to this many tokens compute the expand's delta on the side stream too,
+# beside the base GEMM, into a float32 [tokens, h_out] buffer that the main stream then adds
+# (punica.ops.lora.bgmv_delta; benchmarks.rowwise_sweep --compare-delta); larger batches, whose
+# buffer would cost activation memory, expand after the GEMM
+SIDE_STREAM_DELTA_MAX_TOKENS = 256
+
+_side_streams: dict[torch.device, torch.cuda.Stream] = {}
+
+
+def side_stream(device: torch.device) -> torch.cuda.Stream | None:
+    """The stream this process runs LoRA shrinks (and deltas) on beside the base GEMMs of `device`;
+    None on CPU."""
+    if device.type != "cuda":
+        return None
+    if device not in _side_streams:
+        _side_streams[device] = torch.cuda.Stream(device)
+    return _side_streams[device]
+
+
+class LoraLinear(nn.Module):
+    """base(x) plus the deltas of projection group `group` ("qkv", "o", "gate_up", "down") of layer
+    `layer`, whose part of the adapter pool `attach_pool` sets."""
+
+    def __init__(self, base: nn.Module, layer: int, group: str):
+        super().__init__()
+        self.base, self.layer, self.group = base, layer, group
+        self.weights: GroupWeights | None = None
+        # row-parallel under tensor parallelism: the ranks whose partial outputs are summed
+        self.tp_group: dist.ProcessGroup | None = None
+
+    def forward(self, x: torch.Tensor, lora: LoraBatch) -> torch.Tensor:
+        """x: [T, h_in]  ->  [T, h_out], each token's delta added by its slot (lora.token_slots)."""
+        y = self.base(x) if self.weights is None or not lora.any_lora else self._with_lora(x, lora)
+        if self.tp_group is not None:
+            dist.all_reduce(y, group=self.tp_group)
+        return y
+
+    def _with_lora(self, x: torch.Tensor, lora: LoraBatch) -> torch.Tensor:
+        w = self.weights
+        dora = (w.out_scales, w.dora_slots)
+        stream = side_stream(x.device)
+        if stream is None:
+            y = self.base(x)
+            lora_expand(y, lora_shrink(x, w.lora_a, lora), w.lora_b, w.scales, lora, w.slice_bounds, dora)
+            return y
+        # The shrink (and for small BGMV batches the expand's delta too) runs on the side stream
+        # beside the base GEMM. v and the delta are freed after their last use, which the side
+        # stream's next work waits for; x lives until the join.
+        main = torch.cuda.current_stream(x.device)
+        stream.wait_stream(main)
+        with torch.cuda.stream(stream):
+            v = lora_shrink(x, w.lora_a, lora)
+            delta = (bgmv_delta(v, w.lora_b, lora.token_slots, w.scales, w.slice_bounds, lora.token_scales)
+                     if lora.sgmv_tokens == 0 and x.shape[0] <= SIDE_STREAM_DELTA_MAX_TOKENS else None)
+        y = self.base(x)
+        main.wait_stream(stream)
+        if delta is None:
+            lora_expand(y, v, w.lora_b, w.scales, lora, w.slice_bounds, dora)
+        else:
+            add_delta(y, delta, lora.token_slots, dora)
+        return y
+
+    def extra_repr(self) -> str:
+        return f"layer={self.layer}, group={self.group!r}"
+
+
+def attach_pool(model: nn.Module, pool: LoraPool) -> None:
+    """Point every LoraLinear of `model` at its group's part of `pool`, which then serves it as
+    adapters are written to its slots. Attach after the pool's last `allocate` (tensor-parallel
+    sharding reallocates it), and before CUDA graphs that read it are captured."""
+    for module in model.modules():
+        if isinstance(module, LoraLinear):
+            module.weights = pool.group_weights(module.layer, module.group)
