@@ -160,7 +160,7 @@ def test_a_step_that_can_run_nothing_sleeps_so_adapter_reads_get_the_gil(setup, 
     """Every queued request waits for its adapter's read: `step` sleeps (releasing the GIL to the
     reader threads) instead of returning at once, so a caller's tight `while has_unfinished():
     step()` loop cannot starve the reads; the request then runs as usual."""
-    from punica.engine import engine as engine_module
+    from punica.engine import core as engine_module
     from punica.lora.manager import AdapterManager
 
     read_may_finish = threading.Event()
@@ -206,3 +206,4 @@ def test_a_dropped_engine_frees_its_kv_cache_without_the_garbage_collector(setup
         assert kv_cache() is None, "a reference cycle keeps the engine alive"
     finally:
         gc.enable()
+
