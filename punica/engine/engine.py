@@ -23,7 +23,7 @@ from functools import partial
 
 import xgrammar as xgr
 
-from punica.config import EngineConfig
+from punica.config import EngineConfig, ModelConfig
 from punica.engine.admission import acquire_adapter, check_lora_scale, checked_prompt, release_adapter
 from punica.engine.core import EngineCore
 from punica.engine.executor import Executor
@@ -72,6 +72,11 @@ class Engine:
         self._num_constrained = 0
 
     @property
+    def model_config(self) -> ModelConfig:
+        """The whole model's (under tensor parallelism too): what an adapter must fit."""
+        return self.executor.model_config
+
+    @property
     def overlaps_steps(self) -> bool:
         return self.core.overlaps_steps
 
@@ -104,6 +109,14 @@ class Engine:
     def adapter_paths(self) -> dict[str, str]:
         """Every registered adapter: name -> directory."""
         return {name: str(path) for name, path in self.adapters.registry.items()}
+
+    def adapter_snapshot(self) -> dict:
+        """Where the adapters are (GPU, host, disk) and their load counters (AdapterManager.snapshot)."""
+        return self.adapters.snapshot()
+
+    def held_adapters(self) -> list[str]:
+        """The adapters held on the GPU or loading (AdapterManager.held)."""
+        return self.adapters.held()
 
     # tenants -------------------------------------------------------------------------------
     def set_tenants(self, shares: dict[str, TenantShare]) -> None:

@@ -207,3 +207,20 @@ def test_a_dropped_engine_frees_its_kv_cache_without_the_garbage_collector(setup
     finally:
         gc.enable()
 
+
+def test_the_server_and_the_cluster_worker_use_the_engines_methods_not_its_parts(setup, make_engine):
+    """Nothing outside punica.engine reaches into an engine's adapter manager, executor, scheduler,
+    allocator, core or output processor; what they need, Engine's methods give."""
+    import re
+
+    import punica
+
+    root = Path(punica.__file__).parent
+    parts = re.compile(r"(?<!punica\.)\bengine\.(adapters|executor|scheduler|allocator|core|outputs)\b")
+    outside = [p for p in root.rglob("*.py") if p.relative_to(root).parts[0] != "engine"]
+    offenders = [f"{p.relative_to(root)}:{i}" for p in outside
+                 for i, line in enumerate(p.read_text().splitlines(), 1) if parts.search(line)]
+    assert not offenders
+    engine = make_engine(setup)
+    assert engine.model_config is engine.executor.model_config
+    assert engine.adapter_snapshot() == engine.adapters.snapshot() and engine.held_adapters() == []
