@@ -58,7 +58,7 @@ class EngineCore:
         self.executor, self.scheduler, self.adapters = executor, scheduler, adapters
         self.page_size = config.page_size
         self.overlaps_steps = config.overlap_steps and executor.can_feed_sampled
-        self._grammar_args = (tokenizer, executor.model_config.vocab_size, eos_token_ids, GrammarLimits.of(config))
+        self._tokenizer, self._eos_token_ids, self._grammar_limits = tokenizer, eos_token_ids, GrammarLimits.of(config)
         self._grammars: GrammarCompiler | None = None  # made at the first constrained request
         self._in_flight: LaunchedStep | None = None    # launched, its tokens not yet read
         self.last_step: StepShape | None = None  # of the last `step` call, None if it launched nothing
@@ -68,9 +68,10 @@ class EngineCore:
     def grammars(self) -> GrammarCompiler:
         """The compiler of constrained requests' grammars; ValueError for an engine without a tokenizer."""
         if self._grammars is None:
-            if self._grammar_args[0] is None:
+            if self._tokenizer is None:
                 raise ValueError("structured_outputs need a tokenizer, and this engine has none")
-            self._grammars = GrammarCompiler(*self._grammar_args)
+            self._grammars = GrammarCompiler(self._tokenizer, self.executor.model_config.vocab_size,
+                                             self._eos_token_ids, self._grammar_limits)
         return self._grammars
 
     @property
