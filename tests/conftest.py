@@ -21,6 +21,11 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# pytest-xdist's workers share the machine's cores: each takes its share of torch's threads (more
+# OpenMP threads than cores spin against each other and slow every worker).
+if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
+    torch.set_num_threads(max(1, torch.get_num_threads() // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
+
 from peft import LoraConfig, PeftModel, get_peft_model  # noqa: E402
 from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM  # noqa: E402
 
