@@ -1,6 +1,6 @@
 """Soak: does a server stay whole under hours of mixed good and hostile traffic?
 
-    python -m benchmarks.soak [--duration 1800] [--tenants 6] [--long-share 0] [--out results/soak]
+    python -m benchmarks.soak [--duration 1800] [--tenants 6] [--long-share 0] [--tenants-file] [--out results/soak]
 
 Starts `punica serve` (the embedded SmolLM2 model on CPU, or whatever --serve-args say) with four
 random tenant adapters and a folder of hostile ones, then for --duration seconds runs --tenants
@@ -11,12 +11,30 @@ disconnects). With --long-share, that share of the normal requests carries one l
 (prefix-cache hits) and asks for 24-96 tokens (a tiny KV cache must preempt for them). It samples
 the server's resident memory and /health's latency as it goes.
 
+With --tenants-file, the server serves a tenants file this script writes (benchmarks.soak_tenants):
+each client is a tenant with its own key and adapter, one of them under a max_concurrent_requests
+it keeps to; their requests also carry, some of them, a small JSON schema never sent before, or a
+long prompt of their own on the base model. The hostile client is a tenant too, which, besides
+the traffic above, probes everything tenants must stop (other tenants' adapters, loads and
+unloads, folders and cached prompts, the admin's endpoints, missing and wrong keys, grammars past
+the limits and costly ones within them, bad cache salts), floods past its own
+max_concurrent_requests half of the time (half of the flood with costly schemas), and holds idle,
+slowloris and short-body connections. Each probe has an expected status. Halfway through, the file
+gains a tenant and changes a weight, and the server is sent SIGHUP; the new tenant then sends
+normal traffic too. The normal clients' time to first token (streamed requests; those with a
+schema apart) is reported with and without the flood.
+
 Checks, each a failure (exit code 1) when broken: no normal request lost (every one not cancelled
 answers 200 with finish_reason stop or length and no more tokens than asked), no hostile request
-answered 5xx, /health always answering within a second, and, once traffic stops and the server is
-idle, no running or queued request, KV page or adapter slot held (from /metrics). Reported, not
-judged: memory (the resident set over time, and its growth after the first fifth of the run) and
-what the KV cache went through (preemptions, chunked steps, prefix-cache hits and pages).
+answered 5xx, /health always answering within --health-s (a second), and, once traffic stops and the server is
+idle, no running or queued request, KV page or adapter slot held (from /metrics). With
+--tenants-file also: every probe answered as expected, the flood met its cap (429s), the grammars
+past the limits met them (400s; one sent while its tenant is at its cap gets the 429 first), and the
+reload applied (the new key refused before it, accepted after). Reported, not judged: memory (the
+resident set over time, and its growth after the first fifth of the run), what the KV cache went
+through (preemptions, chunked steps, prefix-cache hits and pages) and, with --tenants-file, the
+times to first token, each probe kind's answers, how often the good tenants' own repeated prompts
+hit their cache (what gives the prefix-cache probe its power) and the grammars' compile time.
 Writes soak.json and soak.png under --out and prints a summary last.
 """
 
@@ -25,24 +43,44 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import random
+import signal
 import socket
 import subprocess
 import sys
 import tempfile
 import time
+from collections import Counter, defaultdict
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
 import torch
 from safetensors.torch import load_file, save_file
 
-from benchmarks.common import save_figure, write_results
+from benchmarks.common import percentile, save_figure, write_results
+from benchmarks.soak_tenants import (
+    BASE,
+    CAPPED_CONCURRENCY,
+    GRAMMAR_SHARE,
+    HOSTILE_ADAPTERS,
+    HOSTILE_ADDRESS,
+    SECRET_SHARE,
+    SERVE_ARGS,
+    HostileTenant,
+    Secrets,
+    TenantsSetup,
+    auth,
+    flood_on,
+    small_schema,
+)
 from punica.config import ModelConfig
 from punica.lora.dummy import save_random_adapter
 from punica.models.loader import resolve_model_dir
 
-HEALTH_S = 1.0
+KEEPALIVE_S = 2.0  # well under the server's header timeout, so a client never sends on a connection it closes
+RELOAD_WAIT_S = 60.0
 MAX_REQUEST_BYTES = 256 << 10
 TENANTS = ("tenant-0", "tenant-1", "tenant-2", "tenant-3")
 PROMPTS = ("The weather today is", "Tell me a story about", "def fibonacci(n):", "My favourite food is")
@@ -59,6 +97,10 @@ HOSTILE_BODIES = [
     {"tool_choice": "required"}, {"logit_bias": {"5": 100}}, {"prompt": "\ud800"}, {"prompt": [10 ** 9]},
     {"model": "../etc/passwd"}, {"stream": "yes"}, {"frequency_penalty": float("inf")},
 ]
+# the open soak's hostile adapters: what each changes in a random adapter
+OPEN_HOSTILE_ADAPTERS = {"huge": dict(weights=1e30), "nan-weights": dict(weights=float("nan")),
+                         "nan-alpha": dict(lora_alpha=float("nan")), "big-alpha": dict(lora_alpha=1e300),
+                         "rank-512": dict(r=512), "dora": dict(use_dora=True), "fine": {}}
 
 
 def free_port() -> int:
@@ -67,23 +109,20 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def make_adapters(root: Path, config: ModelConfig) -> list[str]:
-    """Tenant adapters under root/served (what the server serves) and hostile ones under
-    root/hostile (what the hostile client tries to load): their names."""
-    for i, name in enumerate(TENANTS):
+def make_adapters(root: Path, config: ModelConfig, served: list[str], hostile: dict[str, dict]) -> None:
+    """Random adapters named `served` under root/served (what the good clients use) and `hostile`
+    (name -> what it changes) under root/hostile (what the hostile client loads)."""
+    for i, name in enumerate(served):
         save_random_adapter(root / "served" / name, config, rank=8, seed=i, alpha=16)
-    hostile = {"huge": dict(weights=1e30), "nan-weights": dict(weights=float("nan")),
-               "nan-alpha": dict(lora_alpha=float("nan")), "big-alpha": dict(lora_alpha=1e300),
-               "rank-512": dict(r=512), "dora": dict(use_dora=True), "fine": {}}
     for i, (name, change) in enumerate(hostile.items()):
         path = save_random_adapter(root / "hostile" / name, config, rank=4, seed=100 + i, projections=("q", "v"))
+        change = dict(change)
         if "weights" in change:
             value, tensors = change.pop("weights"), load_file(path / "adapter_model.safetensors")
             save_file({k: torch.full_like(v, value) for k, v in tensors.items()}, path / "adapter_model.safetensors")
         if change:
             cfg = json.loads((path / "adapter_config.json").read_text()) | change
             (path / "adapter_config.json").write_text(json.dumps(cfg))
-    return list(hostile)
 
 
 def rss_mb(pid: int) -> float:
@@ -94,23 +133,91 @@ def rss_mb(pid: int) -> float:
 
 
 class Tally:
-    def __init__(self):
+    """What the soak saw: normal requests, the hostile ones by kind and outcome, failures, the normal
+    clients' times to first token (with the flood on or off, when the soak started at `flood_start`)."""
+
+    def __init__(self, flood_start: float | None = None):
         self.normal = self.cancelled = self.hostile = 0
         self.failures: list[str] = []
+        self.probes: defaultdict[str, Counter] = defaultdict(Counter)
+        self.unexpected: Counter = Counter()
+        self.flood_start = flood_start
+        self.ttft_s: defaultdict[str, list[float]] = defaultdict(list)
 
     def fail(self, what: str) -> None:
         if len(self.failures) < 50:
             self.failures.append(what)
 
+    def probe(self, kind: str, outcome, problem: str | None = None) -> None:
+        """A hostile request of `kind` and its outcome (a status), a failure when `problem` is given."""
+        self.hostile += 1
+        self.probes[kind][str(outcome)] += 1
+        if problem is not None:
+            self.unexpected[kind] += 1
+            self.fail(f"hostile {kind}: {problem}")
+
+    def ttft(self, sent_at: float, seconds: float, constrained: bool) -> None:
+        flooding = self.flood_start is not None and flood_on(self.flood_start, sent_at)
+        name = ("constrained_" if constrained else "") + ("with_flood" if flooding else "without_flood")
+        self.ttft_s[name].append(seconds)
+
+    def ttft_summary(self) -> dict:
+        return {name: {"requests": len(values), **{f"p{q}_s": round(percentile(values, q / 100), 3)
+                                                   for q in (50, 90, 99)}}
+                for name, values in sorted(self.ttft_s.items())}
+
+
+@dataclass
+class Traffic:
+    """What one normal client sends: the models it names, its key's header, whether it cancels
+    requests, and (with --tenants-file) its tenant and the Secrets its long base-model prompts go to."""
+    models: tuple[str, ...]
+    headers: dict[str, str] = field(default_factory=dict)
+    may_cancel: bool = True
+    tenant: str | None = None
+    secrets: Secrets | None = None
+    grammar_share: float = 0.0  # of its requests with a JSON schema never sent before
+
+
+def check_finish(tally: Tally, what: str, reasons: list, tokens: int, max_tokens: int) -> None:
+    if reasons not in (["stop"], ["length"]) or not 1 <= tokens <= max_tokens:
+        tally.fail(f"{what}: finish {reasons}, {tokens} of {max_tokens} tokens")
+
+
+async def secret_request(client: httpx.AsyncClient, traffic: Traffic, tally: Tally) -> None:
+    """A long prompt of the tenant's own on the base model, which the hostile tenant probes the prefix cache with."""
+    prompt, repeat = traffic.secrets.next_prompt(traffic.tenant)
+    body = {"model": BASE, "prompt": prompt, "max_tokens": 4, "temperature": 0}
+    try:
+        r = await client.post("/v1/completions", json=body, headers=traffic.headers)
+    except httpx.HTTPError as e:
+        tally.fail(f"/v1/completions {traffic.tenant} {type(e).__name__}: {e}")
+        return
+    if r.status_code != 200:
+        tally.fail(f"/v1/completions {traffic.tenant} {r.status_code} {r.text[:200]}")
+        return
+    usage = r.json()["usage"]
+    check_finish(tally, f"/v1/completions {traffic.tenant}", [c["finish_reason"] for c in r.json()["choices"]],
+                 usage["completion_tokens"], 4)
+    traffic.secrets.sent(traffic.tenant, prompt, repeat, usage["prompt_tokens_details"]["cached_tokens"])
+    tally.normal += 1
+
 
 async def tenant(client: httpx.AsyncClient, rng: random.Random, tally: Tally, until: float,
-                 long_share: float) -> None:
+                 long_share: float, traffic: Traffic) -> None:
     while time.monotonic() < until:
+        if traffic.secrets is not None and rng.random() < SECRET_SHARE:
+            await secret_request(client, traffic, tally)
+            continue
         long = long_share > 0 and rng.random() < long_share  # 0 draws nothing: the default traffic is the same
-        model, max_tokens = rng.choice(TENANTS + ("base",)), rng.randint(24, 96) if long else rng.randint(1, 12)
+        model, max_tokens = rng.choice(traffic.models), rng.randint(24, 96) if long else rng.randint(1, 12)
         chat, stream, cancel = rng.random() < 0.3, rng.random() < 0.5, rng.random() < 0.15
+        cancel = cancel and traffic.may_cancel
         body = {"model": model, "max_tokens": 400 if cancel else max_tokens, "temperature": rng.choice([0, 0.8]),
                 "stream": stream}
+        constrained = traffic.grammar_share > 0 and rng.random() < traffic.grammar_share
+        if constrained:
+            body["response_format"] = small_schema(rng)
         if chat:
             system = [{"role": "system", "content": SYSTEM_PROMPT}] if long else []
             path, body["messages"] = "/v1/chat/completions", system + [{"role": "user", "content": rng.choice(PROMPTS)}]
@@ -119,29 +226,33 @@ async def tenant(client: httpx.AsyncClient, rng: random.Random, tally: Tally, un
         try:
             if cancel:
                 tally.cancelled += 1
-                await asyncio.wait_for(client.post(path, json=body), timeout=rng.uniform(0.05, 1.0))
+                await asyncio.wait_for(client.post(path, json=body, headers=traffic.headers),
+                                       timeout=rng.uniform(0.05, 1.0))
                 continue
             reasons, tokens = [], 0
             if stream:
                 body["stream_options"] = {"include_usage": True}
-                async with client.stream("POST", path, json=body) as r:
+                sent_at = time.monotonic()
+                async with client.stream("POST", path, json=body, headers=traffic.headers) as r:
                     if r.status_code != 200:
                         tally.fail(f"{path} {r.status_code}")
                         continue
                     async for line in r.aiter_lines():
                         if line.startswith("data: {"):
+                            if sent_at is not None:
+                                tally.ttft(sent_at, time.monotonic() - sent_at, constrained)
+                                sent_at = None
                             chunk = json.loads(line[6:])
                             reasons += [c["finish_reason"] for c in chunk.get("choices", []) if c["finish_reason"]]
                             tokens = (chunk.get("usage") or {}).get("completion_tokens", tokens)
             else:
-                r = await client.post(path, json=body)
+                r = await client.post(path, json=body, headers=traffic.headers)
                 if r.status_code != 200:
                     tally.fail(f"{path} {r.status_code} {r.text[:200]}")
                     continue
                 reasons = [c["finish_reason"] for c in r.json()["choices"]]
                 tokens = r.json()["usage"]["completion_tokens"]
-            if reasons not in (["stop"], ["length"]) or not 1 <= tokens <= max_tokens:
-                tally.fail(f"{path} {model}: finish {reasons}, {tokens} of {max_tokens} tokens")
+            check_finish(tally, f"{path} {model}", reasons, tokens, max_tokens)
             tally.normal += 1
         except asyncio.TimeoutError:
             if not cancel:
@@ -150,62 +261,103 @@ async def tenant(client: httpx.AsyncClient, rng: random.Random, tally: Tally, un
             tally.fail(f"{path} {type(e).__name__}: {e}")
 
 
-async def hostile(client: httpx.AsyncClient, rng: random.Random, tally: Tally, until: float, adapters: list[str],
-                  hostile_dir: Path) -> None:
-    headers = {"content-type": "application/json"}
+@dataclass(frozen=True)
+class HostileTarget:
+    """What the hostile client's traffic names: its models, the names it loads adapters under, the
+    folder of adapters it loads from and their names, and its key's header."""
+    models: tuple[str, ...]
+    load_names: tuple[str, ...]
+    adapter_dir: Path
+    adapters: tuple[str, ...]
+    headers: dict[str, str] = field(default_factory=dict)
+
+
+async def hostile(client: httpx.AsyncClient, rng: random.Random, tally: Tally, until: float,
+                  target: HostileTarget) -> None:
+    """Malformed, extreme and oversized requests, broken adapters, dropped streams: none answered 5xx."""
+    headers = {"content-type": "application/json"} | target.headers
     while time.monotonic() < until:
         choice = rng.randrange(6)
         if choice == 0:
-            body = {"model": rng.choice(TENANTS), "prompt": "Hi", "max_tokens": 4} | rng.choice(HOSTILE_BODIES)
-            request = ("/v1/completions", json.dumps(body).encode())
+            body = {"model": rng.choice(target.models), "prompt": "Hi", "max_tokens": 4} | rng.choice(HOSTILE_BODIES)
+            kind, path, content = "sampling_values", "/v1/completions", json.dumps(body).encode()
         elif choice == 1:
-            request = ("/v1/chat/completions", json.dumps({"model": "tenant-0", "messages": [
-                {"role": rng.choice(["user", "wizard"]), "content": rng.choice(["\ud800", [{"type": "image"}], 5])}],
-                "max_completion_tokens": rng.choice([0, -3, 4])}).encode())
+            kind, path, content = "chat_messages", "/v1/chat/completions", json.dumps({
+                "model": target.models[0], "messages": [{"role": rng.choice(["user", "wizard"]),
+                                                         "content": rng.choice(["\ud800", [{"type": "image"}], 5])}],
+                "max_completion_tokens": rng.choice([0, -3, 4])}).encode()
         elif choice == 2:
-            request = ("/v1/completions", rng.choice([b"{not json", b"[" * 50_000 + b"]" * 50_000, b"", b"null",
-                                                      bytes(rng.randrange(256) for _ in range(200))]))
+            kind, path = "malformed_body", "/v1/completions"
+            content = rng.choice([b"{not json", b"[" * 50_000 + b"]" * 50_000, b"", b"null",
+                                  bytes(rng.randrange(256) for _ in range(200))])
         elif choice == 3:
             prompt = "word " * (MAX_REQUEST_BYTES // 5 + rng.randrange(1000))
-            request = ("/v1/completions", json.dumps({"model": "tenant-1", "prompt": prompt}).encode())
+            kind, path = "oversized_body", "/v1/completions"
+            content = json.dumps({"model": target.models[1], "prompt": prompt}).encode()
         elif choice == 4:
-            name = rng.choice(["../x", "a" * 300, "", "a b", "ok-name", "tenant-0", "\ud800"])
-            path = rng.choice([str(hostile_dir / rng.choice(adapters)), "/etc", "a\x00b"])
-            request = ("/v1/load_lora_adapter", json.dumps({"lora_name": name, "lora_path": path}).encode())
+            name = rng.choice(target.load_names)
+            folder = rng.choice([str(target.adapter_dir / rng.choice(target.adapters)), "/etc", "a\x00b"])
+            kind, path = "adapter_load", "/v1/load_lora_adapter"
+            content = json.dumps({"lora_name": name, "lora_path": folder}).encode()
         else:
-            body = {"model": rng.choice(TENANTS), "prompt": "Count:", "max_tokens": 300, "stream": True}
+            body = {"model": rng.choice(target.models), "prompt": "Count:", "max_tokens": 300, "stream": True}
             try:
-                async with client.stream("POST", "/v1/completions", json=body, timeout=0.5) as r:
+                async with client.stream("POST", "/v1/completions", json=body, headers=target.headers,
+                                         timeout=0.5) as r:
                     async for _ in r.aiter_bytes():
                         break
             except httpx.TimeoutException:
                 pass
             continue
-        tally.hostile += 1
-        r = await client.post(request[0], content=request[1], headers=headers)
-        if r.status_code >= 500:
-            tally.fail(f"hostile {request[0]} answered {r.status_code}: {r.text[:200]}")
-        if request[0] == "/v1/load_lora_adapter" and r.status_code == 200:  # "fine": it really was fine
-            await client.post("/v1/unload_lora_adapter", json={"lora_name": json.loads(request[1])["lora_name"]})
+        r = await client.post(path, content=content, headers=headers)
+        tally.probe(kind, r.status_code, f"answered {r.status_code}: {r.text[:200]}" if r.status_code >= 500 else None)
+        if path == "/v1/load_lora_adapter" and r.status_code == 200:  # "fine": it really was fine
+            await client.post("/v1/unload_lora_adapter", json={"lora_name": json.loads(content)["lora_name"]},
+                              headers=target.headers)
 
 
 async def watch(client: httpx.AsyncClient, pid: int, tally: Tally, until: float, sample_s: float,
-                series: list[dict], start: float) -> None:
+                series: list[dict], start: float, health_s: float) -> None:
     next_sample = time.monotonic()
     while time.monotonic() < until:
         t = time.monotonic()
         try:
-            r = await client.get("/health", timeout=HEALTH_S)
+            r = await client.get("/health", timeout=health_s)
             if r.status_code != 200:
                 tally.fail(f"/health {r.status_code}")
         except httpx.TimeoutException:
-            tally.fail(f"/health did not answer within {HEALTH_S} s")
+            tally.fail(f"/health did not answer within {health_s} s")
         latency = time.monotonic() - t
         if t >= next_sample:
             series.append({"t_s": t - start, "rss_mb": rss_mb(pid), "health_ms": 1e3 * latency,
                            "normal": tally.normal, "hostile": tally.hostile})
             next_sample += sample_s
         await asyncio.sleep(0.2)
+
+
+async def reload_midway(client: httpx.AsyncClient, pid: int, setup: TenantsSetup, tally: Tally, reload_at: float,
+                        until: float, rng: random.Random, secrets: Secrets) -> dict:
+    """At `reload_at`, rewrite the tenants file (a tenant added, a weight changed) and send the server
+    SIGHUP; the new tenant's key must be refused before and work after. Then the new tenant sends
+    normal traffic until `until`. Returns when the reload applied."""
+    await asyncio.sleep(max(0.0, reload_at - time.monotonic()))  # the time of the reload, not synchronization
+    headers = auth(setup.late.key)
+    before = (await client.get("/v1/models", headers=headers)).status_code
+    if before != 401:
+        tally.fail(f"reload: the new tenant's key answered {before} before the reload, not 401")
+    setup.write_reloaded()
+    os.kill(pid, signal.SIGHUP)
+    sent_at = time.monotonic()
+    while (status := (await client.get("/v1/models", headers=headers)).status_code) != 200:
+        if time.monotonic() - sent_at > RELOAD_WAIT_S:
+            tally.fail(f"reload: the new tenant's key still answered {status} {RELOAD_WAIT_S:g} s after SIGHUP")
+            return {"applied": False}
+        await asyncio.sleep(0.1)
+    applied_after_s = time.monotonic() - sent_at
+    traffic = Traffic(setup.late.adapters + (BASE,), headers, tenant=setup.late.name, secrets=secrets,
+                      grammar_share=GRAMMAR_SHARE)
+    await tenant(client, rng, tally, until, 0.0, traffic)
+    return {"applied": True, "applied_after_s": round(applied_after_s, 3)}
 
 
 def metric(text: str, name: str) -> float:
@@ -215,25 +367,17 @@ def metric(text: str, name: str) -> float:
     raise KeyError(name)
 
 
-async def soak(url: str, pid: int, duration: float, tenants: int, sample_s: float, seed: int,
-               adapters: list[str], hostile_dir: Path, long_share: float) -> tuple[Tally, list[dict], dict, dict]:
-    tally, series = Tally(), []
-    start = time.monotonic()
-    until = start + duration
-    limits = httpx.Limits(max_connections=tenants * 4 + 8)
-    async with httpx.AsyncClient(base_url=url, timeout=300, limits=limits) as client:
-        await asyncio.gather(watch(client, pid, tally, until, sample_s, series, start),
-                             hostile(client, random.Random(seed), tally, until, adapters, hostile_dir),
-                             *(tenant(client, random.Random(seed + 1 + i), tally, until, long_share)
-                               for i in range(tenants)))
-        deadline = time.monotonic() + 120  # idle: cancelled requests' aborts and the last steps land
-        while True:
-            text = (await client.get("/metrics")).text
-            gauges = {name: metric(text, f"punica_{name}") for name in
-                      ("batch_size", "queue_length", "kv_cache_usage", "lora_slots_held")}
-            if not any(gauges.values()) or time.monotonic() > deadline:
-                break
-            await asyncio.sleep(0.2)
+async def idle_state(client: httpx.AsyncClient, tally: Tally, headers: dict[str, str]) -> tuple[dict, dict]:
+    """Once the last cancelled requests' aborts and steps land: the gauges of what is held (each a
+    failure unless 0), and what the KV cache went through."""
+    deadline = time.monotonic() + 120
+    while True:
+        text = (await client.get("/metrics", headers=headers)).text
+        gauges = {name: metric(text, f"punica_{name}") for name in
+                  ("batch_size", "queue_length", "kv_cache_usage", "lora_slots_held")}
+        if not any(gauges.values()) or time.monotonic() > deadline:
+            break
+        await asyncio.sleep(0.2)
     for name, value in gauges.items():
         if value:
             tally.fail(f"idle server still has {name} {value}")
@@ -242,7 +386,63 @@ async def soak(url: str, pid: int, duration: float, tenants: int, sample_s: floa
                 ("preemptions_total", "chunked_prefill_steps_total", "prefix_cache_pages")}
     kv_cache["prefix_cache_hit_tokens_total"] = sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
                                                     if line.startswith("punica_prefix_cache_hit_tokens_total{"))
-    return tally, series, gauges, kv_cache
+    return gauges, kv_cache
+
+
+async def soak(args: argparse.Namespace, url: str, port: int, pid: int, root: Path,
+               setup: TenantsSetup | None) -> tuple[Tally, list[dict], dict, dict, dict]:
+    start = time.monotonic()
+    until = start + args.duration
+    tally, series, extra = Tally(start if setup is not None else None), [], {}
+    limits = httpx.Limits(max_connections=args.tenants * 4 + 8 + CAPPED_CONCURRENCY, keepalive_expiry=KEEPALIVE_S)
+    async with httpx.AsyncClient(base_url=url, timeout=300, limits=limits) as client:
+        jobs = [watch(client, pid, tally, until, args.sample_s, series, start, args.health_s)]
+        if setup is None:
+            target = HostileTarget(TENANTS, ("../x", "a" * 300, "", "a b", "ok-name", "tenant-0", "\ud800"),
+                                   root / "hostile", tuple(OPEN_HOSTILE_ADAPTERS))
+            jobs += [hostile(client, random.Random(args.seed), tally, until, target)]
+            jobs += [tenant(client, random.Random(args.seed + 1 + i), tally, until, args.long_share,
+                            Traffic(TENANTS + (BASE,))) for i in range(args.tenants)]
+            await asyncio.gather(*jobs)
+            gauges, kv_cache = await idle_state(client, tally, {})
+            return tally, series, gauges, kv_cache, extra
+        secrets = Secrets(SYSTEM_PROMPT)
+        transport = httpx.AsyncHTTPTransport(local_address=HOSTILE_ADDRESS, limits=httpx.Limits(
+            max_connections=64, keepalive_expiry=KEEPALIVE_S))
+        async with httpx.AsyncClient(base_url=url, timeout=300, transport=transport) as hostile_client:
+            evil = HostileTenant(hostile_client, port, setup, root / "served", root / "hostile", secrets, tally.probe)
+            target = HostileTarget((BASE, "evil-fine"), ("../x", "evil-" + "a" * 300, "", "evil-a b", "evil-ok",
+                                                         "good-0-lora", "evil-\ud800"),
+                                   root / "hostile", tuple(HOSTILE_ADAPTERS), evil.auth)
+            jobs += [hostile(hostile_client, random.Random(args.seed), tally, until, target),
+                     evil.probes(random.Random(args.seed + 500), until),
+                     evil.flood(random.Random(args.seed + 600), start, until),
+                     evil.connections(until)]
+            for i, plan in enumerate(setup.good):
+                capped = plan.max_concurrent_requests is not None
+                for j in range(plan.max_concurrent_requests or 1):
+                    traffic = Traffic(plan.adapters + (BASE,), auth(plan.key), may_cancel=not capped,
+                                      tenant=plan.name, secrets=secrets, grammar_share=GRAMMAR_SHARE)
+                    jobs.append(tenant(client, random.Random(args.seed + 1 + i + 1000 * j), tally, until,
+                                       args.long_share, traffic))
+            reload = reload_midway(client, pid, setup, tally, start + args.duration / 2, until,
+                                   random.Random(args.seed + 999), secrets)
+            results = await asyncio.gather(reload, *jobs)
+        gauges, kv_cache = await idle_state(client, tally, auth(setup.admin_key))
+        text = (await client.get("/metrics", headers=auth(setup.admin_key))).text
+        grammars = {name: metric(text, f"punica_{name}") for name in
+                    ("constrained_requests_total", "grammar_compile_seconds_total")}
+    flood = tally.probes["flood"]
+    if sum(flood.values()) and not flood["429"]:
+        tally.fail(f"the flood of {sum(flood.values())} requests past max_concurrent_requests got no 429")
+    past_limits = [tally.probes[kind] for kind in ("deep_schema", "huge_schema", "big_choice")]
+    if sum(sum(p.values()) for p in past_limits) and not sum(p["400"] for p in past_limits):
+        tally.fail("no grammar past the limits got a 400 (each found its tenant at its cap)")
+    extra = {"probes": {kind: dict(outcomes) for kind, outcomes in sorted(tally.probes.items())},
+             "unexpected_by_kind": dict(tally.unexpected), "ttft": tally.ttft_summary(),
+             "prefix_cache_probe": secrets.summary(), "reload": {"at_s": args.duration / 2, **results[0]},
+             "grammars": grammars}
+    return tally, series, gauges, kv_cache, extra
 
 
 def plot(series: list[dict], path: Path, title: str) -> None:
@@ -258,42 +458,57 @@ def plot(series: list[dict], path: Path, title: str) -> None:
     save_figure(fig, path, title)
 
 
+def start_server(command: list[str], log_path: Path) -> tuple[subprocess.Popen, str]:
+    """`punica serve` in a subprocess, once /health answers: the process and its URL."""
+    port = int(command[command.index("--port") + 1])
+    server = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=open(log_path, "w"))
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 300
+    while True:
+        try:
+            if httpx.get(url + "/health", timeout=1).status_code == 200:
+                return server, url
+        except httpx.HTTPError:
+            pass
+        if server.poll() is not None or time.monotonic() > deadline:
+            server.terminate()
+            server.wait(60)
+            raise RuntimeError(f"the server did not start:\n{log_path.read_text()[-3000:]}")
+        time.sleep(0.5)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--duration", type=float, default=1800.0, help="seconds of traffic")
     parser.add_argument("--tenants", type=int, default=6, help="clients sending normal requests")
     parser.add_argument("--sample-s", type=float, default=10.0, help="seconds between memory samples")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--health-s", type=float, default=1.0,
+                        help="seconds /health may take to answer (longer is a failure)")
     parser.add_argument("--long-share", type=float, default=0.0,
                         help="share of normal requests that carry a shared system prompt and ask for 24-96 tokens")
+    parser.add_argument("--tenants-file", action="store_true",
+                        help="serve a tenants file written here: each client a tenant, the hostile one too, "
+                             "probing what tenants must stop; SIGHUP with a changed file halfway")
     parser.add_argument("--serve-args", default="--max-batch-size 16 --max-loras 4 --kv-cache-tokens 16384",
                         help="extra flags of `punica serve`")
     parser.add_argument("--out", type=Path, default=Path("results/soak"))
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
-        hostile_names = make_adapters(root, ModelConfig.from_dir(resolve_model_dir(None)))
+        setup = TenantsSetup(root / "tenants.toml", args.tenants) if args.tenants_file else None
+        served, hostile_adapters = ((TENANTS, OPEN_HOSTILE_ADAPTERS) if setup is None
+                                    else (setup.served_adapters, HOSTILE_ADAPTERS))
+        make_adapters(root, ModelConfig.from_dir(resolve_model_dir(None)), list(served), hostile_adapters)
         port = free_port()
-        command = [sys.executable, "-m", "punica.cli", "serve", "--port", str(port), "--served-model-name", "base",
-                   "--adapter-dir",
-                   str(root / "served"), "--adapter-dir", str(root / "hostile"), "--max-request-bytes",
-                   str(MAX_REQUEST_BYTES), *args.serve_args.split()]
-        server = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=open(root / "server.log", "w"))
+        command = [sys.executable, "-m", "punica.cli", "serve", "--port", str(port), "--served-model-name", BASE,
+                   "--adapter-dir", str(root / "served"), "--adapter-dir", str(root / "hostile"),
+                   "--max-request-bytes", str(MAX_REQUEST_BYTES), *args.serve_args.split()]
+        if setup is not None:
+            command += ["--tenants", str(setup.path), *SERVE_ARGS]
+        server, url = start_server(command, root / "server.log")
         try:
-            url = f"http://127.0.0.1:{port}"
-            deadline = time.monotonic() + 300
-            while True:
-                try:
-                    if httpx.get(url + "/health", timeout=1).status_code == 200:
-                        break
-                except httpx.HTTPError:
-                    pass
-                if server.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(f"the server did not start:\n{(root / 'server.log').read_text()[-3000:]}")
-                time.sleep(0.5)
-            tally, series, gauges, kv_cache = asyncio.run(soak(url, server.pid, args.duration, args.tenants,
-                                                               args.sample_s, args.seed, hostile_names,
-                                                               root / "hostile", args.long_share))
+            tally, series, gauges, kv_cache, extra = asyncio.run(soak(args, url, port, server.pid, root, setup))
         finally:
             server.terminate()
             server.wait(60)
@@ -304,9 +519,9 @@ def main() -> int:
                "rss_mb_first": series[0]["rss_mb"] if series else None,
                "rss_mb_after_warm_up": warm[0]["rss_mb"] if warm else None,
                "rss_mb_last": series[-1]["rss_mb"] if series else None, "rss_growth_after_warm_up_mb": growth,
-               "health_ms_max": max((s["health_ms"] for s in series), default=None)}
+               "health_ms_max": max((s["health_ms"] for s in series), default=None), **extra}
     meta = {"date": time.strftime("%Y-%m-%d"), "duration_s": args.duration, "tenants": args.tenants,
-            "long_share": args.long_share,
+            "long_share": args.long_share, "tenants_file": args.tenants_file,
             "serve_args": args.serve_args, "device": "cpu", "torch": torch.__version__, "summary": summary}
     write_results(args.out, "soak", series, meta)
     if series:

@@ -175,7 +175,7 @@ def test_the_quickstart_is_the_one_block_not_run_and_keeps_the_shape_ci_reads():
     assert len(exempt) == 1, f"the README's Quickstart has {len(exempt)} bash blocks, CI reads exactly one"
     lines = exempt[0].text.splitlines()
     assert len(lines) == 4 and lines[0].startswith("# 1. ") and lines[2].startswith("# 2. "), lines
-    assert lines[1].endswith("punica serve") and lines[3].endswith("python -m pytest -q"), lines
+    assert lines[1].endswith("punica serve") and lines[3].endswith("python -m pytest -q -n 2 --dist loadgroup"), lines
 
 
 @pytest.mark.slow

@@ -17,13 +17,15 @@ says which adapters the worker's GPU holds (resident or loading), and the policy
 (`ClusterPolicy.set_adapters`): the adapter-aware policy places by it.
 
 Tenants: `set_tenants` gives every worker, and a joining one, the tenants' weights and KV caps
-(Engine.set_tenants); each tenant's max_concurrent_requests is counted here, over the whole cluster.
+(Engine.set_tenants); each tenant's max_concurrent_requests is counted here, over the whole cluster,
+with its requests waiting here for their grammars: a tenant at its cap is refused before a compile.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
+from collections import Counter
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field, replace
 
@@ -87,6 +89,7 @@ class ClusterEngine:
         self._adapters_lock = asyncio.Lock()
         self.workers: dict[int, ray.actor.ActorHandle] = {}
         self.requests: dict[str, Tracked] = {}
+        self._num_compiling: Counter[str | None] = Counter()  # per tenant (tenant_key): requests whose grammars compile
         self.worker_stats: dict[int, EngineStats] = {}  # each worker's after its last step (kept when it leaves)
         self.num_migrations = 0
         self._wake: dict[int, asyncio.Event] = {}
@@ -123,11 +126,20 @@ class ClusterEngine:
         """Stream one request's outputs; the last has finished=True. ValueError on bad input.
         `tenant` and `cache_salt` go with it to each worker it runs on (Engine.add_request). Its
         grammar is compiled here first (GrammarError, a ValueError, past the limits), so that a bad one
-        is refused before it is placed; each worker it runs on compiles it again, off its step thread."""
+        is refused before it is placed; each worker it runs on compiles it again, off its step thread.
+        TenantLimitError, before any compile, when its tenant has its max_concurrent_requests."""
         if params.structured_outputs is not None:
             if self.grammars is None:
                 raise ValueError("structured_outputs need a tokenizer, and this server has none")
-            await self.grammars.pool.compiled(params.structured_outputs)
+            self.check_room(tenant, adapter)
+            key = tenant_key(tenant, adapter)
+            self._num_compiling[key] += 1
+            try:
+                await self.grammars.pool.compiled(params.structured_outputs)
+            finally:
+                self._num_compiling[key] -= 1
+                if not self._num_compiling[key]:
+                    del self._num_compiling[key]
         tracked = self._track(prompt, params, adapter, request_id, tenant, cache_salt)
         self.policy.submit(request_id, len(tracked.prompt_token_ids), adapter)
         self._place()
@@ -229,15 +241,20 @@ class ClusterEngine:
         if adapter is not None and adapter not in self.adapters:
             raise ValueError(f"unknown adapter {adapter!r} ({len(self.adapters)} adapters are registered)")
         text, token_ids = checked_prompt(prompt, self.tokenizer, self.max_model_len)
-        self._check_room(tenant_key(tenant, adapter))
+        self.check_room(tenant, adapter)
         tracked = self.requests[request_id] = Tracked(request_id, text, token_ids, params, adapter, tenant, cache_salt)
         return tracked
 
-    def _check_room(self, key: str | None) -> None:
-        """TenantLimitError if tenant `key` has its max_concurrent_requests here already."""
+    def check_room(self, tenant: str | None, adapter: str | None) -> None:
+        """TenantLimitError if the tenant of a request of `tenant` on `adapter` has its
+        max_concurrent_requests here already (tracked, or waiting for their grammars)."""
+        key = tenant_key(tenant, adapter)
         share = self.tenant_shares.get(key)
         limit = share.max_concurrent_requests if share is not None else None
-        if limit is not None and sum(tenant_key(t.tenant, t.adapter) == key for t in self.requests.values()) >= limit:
+        if limit is None:
+            return
+        num_tracked = sum(tenant_key(t.tenant, t.adapter) == key for t in self.requests.values())
+        if num_tracked + self._num_compiling[key] >= limit:
             raise TenantLimitError(key, limit)
 
     @staticmethod

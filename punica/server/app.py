@@ -16,6 +16,7 @@ from fastapi.responses import HTMLResponse, JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from punica.engine.tenancy import TenantLimitError
 from punica.lora.adapter import AdapterError
 from punica.server.adapter_paths import resolved_inside, top_folder
 from punica.server.args import DEFAULT_MAX_REQUEST_BYTES
@@ -102,6 +103,15 @@ class ServerState:
         and rights apply at the edge. Requests already accepted keep going."""
         await self.backend.set_tenants(tenants.shares)
         self.tenants = tenants
+
+    def check_tenant_room(self, tenant: str | None, adapter: str | None) -> None:
+        """A 429 when the tenant of a request of `tenant` on `adapter` has its max_concurrent_requests
+        (Backend.check_room): asked before any work is done for the request (its prompt tokenized,
+        its grammar read), so a tenant flooding past its cap costs the server little."""
+        try:
+            self.backend.check_room(tenant, adapter)
+        except TenantLimitError as e:
+            raise ProtocolError(str(e), status=429, kind="requests", code="rate_limit_exceeded") from e
 
     def check_queue(self, num_new: int) -> None:
         if self.backend.num_waiting() + num_new > self.max_queue:
@@ -198,8 +208,10 @@ class CountRejections:
             raise
 
 
-def request_caller(request: Request) -> Caller:
-    """Who sends the request (a FastAPI dependency): ServerState.caller, with a 401 for a missing or unknown key."""
+async def request_caller(request: Request) -> Caller:
+    """Who sends the request (a FastAPI dependency): ServerState.caller, with a 401 for a missing or
+    unknown key. Async, so that it runs on the event loop: a sync dependency would take a trip
+    through a thread pool for every request."""
     return request.app.state.server.caller(request.headers.get("authorization"))
 
 
@@ -257,7 +269,7 @@ def build_app(state: ServerState, max_request_bytes: int = DEFAULT_MAX_REQUEST_B
 
     async def metrics_access(request: Request) -> None:
         if state.has_admin_key and not state.metrics_public:
-            await admin_only(request, request_caller(request))
+            await admin_only(request, await request_caller(request))
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request, caller: Authorized):

@@ -4,10 +4,13 @@ Every Engine call happens on that thread. The asyncio side sends commands (add, 
 load/unload adapter) through a queue and awaits their result; outputs come back to each
 request's asyncio.Queue. A request's grammar is compiled before its add is sent (by the engine's
 GrammarPool, on threads of its own), so a request waiting for its grammar holds no place in the
-engine, and one whose client goes away meanwhile never enters it. A failure inside a step fails
-the requests of that step (each gets a finished output with finish_reason "error"), and the loop
-keeps serving the others. Every finished output, whether a step, an abort or a failure ended the
-request, goes to `on_finished` exactly once.
+engine, and one whose client goes away meanwhile never enters it. It counts toward its tenant's
+max_concurrent_requests all the same: the cap is checked here, before any grammar compiles,
+counting each tenant's requests from the start of their `generate` to their last output (the
+engine checks it again when it adds one). A failure inside a step fails the requests of that step
+(each gets a finished output with finish_reason "error"), and the loop keeps serving the others.
+Every finished output, whether a step, an abort or a failure ended the request, goes to
+`on_finished` exactly once.
 """
 
 from __future__ import annotations
@@ -18,13 +21,14 @@ import logging
 import queue
 import threading
 import time
+from collections import Counter
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Future
 from typing import Any
 
 from punica.engine.engine import Engine, RequestOutput
 from punica.engine.sampling_params import SamplingParams
-from punica.engine.tenancy import TenantShare
+from punica.engine.tenancy import DEFAULT_SHARE, TenantLimitError, TenantShare, checked_shares, tenant_key
 from punica.lora.adapter import load_adapter
 from punica.server.residency import engine_listing
 
@@ -43,6 +47,8 @@ class AsyncEngine:
         self._commands: queue.Queue[tuple[Callable[[], Any], Future]] = queue.Queue()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._stop = threading.Event()
+        self._shares: dict[str, TenantShare] = {}
+        self._num_in_flight: Counter[str | None] = Counter()  # per tenant (tenant_key): what its cap counts
         # made now, not by the first constrained request on the event loop
         self._grammars = engine.grammars.pool if engine.tokenizer is not None else None
         self._thread = threading.Thread(target=self._run, name="punica-engine", daemon=True)
@@ -59,7 +65,11 @@ class AsyncEngine:
                        request_id: str, *, tenant: str | None = None,
                        cache_salt: str | None = None) -> AsyncIterator[RequestOutput]:
         """Outputs of one request as they come; the last has finished=True. Raises ValueError
-        for a request the engine rejects. Leaving the iteration early aborts the request."""
+        for a request the engine rejects (TenantLimitError, before its grammar compiles, for one
+        whose tenant has its max_concurrent_requests). Leaving the iteration early aborts the request."""
+        self.check_room(tenant, adapter)
+        key = tenant_key(tenant, adapter)
+        self._num_in_flight[key] += 1
         stream: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = (asyncio.get_running_loop(), stream)
         finished = False
@@ -75,11 +85,26 @@ class AsyncEngine:
                 if isinstance(item, BaseException):
                     raise item
                 finished = item.finished
+                if finished:  # before the caller can answer it, and its client send the next request
+                    self._leave(key)
                 yield item
         finally:
             self._streams.pop(request_id, None)
             if not finished:  # also when cancelled while being added: the abort runs after the add
+                self._leave(key)
                 self._abort_soon(request_id)
+
+    def check_room(self, tenant: str | None, adapter: str | None) -> None:
+        """TenantLimitError when the tenant has its max_concurrent_requests in generate already."""
+        key = tenant_key(tenant, adapter)
+        limit = self._shares.get(key, DEFAULT_SHARE).max_concurrent_requests
+        if limit is not None and self._num_in_flight[key] >= limit:
+            raise TenantLimitError(key, limit)
+
+    def _leave(self, key: str | None) -> None:
+        self._num_in_flight[key] -= 1
+        if not self._num_in_flight[key]:
+            del self._num_in_flight[key]
 
     async def abort(self, request_id: str) -> None:
         await self.call(lambda: self._abort(request_id))
@@ -120,6 +145,7 @@ class AsyncEngine:
 
     async def set_tenants(self, shares: dict[str, TenantShare]) -> None:
         await self.call(lambda: self.engine.set_tenants(shares))
+        self._shares = checked_shares(shares)
 
     def update_gauges(self, metrics) -> None:
         metrics.update_gauges(self.engine)

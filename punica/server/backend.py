@@ -30,6 +30,11 @@ class Backend(Protocol):
         request the engine rejects. Leaving the iteration early aborts the request. `tenant` and
         `cache_salt` as Engine.add_request's."""
 
+    def check_room(self, tenant: str | None, adapter: str | None) -> None:
+        """TenantLimitError (punica.engine.tenancy) when the tenant of a request of `tenant` on
+        `adapter` has its max_concurrent_requests: cheap, for the server to ask before it does any
+        work for a request; `generate` checks again."""
+
     async def abort(self, request_id: str) -> None:
         """Stop a request and free what it holds; nothing if it is unknown or finished."""
 

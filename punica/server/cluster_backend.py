@@ -46,6 +46,9 @@ class ClusterBackend:
         if self.on_finished is not None:
             self.on_finished(out)
 
+    def check_room(self, tenant: str | None, adapter: str | None) -> None:
+        self.cluster.check_room(tenant, adapter)
+
     async def abort(self, request_id: str) -> None:
         out = await self.cluster.abort(request_id)
         if out is not None:

@@ -50,6 +50,7 @@ class OpenAIHandlers:
     async def completions(self, body: CompletionRequest, request: Request, caller: Caller):
         body.check_supported()
         adapter = await self.state.resolve_model(body.model, caller)
+        self.state.check_tenant_room(caller.tenant, adapter)
         prompts = await asyncio.to_thread(self._tokenize, body.prompts())  # off the event loop: it can take seconds
         max_tokens = body.max_tokens_or_default()
         constraint = body.constraint()
@@ -63,6 +64,7 @@ class OpenAIHandlers:
     async def chat(self, body: ChatCompletionRequest, request: Request, caller: Caller):
         body.check_supported()
         adapter = await self.state.resolve_model(body.model, caller)
+        self.state.check_tenant_room(caller.tenant, adapter)
         messages = [m.template_message(f"messages.{i}") for i, m in enumerate(body.messages)]
         if self.state.tokenizer is None or not self.state.tokenizer.chat_template:
             raise ProtocolError("this model has no chat template: use /v1/completions")

@@ -73,3 +73,52 @@ def test_shares_reach_every_worker_late_ones_too_and_the_driver_counts_concurren
             await cluster.shutdown()
 
     asyncio.run(asyncio.wait_for(main(), 120))
+
+
+def test_the_driver_counts_requests_waiting_for_their_grammars_and_refuses_before_compiling(held):
+    """No worker is needed: the requests never get past their grammars (held by the `held` fixture)."""
+    from transformers import AutoTokenizer
+
+    from punica.config import EngineConfig, ModelConfig
+    from punica.engine.constraint import GrammarLimits
+    from punica.engine.sampling_params import StructuredOutputs
+    from punica.engine.structured import GrammarCompiler
+    from punica.models.loader import resolve_model_dir
+
+    model_dir = resolve_model_dir(None)
+    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+
+    def constrained(regex: str) -> SamplingParams:
+        return SamplingParams(max_tokens=4, structured_outputs=StructuredOutputs(regex=regex))
+
+    async def main():
+        cluster = ClusterEngine(lambda: None, min_workers=1, max_workers=1, tokenizer=tokenizer)
+        # the driver's compiler, as `start` makes it once its first worker is up; a held compile
+        # stays within its time limit however slow the machine
+        limits = GrammarLimits.of(EngineConfig(max_grammar_compile_seconds=600))
+        cluster.grammars = GrammarCompiler(tokenizer, ModelConfig.from_dir(model_dir).vocab_size,
+                                           {tokenizer.eos_token_id}, limits)
+        pool = cluster.grammars.pool
+        try:
+            await cluster.set_tenants({"A": TenantShare(max_concurrent_requests=1)})
+            compiling = asyncio.ensure_future(anext(cluster.generate(PROMPT, constrained("HOLD[0-9]{4}"), None,
+                                                                     "a1", tenant="A")))
+            assert await asyncio.to_thread(held.started.wait, 60)
+            for request_id, params in (("a2", SamplingParams(max_tokens=4)), ("a3", constrained("[a-f]{5}"))):
+                with pytest.raises(TenantLimitError, match="tenant 'A' already has 1 requests"):
+                    await asyncio.wait_for(anext(cluster.generate(PROMPT, params, None, request_id, tenant="A")), 30)
+            assert pool.num_waiting == 1  # a1's: a3 never waited for a compile
+            compiling.cancel()  # its client went away: A has room again
+            again = asyncio.ensure_future(anext(cluster.generate(PROMPT, constrained("HOLD[0-9]{5}"), None, "a4",
+                                                                 tenant="A")))
+            for _ in range(600):  # until a1 has left the pool and a4 waits in it, or a4 is refused
+                if again.done() or (compiling.done() and pool.num_waiting == 1):
+                    break
+                await asyncio.sleep(0.05)
+            assert not again.done() and pool.num_waiting == 1
+            again.cancel()
+        finally:
+            held.go.set()
+            pool.close()
+
+    asyncio.run(asyncio.wait_for(main(), 120))

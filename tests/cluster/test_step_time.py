@@ -120,7 +120,8 @@ def test_the_benchmark_measures_fits_and_writes_a_loadable_model(tmp_path):
     done = subprocess.run(command, cwd=Path(__file__).parents[2], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     model = load_model(str(tmp_path / "model.json"))
-    assert model.base > 0 and model.adapter_load_s > 0 and model.adapter_read_s > 0
+    # measured on a shared machine: the intercept alone may fit to 0, a one-request step never does
+    assert model.base + model.per_request > 0 and model.adapter_load_s > 0 and model.adapter_read_s > 0
     data = json.loads((tmp_path / "cluster_step_time.json").read_text())
     assert {r["lora"] for r in data["rows"]} == {False, True}
     assert any(r["prefill"] and r["batch"] > 1 and r["context"] > r["prefill"] for r in data["rows"])  # mixed

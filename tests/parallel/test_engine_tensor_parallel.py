@@ -154,7 +154,7 @@ def test_two_gpus_match_one_on_a_7b_shape(tmp_path, quantization):
 
 def test_killed_worker_fails_every_later_request_loudly(setup):
     base, paths = setup
-    engine = tensor_parallel_engine(base, paths, timeout_s=60)
+    engine = tensor_parallel_engine(base, paths, timeout_s=600)
     params = SamplingParams(max_tokens=50, temperature=0, ignore_eos=True)
     try:
         running = engine.add_request([5, 6, 7], params, "attn")
@@ -169,7 +169,7 @@ def test_killed_worker_fails_every_later_request_loudly(setup):
         start = time.monotonic()
         while engine.has_unfinished():
             failed.update((o.request_id, o) for o in engine.step() if o.finished)
-        assert time.monotonic() - start < 10
+        assert time.monotonic() - start < 120  # found dead, not timed out (600 s)
         for request_id in (running, later, unloaded):
             assert failed[request_id].finish_reason == "error"
             assert re.search(r"rank 1 \(pid \d+\) exited with code -9", failed[request_id].error)

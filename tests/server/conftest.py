@@ -129,6 +129,9 @@ class StubBackend:
     def num_waiting(self) -> int:
         return 0
 
+    def check_room(self, tenant: str | None, adapter: str | None) -> None:
+        """Every tenant has room."""
+
     async def start(self) -> None:
         pass
 

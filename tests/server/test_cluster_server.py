@@ -14,7 +14,7 @@ from punica.lora.dummy import save_random_adapter
 from punica.models.loader import resolve_model_dir
 from punica.server.serve import build_state
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("ray")]  # Ray tests share one xdist worker
 
 
 @pytest.fixture(scope="module")

@@ -4,14 +4,20 @@ they exist); /metrics and /v1/adapters are the admin's; the tenant travels with 
 the engine and to the request metrics. Without a tenants file, --admin-api-key guards the same
 endpoints. cache_salt reaches the engine."""
 
+import dataclasses
+import threading
+import time
+
 import httpx
 import openai
 import pytest
+import xgrammar as xgr
 from prometheus_client.parser import text_string_to_metric_families
 
 from punica.config import EngineArgs
 from punica.engine.tenancy import TenantShare
 from punica.server.args import ServerArgs
+from punica.server.openai_api import OpenAIHandlers
 from punica.server.serve import build_state
 from punica.server.tenants import hash_key
 
@@ -197,7 +203,89 @@ def test_a_tenant_at_its_max_concurrent_requests_gets_429_and_then_is_served(ten
             assert error["code"] == "rate_limit_exceeded" and "max_concurrent_requests" in error["message"]
             with as_("acme", tenanted) as acme:  # another tenant is not held back
                 assert complete(acme, base).status_code == 200
-        assert complete(initech, base).status_code == 200  # the stream left: its request was aborted
+        # the stream left: its request is aborted, and initech has room again once the server has
+        # seen it go (a disconnect is noticed asynchronously; until then the answer is a 429)
+        deadline = time.monotonic() + 30
+        while (served := complete(initech, base)).status_code == 429 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert served.status_code == 200, served.text
+
+
+def test_a_request_waiting_for_its_grammar_counts_toward_its_tenants_max_concurrent_requests(tenanted, held,
+                                                                                           monkeypatch):
+    pool = tenanted.engine.grammars.pool  # a held compile stays within its time limit however slow the machine
+    monkeypatch.setattr(pool, "limits", dataclasses.replace(pool.limits, max_compile_seconds=600))
+    base = tenanted.state.base_model_name
+    answer = {}
+
+    def constrained():
+        with as_("initech", tenanted) as initech:
+            answer["response"] = complete(initech, base, guided_regex="HOLD[0-9]{3}c")
+
+    thread = threading.Thread(target=constrained)
+    thread.start()
+    try:
+        assert held.started.wait(60)  # its grammar compiles (held): it is initech's one request
+        with as_("initech", tenanted) as initech:
+            refused = complete(initech, base)
+            assert refused.status_code == 429 and "max_concurrent_requests" in refused.text, refused.text
+    finally:
+        held.go.set()
+        thread.join(60)
+    assert answer["response"].status_code == 200, answer["response"].text
+    with as_("initech", tenanted) as initech:
+        assert complete(initech, base).status_code == 200
+
+
+def test_a_tenant_at_its_max_concurrent_requests_gets_429_before_its_grammar_compiles(tenanted, monkeypatch):
+    compiled = []
+    compile_json_schema = xgr.GrammarCompiler.compile_json_schema
+
+    def counting(compiler, schema, **kwargs):
+        compiled.append(schema)
+        return compile_json_schema(compiler, schema, **kwargs)
+
+    monkeypatch.setattr(xgr.GrammarCompiler, "compile_json_schema", counting)
+    base = tenanted.state.base_model_name
+    schema = {"type": "object", "properties": {"never_compiled_at_the_cap": {"type": "string"}}}
+    with as_("initech", tenanted) as streaming, as_("initech", tenanted) as initech:
+        body = {"model": base, "prompt": "Count:", "max_tokens": 4000, "ignore_eos": True, "stream": True}
+        with streaming.stream("POST", "/v1/completions", json=body) as running:
+            assert running.status_code == 200
+            lines = running.iter_lines()  # held: a dropped iterator closes the stream
+            next(lines)
+            refused = complete(initech, base, guided_json=schema)
+            assert refused.status_code == 429, refused.text
+    assert not [s for s in compiled if "never_compiled_at_the_cap" in s]
+
+
+def test_a_tenant_at_its_max_concurrent_requests_gets_429_before_its_prompt_is_tokenized(tenanted, monkeypatch):
+    """The cheap refusal comes first: a tenant flooding past its cap costs the server little."""
+    tokenized = []
+
+    def recording(name):
+        original = getattr(OpenAIHandlers, name)
+
+        def record(self, *args):
+            tokenized.append(name)
+            return original(self, *args)
+        return record
+
+    for name in ("_tokenize", "_chat_prompt_ids"):
+        monkeypatch.setattr(OpenAIHandlers, name, recording(name))
+    base = tenanted.state.base_model_name
+    with as_("initech", tenanted) as streaming, as_("initech", tenanted) as initech:
+        body = {"model": base, "prompt": "Count:", "max_tokens": 4000, "ignore_eos": True, "stream": True}
+        with streaming.stream("POST", "/v1/completions", json=body) as running:
+            assert running.status_code == 200
+            lines = running.iter_lines()  # held: a dropped iterator closes the stream
+            next(lines)
+            tokenized.clear()
+            chat = {"model": base, "max_tokens": 2, "messages": [{"role": "user", "content": "Hi"}]}
+            for refused in (complete(initech, base), initech.post("/v1/chat/completions", json=chat)):
+                assert refused.status_code == 429, refused.text
+                assert refused.json()["error"]["code"] == "rate_limit_exceeded" and refused.headers["Retry-After"]
+            assert tokenized == []
 
 
 @pytest.fixture()
