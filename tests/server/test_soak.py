@@ -66,8 +66,8 @@ def test_short_soak_of_tenants_beside_a_hostile_one(tmp_path):
     the soak's own report, not a test on a shared machine), the tenants file
     reloaded on SIGHUP, nothing held once idle. The script exits 1 and lists what failed otherwise."""
     result = subprocess.run([sys.executable, "-m", "benchmarks.soak", "--duration", "30", "--tenants", "3",
-                             "--sample-s", "5", "--health-s", "30", "--tenants-file", "--out", str(tmp_path)], capture_output=True,
-                            text=True, timeout=600, cwd=Path(__file__).parents[2])
+                             "--sample-s", "5", "--health-s", "30", "--tenants-file", "--out", str(tmp_path)],
+                            capture_output=True, text=True, timeout=600, cwd=Path(__file__).parents[2])
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     summary = json.loads((tmp_path / "soak.json").read_text())["meta"]["summary"]
     assert summary["normal"] > 0 and summary["hostile"] > 0 and summary["failures"] == []
