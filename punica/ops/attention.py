@@ -25,8 +25,10 @@ context is read) but not causal order within a request's own prompt: there a NaN
 only the request's own non-finite activations write, may also reach its earlier queries.
 
 The PyTorch references (`*_ref`) are the spec; each public function runs the Triton kernel of
-punica.ops.attention_triton when its tensors are on CUDA, and the reference otherwise. The
-batch metadata, AttnBatch, lives in punica.ops.attention_batch and is imported from here too.
+punica.ops.attention_triton when its tensors are on CUDA, and the reference otherwise; paged
+attention on the CPU runs punica.ops.attention_cpu instead (torch's fused SDPA over each request's
+gathered context), but for softcapped scores, which only the reference computes. The batch
+metadata, AttnBatch, lives in punica.ops.attention_batch and is imported from here too.
 """
 
 from __future__ import annotations
@@ -91,6 +93,25 @@ def softcap_ref(scores: torch.Tensor, softcap: float) -> torch.Tensor:
     return softcap * torch.tanh(scores / softcap) if softcap else scores
 
 
+def prefill_request_ref(q: torch.Tensor, kv_layer: torch.Tensor, kv_scales: torch.Tensor | None,
+                        page_row: torch.Tensor, context_len: int, scale: float, window: int = 0,
+                        softcap: float = 0.0) -> torch.Tensor:
+    """paged_attention_ref of one prefill request: its queries q [Q, Hq, D] (the last Q positions
+    of its context of context_len tokens on the pages of page_row [W])  ->  [Q, Hq, D] fp32."""
+    q_len, num_heads, head_dim = q.shape
+    page_size, num_kv_heads = kv_layer.shape[2], kv_layer.shape[3]
+    group = num_heads // num_kv_heads
+    pages = page_row[: ceil_div(context_len, page_size)].long()
+    k = _cached(kv_layer, kv_scales, pages, 0).reshape(-1, num_kv_heads, head_dim)[:context_len]
+    v = _cached(kv_layer, kv_scales, pages, 1).reshape(-1, num_kv_heads, head_dim)[:context_len]
+    k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    scores = softcap_ref(torch.einsum("qhd,khd->hqk", q.float(), k) * scale, softcap)
+    query_pos = torch.arange(context_len - q_len, context_len, device=q.device)[:, None]
+    key_pos = torch.arange(context_len, device=q.device)[None, :]
+    seen = (key_pos <= query_pos) & ((key_pos > query_pos - window) if window else True)
+    return _attend_ref(scores, seen, v)
+
+
 def paged_attention_ref(q: torch.Tensor, kv_layer: torch.Tensor, batch: AttnBatch, scale: float,
                         window: int = 0, softcap: float = 0.0, kv_scales: torch.Tensor | None = None) -> torch.Tensor:
     """Causal GQA attention of each request's queries over its cached keys and values.
@@ -111,20 +132,11 @@ def paged_attention_ref(q: torch.Tensor, kv_layer: torch.Tensor, batch: AttnBatc
     group = num_heads // num_kv_heads
     out = torch.empty_like(q)
     starts, context_lens = batch.query_start.tolist(), batch.context_lens.tolist()
-    start = 0
     for i in range(batch.num_prefills):
-        q_len, ctx = starts[i + 1] - starts[i], context_lens[i]
-        pages = batch.page_table[i, : ceil_div(ctx, page_size)].long()
-        k = _cached(kv_layer, kv_scales, pages, 0).reshape(-1, num_kv_heads, head_dim)[:ctx]
-        v = _cached(kv_layer, kv_scales, pages, 1).reshape(-1, num_kv_heads, head_dim)[:ctx]
-        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
-        qi = q[start:start + q_len].float()
-        scores = softcap_ref(torch.einsum("qhd,khd->hqk", qi, k) * scale, softcap)
-        query_pos = torch.arange(ctx - q_len, ctx, device=q.device)[:, None]
-        key_pos = torch.arange(ctx, device=q.device)[None, :]
-        seen = (key_pos <= query_pos) & ((key_pos > query_pos - window) if window else True)
-        out[start:start + q_len] = _attend_ref(scores, seen, v).to(q.dtype)
-        start += q_len
+        rows = slice(starts[i], starts[i + 1])
+        out[rows] = prefill_request_ref(q[rows], kv_layer, kv_scales, batch.page_table[i], context_lens[i], scale,
+                                        window, softcap).to(q.dtype)
+    start = starts[batch.num_prefills]
     num_decodes = batch.page_table.shape[0] - batch.num_prefills
     if num_decodes:  # one query each: all decodes at once, keys padded to the page table's width
         pages = batch.page_table[batch.num_prefills:].long()
@@ -209,4 +221,7 @@ def paged_attention(q: torch.Tensor, kv_layer: torch.Tensor, batch: AttnBatch, s
     if q.is_cuda:
         from punica.ops.attention_triton import paged_attention_triton
         return paged_attention_triton(q, kv_layer, batch, scale, window=window, softcap=softcap, kv_scales=kv_scales)
+    if q.device.type == "cpu" and not softcap:
+        from punica.ops.attention_cpu import paged_attention_cpu
+        return paged_attention_cpu(q, kv_layer, batch, scale, window, kv_scales, prefill_request_ref)
     return paged_attention_ref(q, kv_layer, batch, scale, window, softcap, kv_scales)

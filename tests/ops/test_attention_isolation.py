@@ -4,14 +4,16 @@ The cache is shared: a page freed by one request is handed to another with whate
 left in it (NaN or inf, if its activations went non-finite), page tables are padded with page 0
 or with other requests' pages, and CUDA-graph buckets pad the batch with requests on a scratch
 page. So every position a request does not own, or that lies at or after its context, is
-poisoned here with NaN, +inf or -inf, and the reference and the Triton kernels must give
-exactly the outputs of the unpoisoned cache. The reference also keeps causal order exactly: a
-position after a query (in the request's own prompt) does not reach it; the Triton prefill
-kernel may let such a value, which only the request's own non-finite activations write, reach
-that request's earlier queries (punica.ops.attention_triton). Without a GPU the kernels run under
-Triton's interpreter (tests/conftest.py).
+poisoned here with NaN, +inf or -inf, and the reference, the CPU path (punica.ops.attention_cpu)
+and the Triton kernels must give exactly the outputs of the unpoisoned cache. The reference also
+keeps causal order exactly: a position after a query (in the request's own prompt) does not reach
+it (the CPU path hands such a prefill to the reference: tests/ops/test_attention_cpu.py); the
+Triton prefill kernel may let such a value, which only the request's own non-finite activations
+write, reach that request's earlier queries (punica.ops.attention_triton). Without a GPU the
+kernels run under Triton's interpreter (tests/conftest.py).
 """
 
+import dataclasses
 import random
 
 import pytest
@@ -23,6 +25,7 @@ from punica.engine.request import Request
 from punica.engine.sampling_params import SamplingParams
 from punica.engine.step_input import StepInput
 from punica.ops import attention as ops
+from punica.ops import attention_cpu
 from punica.ops import attention_triton as kernels
 from punica.ops.attention import AttnBatch
 
@@ -38,7 +41,15 @@ def triton(q, kv, batch, scale, num_splits):
     return kernels.paged_attention_triton(q, kv, batch, scale, num_splits=num_splits)
 
 
-IMPLEMENTATIONS = [pytest.param(reference, id="reference"), pytest.param(triton, id="triton", marks=pytest.mark.slow)]
+def cpu(q, kv, batch, scale, num_splits):
+    on_cpu = dataclasses.replace(batch, **{f.name: getattr(batch, f.name).cpu() for f in dataclasses.fields(batch)
+                                           if isinstance(getattr(batch, f.name), torch.Tensor)})
+    out = attention_cpu.paged_attention_cpu(q.cpu(), kv.cpu(), on_cpu, scale, 0, None, ops.prefill_request_ref)
+    return out.to(q.device)
+
+
+IMPLEMENTATIONS = [pytest.param(reference, id="reference"), pytest.param(cpu, id="cpu"),
+                   pytest.param(triton, id="triton", marks=pytest.mark.slow)]
 
 
 def eager_batch(query_lens, context_lens, num_prefills, page_size, rng, pad_pages):

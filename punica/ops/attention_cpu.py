@@ -1,0 +1,156 @@
+"""Attention over the paged KV cache on the CPU; semantics and layout: punica.ops.attention.
+
+Each request's keys and values are gathered from its pages (only the positions its queries may
+see: its context, from the start of its first query's window) and handed to torch's
+scaled_dot_product_attention (SDPA), which on the CPU runs a fused flash-attention kernel: key
+blocks with an online softmax, no [heads, queries, keys] score tensor, GQA without copying K and V
+per query head (`enable_gqa`). So a prompt chunk costs its queries times its context, with the
+GEMM-like efficiency of the kernel, and a decode costs its own context.
+
+* Prefill: one SDPA call per prefill request. A fresh prompt (queries == context, no window) runs
+  `is_causal`; a chunk behind cached context, or under a window, takes a boolean mask: the query
+  at position p sees the keys at positions p - window < key <= p.
+* Decode: requests grouped by the span of keys they see (their context, or their window), longest
+  first; a group holds the spans of at least 1 / `max_decode_padding` of its longest, and runs one
+  SDPA call over keys padded to that longest: a decode beside a long context never pays its width.
+  Each query head of a KV head is a row of one query block (GQA folded into the query rows).
+* Softcap (Gemma 2): SDPA has none, so a softcapped call runs the reference.
+
+K and V are gathered head-major ([2, Hkv, keys, D]: each head's keys contiguous, as SDPA reads them),
+so the gather is the only copy.
+
+Isolation: only positions inside a request's context are gathered; a decode group's padding (past
+a context, before a window) is set to zero in K and V and masked, so it contributes exactly
+nothing. A prompt chunk's own keys after some of its queries are masked by addition in the fused
+kernel, which a NaN or inf survives: a prefill whose own chunk's K or V (under a window, any it
+gathered) holds one (only its own non-finite activations write one into its context) runs the
+reference instead, which keeps causal order exactly; one in its cached prefix, which every query
+sees, reaches every output in both. So the outputs are the reference's, NaN and inf included, up
+to rounding.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+from punica.config import ceil_div
+from punica.ops.attention_batch import AttnBatch
+from punica.ops.kv_cache import dequantize_kv_ref
+
+MAX_DECODE_PADDING = 2.0  # a decode group's longest key span over its shortest, at most
+
+
+def paged_attention_cpu(q: torch.Tensor, kv_layer: torch.Tensor, batch: AttnBatch, scale: float, window: int,
+                        kv_scales: torch.Tensor | None, prefill_ref: Callable[..., torch.Tensor],
+                        max_decode_padding: float = MAX_DECODE_PADDING) -> torch.Tensor:
+    """punica.ops.attention.paged_attention without softcap, on CPU tensors. `prefill_ref`: the
+    reference of one prefill request (punica.ops.attention.prefill_request_ref), which runs a prefill
+    whose keys and values hold a NaN or inf where some of its queries must not see it."""
+    out = torch.empty_like(q)
+    starts, context_lens = batch.query_start.tolist(), batch.context_lens.tolist()
+    for i in range(batch.num_prefills):
+        rows = slice(starts[i], starts[i + 1])
+        num_queries = rows.stop - rows.start
+        kv, first = _prefill_context(kv_layer, kv_scales, batch.page_table[i], num_queries, context_lens[i], window)
+        # Keys every query sees (a cached prefix without a window) give the reference's outputs even
+        # when non-finite; the others (the chunk's own, and under a window all) are checked in one
+        # pass: a NaN or inf makes the sum non-finite (so does an overflowing sum of finite values,
+        # which then runs the reference: exact, only slower).
+        if math.isfinite(kv[:, :, -num_queries if not window else 0:].sum()):
+            out[rows] = _prefill(q[rows], kv[0], kv[1], first, context_lens[i], scale, window).to(q.dtype)
+        else:
+            out[rows] = prefill_ref(q[rows], kv_layer, kv_scales, batch.page_table[i], context_lens[i], scale,
+                                    window).to(q.dtype)
+    num_prefills, decode_start = batch.num_prefills, starts[batch.num_prefills]
+    for group in decode_groups(context_lens[num_prefills:], window, max_decode_padding):
+        token_rows, requests = [decode_start + j for j in group], [num_prefills + j for j in group]
+        out[token_rows] = _decodes(q[token_rows], kv_layer, kv_scales, batch.page_table[requests],
+                                   [context_lens[i] for i in requests], scale, window).to(q.dtype)
+    return out
+
+
+def decode_groups(context_lens: list[int], window: int = 0,
+                  max_padding: float = MAX_DECODE_PADDING) -> list[list[int]]:
+    """The decodes (indices into context_lens) in groups run by one call each: by the span of keys
+    each sees (its context, capped at `window`), longest first; a group takes the next span while
+    it is at least its longest / max_padding."""
+    spans = [min(c, window) if window else c for c in context_lens]
+    groups: list[list[int]] = []
+    for j in sorted(range(len(spans)), key=lambda j: -spans[j]):
+        if groups and spans[j] * max_padding >= spans[groups[-1][0]]:
+            groups[-1].append(j)
+        else:
+            groups.append([j])
+    return groups
+
+
+def _gather(kv_layer: torch.Tensor, kv_scales: torch.Tensor | None, pages: torch.Tensor) -> torch.Tensor:
+    """K and V of `pages` [N] in fp32, head-major (each head's keys contiguous, as SDPA reads them):
+    [2, Hkv, N * page_size, D] (K at 0, V at 1)."""
+    values = kv_layer.permute(1, 3, 0, 2, 4)[:, :, pages]  # [2, Hkv, N, page_size, D]
+    scales = None if kv_scales is None else kv_scales.permute(1, 3, 0, 2)[:, :, pages]
+    return dequantize_kv_ref(values, scales).flatten(2, 3)
+
+
+def _prefill_context(kv_layer: torch.Tensor, kv_scales: torch.Tensor | None, page_row: torch.Tensor,
+                     num_queries: int, context_len: int, window: int) -> tuple[torch.Tensor, int]:
+    """K and V [2, Hkv, keys, D] fp32 of the positions first .. context_len - 1 that one prefill
+    request's queries see, and `first`: from its first query's window (0 without one)."""
+    page_size = kv_layer.shape[2]
+    first = max(0, context_len - num_queries - window + 1) if window else 0
+    first_page = first // page_size
+    pages = page_row[first_page:ceil_div(context_len, page_size)].long()
+    offset = first_page * page_size
+    return _gather(kv_layer, kv_scales, pages)[:, :, first - offset:context_len - offset], first
+
+
+def _prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, first: int, context_len: int, scale: float,
+             window: int) -> torch.Tensor:
+    """One request's queries q [Q, Hq, D] (the last Q positions of its context) over its keys and
+    values k, v [Hkv, K, D] fp32 (positions first .. context_len - 1)  ->  [Q, Hq, D] fp32."""
+    num_queries = q.shape[0]
+    # [1, heads, rows, D]: with a batch dimension SDPA takes the fused kernel (3-D inputs do not)
+    qt, kt, vt = q.float().transpose(0, 1)[None], k[None], v[None]
+    if num_queries == context_len and not window:
+        o = F.scaled_dot_product_attention(qt, kt, vt, is_causal=True, scale=scale, enable_gqa=True)
+    else:
+        query_pos = torch.arange(context_len - num_queries, context_len)[:, None]
+        key_pos = torch.arange(first, context_len)[None, :]
+        seen = key_pos <= query_pos
+        if window:
+            seen &= key_pos > query_pos - window
+        o = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=seen, scale=scale, enable_gqa=True)
+    return o[0].transpose(0, 1)
+
+
+def _decodes(q: torch.Tensor, kv_layer: torch.Tensor, kv_scales: torch.Tensor | None, page_table: torch.Tensor,
+             context_lens: list[int], scale: float, window: int) -> torch.Tensor:
+    """Decodes' queries q [B, Hq, D] over their pages (page_table [B, W]): one call over keys padded
+    to the longest span of the group, the padding zeroed and masked  ->  [B, Hq, D] fp32.
+    Each query head of a KV head is a row of that head's query block (GQA folded into the rows)."""
+    page_size, num_kv_heads, head_dim = kv_layer.shape[2], kv_layer.shape[3], kv_layer.shape[4]
+    num_decodes, group = q.shape[0], q.shape[1] // num_kv_heads
+    firsts = [max(0, c - window) if window else 0 for c in context_lens]  # each one's first key seen
+    first_pages = [f // page_size for f in firsts]
+    num_pages = max(ceil_div(c, page_size) - p for c, p in zip(context_lens, first_pages))
+    qg = q.float().view(num_decodes, num_kv_heads, group, head_dim)
+    if num_decodes == 1:  # its keys alone: nothing to pad; the mask of all of them keeps a single
+        # key's NaN in (without a mask SDPA skips the softmax of one key)
+        pages = page_table[0, first_pages[0]:first_pages[0] + num_pages].long()
+        offset = first_pages[0] * page_size
+        kv = _gather(kv_layer, kv_scales, pages)[:, :, firsts[0] - offset:context_lens[0] - offset]
+        every = torch.ones(1, 1, 1, kv.shape[2], dtype=torch.bool)
+        return F.scaled_dot_product_attention(qg, kv[0][None], kv[1][None], attn_mask=every, scale=scale).view_as(q)
+    kv = torch.stack([_gather(kv_layer, kv_scales, page_table[i, p:p + num_pages].long())
+                      for i, p in enumerate(first_pages)], dim=1)  # [2, B, Hkv, keys, D]
+    seen = torch.zeros(num_decodes, num_pages * page_size, dtype=torch.bool)
+    for i, (f, c, p) in enumerate(zip(firsts, context_lens, first_pages)):
+        kv[:, i, :, :f - p * page_size] = 0  # before its window, and past its context: nothing
+        kv[:, i, :, c - p * page_size:] = 0
+        seen[i, f - p * page_size:c - p * page_size] = True
+    o = F.scaled_dot_product_attention(qg, kv[0], kv[1], attn_mask=seen[:, None, None, :], scale=scale)
+    return o.reshape(num_decodes, num_kv_heads * group, head_dim)

@@ -1,0 +1,180 @@
+"""The CPU paged attention (punica.ops.attention_cpu: torch's fused SDPA over each request's
+gathered context), the CPU branch of punica.ops.attention.paged_attention, against the reference
+on fresh random inputs: GQA, sliding windows, softcap (the reference itself), an fp8 cache, prompt
+chunks behind cached context, decodes of mixed lengths in groups, and NaN or inf in the cache.
+"""
+
+import random
+
+import pytest
+import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from punica.config import ceil_div
+from punica.ops import attention as ops
+from punica.ops import attention_cpu
+from punica.ops.attention import AttnBatch
+from punica.ops.kv_cache import KVCache
+
+TOL = {torch.float32: (1e-5, 1e-5), torch.bfloat16: (2e-2, 2e-2)}  # (rtol, atol) of the output
+POISONS = [float("nan"), float("inf"), float("-inf")]
+
+
+def make_batch(query_lens, context_lens, num_prefills, page_size, rng, pad_pages=2, spare_pages=5):
+    """AttnBatch (on the CPU) whose requests hold random, scattered pages of a pool with spare pages,
+    each page table padded with `pad_pages` pages of the pool; its page count."""
+    needed = [ceil_div(c, page_size) for c in context_lens]
+    pool = list(range(sum(needed) + spare_pages))
+    rng.shuffle(pool)
+    tables, used = [], 0
+    for n in needed:
+        tables.append(pool[used:used + n] + rng.choices(pool, k=pad_pages))
+        used += n
+    return AttnBatch.build(query_lens, context_lens, tables, page_size, num_prefills), len(pool)
+
+
+def random_inputs(batch, num_pages, page_size, num_heads, num_kv_heads, head_dim, dtype, seed):
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(batch.num_tokens, num_heads, head_dim, generator=gen).to(dtype)
+    kv = torch.randn(num_pages, 2, page_size, num_kv_heads, head_dim, generator=gen).to(dtype)
+    return q, kv
+
+
+def fast(q, kv, batch, scale, window=0, kv_scales=None, max_decode_padding=attention_cpu.MAX_DECODE_PADDING):
+    return attention_cpu.paged_attention_cpu(q, kv, batch, scale, window, kv_scales, ops.prefill_request_ref,
+                                             max_decode_padding)
+
+
+# prefills: a fresh prompt, chunks behind cached context (one within a page, one over several),
+# a one-token prompt; decodes: contexts of 1 to 300 tokens, ending on a page boundary and mid-page
+MIXED = dict(query_lens=[45, 20, 7, 1, 1, 1, 1, 1, 1, 1], context_lens=[45, 75, 130, 1, 1, 300, 17, 48, 150, 33],
+             num_prefills=4)
+
+
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim,page_size,dtype", [
+    (9, 3, 64, 16, torch.float32),   # SmolLM2's heads
+    (4, 4, 32, 7, torch.bfloat16),   # no GQA, odd page size
+    (8, 1, 16, 5, torch.float32),    # group 8
+])
+@pytest.mark.parametrize("window", [0, 1, 10, 64, 400])
+def test_mixed_batch_matches_reference(num_heads, num_kv_heads, head_dim, page_size, dtype, window):
+    rng = random.Random(window + page_size)
+    batch, num_pages = make_batch(**MIXED, page_size=page_size, rng=rng)
+    q, kv = random_inputs(batch, num_pages, page_size, num_heads, num_kv_heads, head_dim, dtype, seed=window)
+    scale = head_dim ** -0.5 * (1 + rng.random())
+    out = fast(q, kv, batch, scale, window)
+    ref = ops.paged_attention_ref(q, kv, batch, scale, window)
+    assert out.dtype == q.dtype and out.shape == q.shape
+    torch.testing.assert_close(out, ref, rtol=TOL[dtype][0], atol=TOL[dtype][1])
+    torch.testing.assert_close(ops.paged_attention(q, kv, batch, scale, window), out, rtol=0, atol=0)
+    if 0 < window < max(MIXED["context_lens"]):  # the window leaves out keys: not full attention's output
+        assert not torch.allclose(out, ops.paged_attention_ref(q, kv, batch, scale), rtol=1e-3, atol=1e-3)
+
+
+@pytest.mark.parametrize("max_decode_padding", [1.0, 2.0, 1e9])
+def test_decode_grouping_does_not_change_the_output(max_decode_padding):
+    """Decodes of contexts 1 .. 900 run each alone (1.0: only equal spans share a call), in groups,
+    or all padded to the longest (1e9): each way the reference's outputs."""
+    contexts = [900, 3, 1, 64, 65, 128, 400, 17, 16, 450, 899, 2]
+    batch, num_pages = make_batch([1] * len(contexts), contexts, 0, 16, random.Random(1))
+    q, kv = random_inputs(batch, num_pages, 16, 6, 2, 32, torch.float32, seed=1)
+    ref = ops.paged_attention_ref(q, kv, batch, 0.2)
+    torch.testing.assert_close(fast(q, kv, batch, 0.2, max_decode_padding=max_decode_padding), ref,
+                               rtol=1e-5, atol=1e-5)
+
+
+def test_decode_groups():
+    """Longest span first; a group takes the next span while it is at least its longest / max_padding;
+    under a window a span is the context capped at the window."""
+    contexts = [100, 7, 50, 49, 4000, 8, 3]
+    assert attention_cpu.decode_groups(contexts) == [[4], [0, 2], [3], [5, 1], [6]]
+    assert attention_cpu.decode_groups(contexts, max_padding=1.0) == [[4], [0], [2], [3], [5], [1], [6]]
+    assert attention_cpu.decode_groups(contexts, max_padding=1e9) == [[4, 0, 2, 3, 5, 1, 6]]
+    assert attention_cpu.decode_groups(contexts, window=50) == [[0, 2, 4, 3], [5, 1], [6]]
+    assert attention_cpu.decode_groups([]) == []
+
+
+def test_softcap_runs_the_reference():
+    """SDPA has no softcap: the public function's CPU branch gives the reference's output bit for bit."""
+    batch, num_pages = make_batch(**MIXED, page_size=16, rng=random.Random(2))
+    q, kv = random_inputs(batch, num_pages, 16, 4, 2, 32, torch.float32, seed=2)
+    out = ops.paged_attention(q, kv, batch, 0.3, window=10, softcap=2.0)
+    assert torch.equal(out, ops.paged_attention_ref(q, kv, batch, 0.3, 10, 2.0))
+    assert not torch.allclose(out, ops.paged_attention_ref(q, kv, batch, 0.3, 10), rtol=1e-3, atol=1e-3)
+
+
+@pytest.mark.parametrize("window", [0, 20])
+def test_fp8_cache_matches_reference(window):
+    """Every row written in e4m3 with its scale (V's magnitudes 2^-8 .. 2^2): the CPU path reads the
+    scales as the reference does."""
+    gen = torch.Generator().manual_seed(3)
+    page_size, num_kv_heads, head_dim = 8, 3, 32
+    batch, num_pages = make_batch(**MIXED, page_size=page_size, rng=random.Random(3))
+    cache = KVCache.empty(1, num_pages, page_size, num_kv_heads, head_dim, torch.float32, "cpu", "fp8")
+    pages, scales = cache.pages[0], cache.scales[0]
+    rows = num_pages * page_size
+    k = torch.randn(rows, num_kv_heads, head_dim, generator=gen)
+    v = torch.randn(rows, num_kv_heads, head_dim, generator=gen) * 2.0 ** torch.randint(-8, 3, (rows, 1, 1),
+                                                                                        generator=gen)
+    ops.write_kv_ref(pages, k, v, torch.arange(rows), scales)
+    q = torch.randn(batch.num_tokens, 9, head_dim, generator=gen)
+    out = ops.paged_attention(q, pages, batch, 0.2, window, kv_scales=scales)
+    torch.testing.assert_close(out, ops.paged_attention_ref(q, pages, batch, 0.2, window, kv_scales=scales),
+                               rtol=1e-5, atol=1e-5)
+
+
+def owned_context(batch, num_pages, page_size):
+    """[num_pages, page_size] bool: the positions inside some request's context, on its own pages."""
+    keep = torch.zeros(num_pages, page_size, dtype=torch.bool)
+    for i, context_len in enumerate(batch.context_lens.tolist()):
+        pos = torch.arange(context_len)
+        keep[batch.page_table[i, pos // page_size].long(), pos % page_size] = True
+    return keep
+
+
+@pytest.mark.parametrize("window", [0, 10])
+@pytest.mark.parametrize("value", POISONS, ids=str)
+def test_poison_outside_the_context_never_reaches_the_output(value, window):
+    """Free pages, the page tables' padding (other requests' pages) and the tails of the requests'
+    own last pages hold NaN or inf: the outputs are exactly those of the clean cache (decode
+    groups pad the shorter contexts to the longest, over such positions)."""
+    page_size = 16
+    batch, num_pages = make_batch(**MIXED, page_size=page_size, rng=random.Random(4))
+    q, kv = random_inputs(batch, num_pages, page_size, 9, 3, 32, torch.float32, seed=4)
+    clean = fast(q, kv, batch, 0.2, window, max_decode_padding=1e9)
+    assert clean.isfinite().all()
+    poisoned = kv.clone()
+    poisoned.transpose(1, 2)[~owned_context(batch, num_pages, page_size)] = value
+    assert torch.equal(fast(q, poisoned, batch, 0.2, window, max_decode_padding=1e9), clean)
+
+
+@pytest.mark.parametrize("value", POISONS, ids=str)
+@pytest.mark.parametrize("which", [0, 1])
+@pytest.mark.parametrize("window", [0, 10])
+def test_poison_inside_a_context_reaches_what_it_reaches_in_the_reference(value, which, window):
+    """K or V at one position inside each request's context is poisoned (in a prompt chunk, after
+    some of its queries; in a decode's context, in and out of its window): the outputs are the
+    reference's, non-finite exactly where the reference's are."""
+    page_size = 16
+    batch, num_pages = make_batch(**MIXED, page_size=page_size, rng=random.Random(5))
+    q, kv = random_inputs(batch, num_pages, page_size, 9, 3, 32, torch.float32, seed=5)
+    poisoned = kv.clone()
+    for i, context_len in enumerate(batch.context_lens.tolist()):
+        pos = context_len // 2 if i != 1 else 60  # request 1: its 6th query (of 20, from position 55)
+        poisoned[batch.page_table[i, pos // page_size], which, pos % page_size, 1] = value
+    out, ref = fast(q, poisoned, batch, 0.2, window), ops.paged_attention_ref(q, poisoned, batch, 0.2, window)
+    assert torch.equal(out.isfinite(), ref.isfinite())
+    assert not out.isfinite().all() and out[45:50].isfinite().all()  # request 1's queries before position 60
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5, equal_nan=True)
+
+
+
+@pytest.mark.parametrize("window", [0, 10])
+def test_every_call_takes_the_fused_kernel(window):
+    """With SDPA limited to its flash-attention kernel (it raises on inputs that kernel does not
+    take, 3-D ones for instance, which would run the unfused math path), the batch still runs."""
+    batch, num_pages = make_batch(**MIXED, page_size=16, rng=random.Random(7))
+    q, kv = random_inputs(batch, num_pages, 16, 9, 3, 64, torch.float32, seed=7)
+    with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+        out = fast(q, kv, batch, 0.125, window)
+    torch.testing.assert_close(out, ops.paged_attention_ref(q, kv, batch, 0.125, window), rtol=1e-5, atol=1e-5)
