@@ -7,7 +7,7 @@ The engine (punica.factory.build_engine: --preset with random weights, bf16 and 
 CUDA, overlap_steps=False so each step() is one whole step, max batch = the largest --batches)
 serves one distinct rank --rank adapter per request slot (all 7 projections; the names share
 --files adapter files, the values do not change the work), all made resident before timing.
-punica.cluster.step_time.measure then runs every batch x prompt point without and with LoRA:
+`measure` then runs every batch x prompt point without and with LoRA:
 prefill steps, 4 decode-only steps, and one mixed step per --mixed prompt length; each step is
 timed with the wall clock around engine.step() (which waits for the step's tokens). Points stop
 starting once --budget-s seconds have passed since the script started; each sample is printed
@@ -23,9 +23,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import random
 import statistics
 import tempfile
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import asdict
 from pathlib import Path
 
@@ -33,12 +35,78 @@ import torch
 
 from benchmarks.adapter_load import load_latency
 from benchmarks.common import format_table, save_figure, warm_up, write_results
-from punica.cluster.step_time import Sample, fit, fit_errors, measure
+from punica.cluster.step_time import Sample, fit, fit_errors
 from punica.config import EngineArgs, preset_config
+from punica.engine.sampling_params import SamplingParams
 from punica.factory import build_engine
 from punica.lora.dummy import save_random_adapter
 
 OUTLIER = 3.0  # a step this many times slower than the fit is a compilation, not the steady state
+
+
+def measure(engine, batch_sizes: Sequence[int] = (1, 8, 32), prompt_lens: Sequence[int] = (16, 128),
+            mixed_prefills: Sequence[int] = (), adapters: Sequence[str] = (), num_decode_steps: int = 4,
+            deadline: float | None = None, on_sample: Callable[[Sample], None] | None = None, seed: int = 0,
+            clock: Callable[[], float] = time.perf_counter) -> list[Sample]:
+    """Steps of a real engine (punica.engine.engine.Engine, built with overlap_steps=False so that
+    each `step` runs and finishes one whole step) over a grid of batch x prompt length, each point
+    without LoRA and, when `adapters` are given, with a distinct adapter per request (they must
+    be resident already, or the first steps wait for loads). Per point: `batch` requests are
+    prefilled (their prefill steps, and decodes beside later prefills, are samples), then
+    `num_decode_steps` decode-only steps, then one mixed step per `mixed_prefills` entry (a new
+    prompt of that many tokens beside the batch's decodes, while the batch has room); then every
+    request is aborted. The first point runs once more before, unrecorded (warm-up). What a step
+    ran is the engine's own record of it (`Engine.last_step`). Stops starting points at `deadline`
+    (a `clock` time)."""
+    if engine.overlaps_steps:
+        raise ValueError("measure step times on an engine built with overlap_steps=False: an overlapped "
+                         "step returns (and waits for) the step before it")
+    max_batch = engine.config.max_batch_size
+    needed = max(batch_sizes) + len(mixed_prefills)
+    if adapters and len(adapters) < min(needed, max_batch):
+        raise ValueError(f"distinct adapters for batches up to {min(needed, max_batch)} requests, got {len(adapters)}")
+    rng = random.Random(seed)
+    samples: list[Sample] = []
+    modes = [False, True] if adapters else [False]
+    grid = [(batch_sizes[0], prompt_lens[0], lora, False) for lora in modes]
+    grid += [(b, p, lora, True) for b in batch_sizes for p in prompt_lens for lora in modes]
+
+    def prompt(n: int) -> list[int]:
+        return [rng.randrange(engine.vocab_size) for _ in range(n)]
+
+    def run_step(lora: bool, record: bool) -> bool:
+        start = clock()
+        engine.step()
+        seconds = clock() - start
+        shape = engine.last_step
+        if shape is None:
+            return False
+        if record:
+            sample = Sample(shape.num_requests, shape.num_context_tokens, shape.num_prefill_tokens, lora, seconds)
+            samples.append(sample)
+            if on_sample is not None:
+                on_sample(sample)
+        return shape.num_prefill_tokens == 0
+
+    for batch, prompt_len, lora, record in grid:
+        if deadline is not None and clock() > deadline:
+            break
+        params = SamplingParams(max_tokens=max(1, engine.max_model_len - prompt_len), temperature=0, ignore_eos=True)
+        ids = [engine.add_request(prompt(prompt_len), params, adapters[i] if lora else None) for i in range(batch)]
+        decodes = 0
+        while decodes < num_decode_steps and engine.has_unfinished():
+            decodes += run_step(lora, record)
+        for k, mixed in enumerate(mixed_prefills):
+            if batch + k + 1 > max_batch:
+                break
+            one = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
+            ids.append(engine.add_request(prompt(mixed), one, adapters[batch + k] if lora else None))
+            run_step(lora, record)
+        for request_id in ids:
+            engine.abort(request_id)
+        while engine.has_unfinished():
+            engine.step()
+    return samples
 
 
 def main() -> None:

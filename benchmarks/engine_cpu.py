@@ -37,7 +37,7 @@ def main() -> None:
     params = [SamplingParams(max_tokens=o, temperature=0, ignore_eos=True) for _, o in lengths]
     with tempfile.TemporaryDirectory() as tmp:
         base = LLM()
-        config = base.engine.executor.model_config
+        config = base.engine.model_config
         paths = {f"lora{i}": str(save_random_adapter(Path(tmp) / f"lora{i}", config, args.rank, seed=i))
                  for i in range(args.requests)}
         llm = LLM(adapters=paths, max_loras=args.requests)

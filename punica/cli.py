@@ -5,10 +5,8 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import importlib.metadata
-import math
 import os
 import sys
-from collections.abc import Callable
 
 SIM_REQUESTS = 60_000      # the Fig. 13 rate on 16 H200s: a peak of ~26 requests/s
 SIM_KV_TOKENS = 200_000    # a 7B model's KV cache in bf16 on an H200 (0.5 MiB a token, ~100 GiB)
@@ -19,19 +17,6 @@ def package_version() -> str:
         return importlib.metadata.version("punica")
     except importlib.metadata.PackageNotFoundError:
         return "unknown (not installed)"
-
-
-def number(kind: type, minimum: float, exclusive: bool = False) -> Callable[[str], int | float]:
-    """An argparse type: a finite `kind` (int or float) of at least `minimum` (over it, if `exclusive`)."""
-    def parse(text: str):
-        try:
-            value = kind(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"invalid {kind.__name__} value: {text!r}") from None
-        if not math.isfinite(value) or value < minimum or (exclusive and value == minimum):
-            raise argparse.ArgumentTypeError(f"must be {'>' if exclusive else '>='} {minimum}, got {text}")
-        return value
-    return parse
 
 
 def parse_adapters(items: list[str]) -> dict[str, str]:
@@ -93,6 +78,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     from punica.cluster.policy import PolicyConfig
     from punica.cluster.report import NO_PLOTS, can_plot, simulate, table
     from punica.cluster.step_time import load_model
+    from punica.config import from_arguments
 
     if args.light_load_batch > args.max_batch_size:
         raise ValueError(f"--light-load-batch {args.light_load_batch} is over --max-batch-size {args.max_batch_size}")
@@ -101,9 +87,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
                          "outgrow every GPU's KV cache")
     if Path(args.out).exists() and not Path(args.out).is_dir():
         raise ValueError(f"--out {args.out} is a file, not a directory")
-    policy_config = PolicyConfig(args.max_batch_size, args.light_load_batch, args.idle_release_s,
-                                 max_loras=args.max_loras, max_gpus_per_adapter=args.max_gpus_per_adapter,
-                                 max_packed_kv_tokens=args.max_packed_kv_tokens, scale_ahead=args.scale_ahead)
+    policy_config = from_arguments(PolicyConfig, args)
     plots = can_plot()
     results = simulate(args.gpus, args.requests, args.duration, args.kv_tokens, args.policy, Path(args.out),
                        load_model(args.step_time), policy_config, args.gpu_startup_s, args.max_total, args.seed,
@@ -150,7 +134,7 @@ def build_parser() -> argparse.ArgumentParser:
     from punica.cluster.placement import POLICIES
     from punica.cluster.policy import PolicyConfig
     from punica.cluster.step_time import DEFAULT_MODEL, MODELS
-    from punica.config import add_arguments
+    from punica.config import add_arguments, bounded
     from punica.server.args import ServerArgs
 
     parser = argparse.ArgumentParser(prog="punica", description="Multi-tenant LoRA serving")
@@ -175,35 +159,24 @@ def build_parser() -> argparse.ArgumentParser:
     hash_key.set_defaults(func=cmd_hash_key)
     sim = sub.add_parser("simulate", help="simulate the cluster scheduler on the paper's Fig. 13 workload "
                                           "(defaults: its setting, on the H200-measured 7B model)")
-    sim.add_argument("--gpus", type=number(int, 1), default=16, help="GPUs the cluster may hold")
-    sim.add_argument("--requests", type=number(int, 1), default=SIM_REQUESTS)
-    sim.add_argument("--duration", type=number(float, 0, exclusive=True), default=3600.0,
+    sim.add_argument("--gpus", type=bounded(int, 1), default=16, help="GPUs the cluster may hold")
+    sim.add_argument("--requests", type=bounded(int, 1), default=SIM_REQUESTS)
+    sim.add_argument("--duration", type=bounded(float, 0, exclusive=True), default=3600.0,
                      help="seconds over which requests arrive")
-    sim.add_argument("--kv-tokens", type=number(int, 1), default=SIM_KV_TOKENS,
+    sim.add_argument("--kv-tokens", type=bounded(int, 1), default=SIM_KV_TOKENS,
                      help="KV cache of one GPU, in tokens (at least --max-total)")
-    sim.add_argument("--max-total", type=number(int, 2), default=2048,
+    sim.add_argument("--max-total", type=bounded(int, 2), default=2048,
                      help="longest prompt + output, in tokens (a request has at least one of each)")
-    sim.add_argument("--adapters", type=number(int, 1), default=None, help="adapters the requests draw from "
+    sim.add_argument("--adapters", type=bounded(int, 1), default=None, help="adapters the requests draw from "
                                                                             "(default: one per request)")
-    sim.add_argument("--zipf-alpha", type=number(float, 0, exclusive=True), default=1.5,
+    sim.add_argument("--zipf-alpha", type=bounded(float, 0, exclusive=True), default=1.5,
                      help="adapter popularity: Zipf exponent")
     sim.add_argument("--policy", nargs="+", default=["punica", "round-robin", "least-loaded"],
                      choices=list(POLICIES))
-    sim.add_argument("--max-batch-size", type=number(int, 1), default=PolicyConfig.max_batch_size)
-    sim.add_argument("--light-load-batch", type=number(int, 1), default=PolicyConfig.light_load_batch,
-                     help="ask for a GPU when every batch is this large (at most --max-batch-size)")
-    sim.add_argument("--idle-release-s", type=number(float, 0), default=PolicyConfig.idle_release_s)
-    sim.add_argument("--max-loras", type=number(int, 1), default=PolicyConfig.max_loras, help="adapter slots per GPU")
-    sim.add_argument("--host-tier-adapters", type=number(int, 1), default=48,
+    add_arguments(sim, PolicyConfig)
+    sim.add_argument("--host-tier-adapters", type=bounded(int, 1), default=48,
                      help="adapters each GPU's host tier holds")
-    sim.add_argument("--max-gpus-per-adapter", type=number(int, 1), default=None,
-                     help="adapter-aware: spread one adapter over at most this many GPUs")
-    sim.add_argument("--max-packed-kv-tokens", type=number(int, 1), default=None,
-                     help="KV-aware packing: a busy GPU takes a request only while its KV in use stays within this "
-                          "many tokens (bounds a packed GPU's KV read per step; default: no bound)")
-    sim.add_argument("--scale-ahead", action="store_true",
-                     help="ask for a GPU once none is lightly loaded, before requests wait")
-    sim.add_argument("--gpu-startup-s", type=number(float, 0), default=30.0)
+    sim.add_argument("--gpu-startup-s", type=bounded(float, 0), default=30.0)
     sim.add_argument("--step-time", default=DEFAULT_MODEL, metavar="NAME|JSON",
                      help=f"the GPU model: {', '.join(MODELS)}, or a JSON file of its fields (default: %(default)s)")
     sim.add_argument("--seed", type=int, default=0)

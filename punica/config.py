@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import typing
+from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -152,8 +154,42 @@ def ceil_div(a: int, b: int) -> int:
 
 
 def described(default, help: str, **metadata):
-    """A dataclass field with a default and the help text of its command-line flag (`add_arguments`)."""
+    """A dataclass field with a default and the help text of its command-line flag (`add_arguments`).
+    `minimum` (and `exclusive`) bound its value: its flag refuses a value out of bounds by name, and
+    `check_bounds` in its class's __post_init__ any value."""
     return field(default=default, metadata={"help": help, **metadata})
+
+
+def field_of(cls: type, name: str):
+    """The field `name` of the dataclass `cls`, for another dataclass: the same default, help and
+    bounds, so that a setting two sets of flags share is defined once."""
+    f = next(f for f in fields(cls) if f.name == name)
+    return field(default=f.default, metadata=f.metadata)
+
+
+def bounded(kind: type, minimum: float, exclusive: bool = False) -> Callable[[str], int | float]:
+    """An argparse type: a finite `kind` (int or float) of at least `minimum` (over it, if `exclusive`)."""
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"invalid {kind.__name__} value: {text!r}") from None
+        if not math.isfinite(value) or value < minimum or (exclusive and value == minimum):
+            raise argparse.ArgumentTypeError(f"must be {'>' if exclusive else '>='} {minimum}, got {text}")
+        return value
+    return parse
+
+
+def check_bounds(config) -> None:
+    """ValueError naming the first field of the dataclass instance `config` whose value is out of the
+    bounds its `minimum` metadata sets (None passes: the setting is off)."""
+    for f in fields(config):
+        minimum, value = f.metadata.get("minimum"), getattr(config, f.name)
+        if minimum is None or value is None:
+            continue
+        exclusive = f.metadata.get("exclusive", False)
+        if not math.isfinite(value) or value < minimum or (exclusive and value == minimum):
+            raise ValueError(f"{f.name} must be {'>' if exclusive else '>='} {minimum}, got {value}")
 
 
 KV_CACHE_DTYPES = ("auto", "fp8")
@@ -274,7 +310,7 @@ def add_arguments(parser: argparse.ArgumentParser, cls: type, skip: tuple[str, .
                   only: tuple[str, ...] | None = None, **defaults) -> None:
     """One flag per field of the dataclass `cls` (--max-batch-size for max_batch_size; all of them, or
     `only` those, less `skip`), with the field's help text and default (or the one given here);
-    booleans get a --no- form."""
+    booleans get a --no- form, bounded fields (`described`'s minimum) refuse values out of bounds."""
     hints = typing.get_type_hints(cls)
     for f in fields(cls):
         if f.name in skip or (only is not None and f.name not in only) or "help" not in f.metadata:
@@ -290,6 +326,8 @@ def add_arguments(parser: argparse.ArgumentParser, cls: type, skip: tuple[str, .
                                 help=f.metadata["help"])
             continue
         base = next((t for t in typing.get_args(kind) if t is not type(None)), kind)
+        if "minimum" in f.metadata:
+            base = bounded(base, f.metadata["minimum"], f.metadata.get("exclusive", False))
         parser.add_argument(flag, type=base, default=default, choices=f.metadata.get("choices"),
                             help=f.metadata["help"] + (f" (default: {default})" if default is not None else ""))
 

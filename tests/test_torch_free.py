@@ -6,8 +6,9 @@ import sys
 from pathlib import Path
 
 MODULES = ("punica", "punica.cluster.policy", "punica.cluster.placement", "punica.cluster.simulator",
-           "punica.cluster.step_time", "punica.engine.scheduler", "punica.engine.request", "punica.engine.tenancy",
-           "punica.engine.waiting", "punica.engine.fair_share", "punica.config")
+           "punica.cluster.step_time", "punica.engine.scheduler", "punica.engine.scheduler_output",
+           "punica.engine.request", "punica.engine.tenancy", "punica.engine.waiting", "punica.engine.fair_share",
+           "punica.config")
 CHECK = """
 import importlib.util, sys
 sys.path.insert(0, {root!r})

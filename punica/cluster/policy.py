@@ -26,33 +26,33 @@ import itertools
 from collections.abc import Callable, Hashable, Iterator
 from dataclasses import dataclass, field
 
-from punica.config import EngineConfig
+from punica.config import EngineConfig, check_bounds, described
 
 RequestId = Hashable  # the serving backend uses strings, the simulator ints
 
 
 @dataclass(frozen=True)
 class PolicyConfig:
-    max_batch_size: int = EngineConfig.max_batch_size
-    light_load_batch: int = EngineConfig.max_batch_size // 2  # a GPU whose batch is below this is lightly loaded
-    idle_release_s: float = 60.0    # release a GPU idle for this long
-    min_gpus: int = 1               # never release below this many GPUs
-    max_loras: int = EngineConfig.max_loras  # adapter slots per GPU
+    """The cluster scheduler's settings; `punica simulate` makes its flags from these fields, and
+    `punica serve` its --max-packed-kv-tokens (punica.config.add_arguments)."""
+    max_batch_size: int = described(EngineConfig.max_batch_size, "requests a GPU runs at once at most", minimum=1)
+    light_load_batch: int = described(EngineConfig.max_batch_size // 2, "ask for a GPU when every batch is this "
+                                                                        "large (at most --max-batch-size)", minimum=1)
+    idle_release_s: float = described(60.0, "release a GPU idle for this many seconds", minimum=0)
+    min_gpus: int = field(default=1, metadata={"minimum": 0})  # never release below this many GPUs
+    max_loras: int = described(EngineConfig.max_loras, "adapter slots per GPU", minimum=1)
     models_loads: bool = False      # placing a request whose adapter the GPU lacks starts a load it waits for
-    max_gpus_per_adapter: int | None = None  # AdapterAwarePolicy: spread one adapter over at most this many
-    # KV-aware packing: a busy GPU takes a request only while its KV in use stays within this many
-    # tokens, which bounds the KV read (so the step time) of a packed GPU; an idle GPU takes any
-    max_packed_kv_tokens: int | None = None
-    scale_ahead: bool = False       # ask for a GPU once none is lightly loaded, before requests wait
+    max_gpus_per_adapter: int | None = described(None, "adapter-aware: spread one adapter over at most this many "
+                                                       "GPUs", minimum=1)
+    max_packed_kv_tokens: int | None = described(
+        None, "KV-aware packing (with --workers, for punica serve): a busy GPU takes a request only while its KV in "
+              "use stays within this many tokens (bounds a packed GPU's KV read per step; an idle GPU takes any "
+              "request; default: no bound)", minimum=1)
+    scale_ahead: bool = described(False, "ask for a GPU once none is lightly loaded, before requests wait")
 
     def __post_init__(self):
-        if self.max_batch_size < 1 or self.min_gpus < 0 or self.idle_release_s < 0 or self.max_loras < 1:
-            raise ValueError(f"invalid policy config {self}")
-        if self.max_gpus_per_adapter is not None and self.max_gpus_per_adapter < 1:
-            raise ValueError(f"max_gpus_per_adapter must be >= 1, got {self.max_gpus_per_adapter}")
-        if self.max_packed_kv_tokens is not None and self.max_packed_kv_tokens < 1:
-            raise ValueError(f"max_packed_kv_tokens must be >= 1, got {self.max_packed_kv_tokens}")
-        if not 1 <= self.light_load_batch <= self.max_batch_size:
+        check_bounds(self)
+        if not self.light_load_batch <= self.max_batch_size:
             raise ValueError(f"light_load_batch must be in [1, {self.max_batch_size}], got {self.light_load_batch}")
 
 

@@ -80,7 +80,7 @@ class EngineWorker:
         stats = self.engine.stats()
         config = self.engine.config
         return WorkerInfo(stats.num_kv_pages * config.page_size, config.max_batch_size, self.engine.max_model_len,
-                          self.engine.executor.model_config, config.max_lora_rank, config.adapter_dirs)
+                          self.engine.model_config, config.max_lora_rank, config.adapter_dirs)
 
     def adapters(self) -> dict[str, str]:
         """The adapters this worker serves: name -> directory."""
@@ -88,7 +88,7 @@ class EngineWorker:
 
     def adapter_residency(self) -> dict:
         """Where this worker's adapters are and their load counters (AdapterManager.snapshot)."""
-        return self.engine.adapters.snapshot()
+        return self.engine.adapter_snapshot()
 
     def set_adapters(self, adapters: dict[str, str]) -> None:
         """Make the served adapters equal `adapters` (name -> directory): unload the others (as
@@ -125,7 +125,7 @@ class EngineWorker:
         evicted = self.engine.take_preempted()
         stats = self.engine.stats()
         return StepResult(outputs, evicted, stats.num_running + stats.num_waiting + len(self._waiting),
-                          self.engine.adapters.held(), stats)
+                          self.engine.held_adapters(), stats)
 
     def _add_compiled(self) -> list[RequestOutput]:
         """Add the requests whose grammars are compiled (after a short wait for one when the engine has

@@ -48,7 +48,7 @@ class Executor(Protocol):
 
 
 class LocalExecutor:
-    """One ModelWorker in this process."""
+    """One ModelWorker in this process: steps run on its runner."""
     can_feed_sampled = True
 
     def __init__(self, worker: ModelWorker):
@@ -58,10 +58,10 @@ class LocalExecutor:
         self.adapter_slots = worker.pool
 
     def run(self, step: StepInput) -> torch.Tensor:
-        return self.worker.run(step)
+        return self.worker.runner.run(step)
 
     def keep_sampled(self, tokens: torch.Tensor) -> None:
-        self.worker.keep_sampled(tokens)
+        self.worker.runner.keep_sampled(tokens)
 
     def close(self) -> None:
         """Nothing to release: the worker's memory goes with the executor."""

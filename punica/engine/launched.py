@@ -1,4 +1,5 @@
-"""LaunchedStep: a step sampled on the device, whose tokens (and logprobs) are on their way to the host."""
+"""LaunchedStep: a step launched on the device, whose sampled tokens (and logprobs) are on their way
+to the host."""
 
 from __future__ import annotations
 
@@ -7,27 +8,32 @@ from dataclasses import dataclass
 import torch
 
 from punica.engine.request import Request
+from punica.engine.scheduler_output import SampledTokens, SchedulerOutput
 
 
 @dataclass(frozen=True)
 class LaunchedStep:
-    """A step whose sampled tokens are on their way to the host."""
-    requests: list[Request]
-    sampled: torch.Tensor              # [2 + K, N] int64: tokens, 1 where the row could be sampled, top-K tokens
+    output: SchedulerOutput
+    requests: list[Request]            # of its sampling rows, in order
+    sampled: torch.Tensor | None       # [2 + K, N] int64: tokens, 1 where the row could be sampled, top-K tokens
     logprobs: torch.Tensor | None      # [N, 1 + K] float32 (sampler.Sampled)
+    prompt_logprobs: dict[int, tuple]  # per row computing some: its part (punica.engine.prompt_logprobs.launch)
     copied: torch.cuda.Event | None    # set when both are on the host; None when the step ran on the CPU
 
-    def read(self) -> tuple[list[int], list[bool], list[float | None], list[list[tuple[int, float]]]]:
-        """Per row: the token, whether it could be sampled, its logprob, and the top (token, logprob)s."""
+    def read(self) -> SampledTokens:
+        """Wait for the tokens (and logprobs) of the sampling rows to be on the host."""
+        if self.sampled is None:
+            return SampledTokens([], [], [], [], self.prompt_logprobs)
         if self.copied is not None:
             self.copied.synchronize()
         tokens, ok, *top_ids = self.sampled.tolist()
         n = len(self.requests)
+        ok = [bool(v) for v in ok]
         if self.logprobs is None:
-            return tokens, [bool(v) for v in ok], [None] * n, [[] for _ in range(n)]
+            return SampledTokens(tokens, ok, [None] * n, [[] for _ in range(n)], self.prompt_logprobs)
         logprobs = self.logprobs.tolist()
         tops = [[(top_ids[k][row], logprobs[row][1 + k]) for k in range(len(top_ids))] for row in range(n)]
-        return tokens, [bool(v) for v in ok], [row[0] for row in logprobs], tops
+        return SampledTokens(tokens, ok, [row[0] for row in logprobs], tops, self.prompt_logprobs)
 
 
 def to_host(tensor: torch.Tensor) -> torch.Tensor:

@@ -23,14 +23,6 @@ from punica.engine.request import Request
 from punica.ops.transfer import to_device
 
 
-def start(request: Request) -> None:
-    """Prepare a new request's prompt logprobs (a migrated request computes them again: it
-    recomputes its prompt anyway)."""
-    if request.params.prompt_logprobs is not None:
-        request.prompt_logprobs, request.prompt_top_logprobs = [None], [None]
-        request.num_prompt_logprobs = 1
-
-
 class Chunk:
     """One step's prompt logprobs, on their way to the host: per row, the prompt token's logprob and
     the top K (token, logprob)s (K: the most any of the step's requests asks)."""
@@ -55,12 +47,14 @@ class Chunk:
         return self._lists
 
 
-def launch(logits: torch.Tensor, requests: list[Request], counts: list[int]) -> None:
-    """Compute on the device the prompt logprobs this step's rows give (logits [sum(counts), V]: each
-    request's `counts` last rows), queue their copy to the host and hand each request its part."""
-    spans = [r.prompt_rows() for r in requests]
+def launch(logits: torch.Tensor, requests: list[Request], num_scheduled: tuple[int, ...],
+           counts: list[int]) -> dict[int, tuple[Chunk, int, int]]:
+    """Compute on the device the prompt logprobs of a step's rows (logits [sum(counts), V]: each
+    request's `counts` last rows; each request runs its next `num_scheduled` tokens) and queue their
+    copy to the host: per row that gives some, (the step's Chunk, its first row there, their count)."""
+    spans = [r.prompt_rows(n) for r, n in zip(requests, num_scheduled)]
     if not any(count for _, count in spans):
-        return
+        return {}
     rows, targets, offset = [], [], 0
     for request, n, (first, count) in zip(requests, counts, spans):
         rows += range(offset, offset + count)
@@ -74,22 +68,21 @@ def launch(logits: torch.Tensor, requests: list[Request], counts: list[int]) -> 
     if k:
         top = logprobs.topk(k, dim=-1)
         values, top_ids = torch.cat([values, top.values], 1), top.indices
-    chunk, row = Chunk(values, top_ids), 0
-    for request, (_, count) in zip(requests, spans):
+    chunk, row, parts = Chunk(values, top_ids), 0, {}
+    for i, (_, count) in enumerate(spans):
         if count:
-            request.prompt_logprob_chunks.append((chunk, row, count))
-            request.num_prompt_logprobs += count
+            parts[i] = (chunk, row, count)
             row += count
+    return parts
 
 
-def take(request: Request) -> None:
-    """Move the request's prompt logprobs that reached the host into its lists (a chunk not yet
-    copied is waited for)."""
-    k = request.params.prompt_logprobs
-    for chunk, row, count in request.prompt_logprob_chunks:
+def read(parts: list[tuple[Chunk, int, int]], k: int) -> tuple[list[float], list[list[tuple[int, float]]]]:
+    """The logprobs of the prompt tokens in `parts` (as `launch` gives them), in order, and the top `k`
+    (token, logprob)s at each (a chunk not yet copied is waited for)."""
+    logprobs, tops = [], []
+    for chunk, row, count in parts:
         values, top_ids = chunk.rows()
         for r in range(row, row + count):
-            request.prompt_logprobs.append(values[r][0])
-            request.prompt_top_logprobs.append([(top_ids[r][j], values[r][1 + j]) for j in range(k)])
-    request.prompt_logprob_chunks.clear()
-
+            logprobs.append(values[r][0])
+            tops.append([(top_ids[r][j], values[r][1 + j]) for j in range(k)])
+    return logprobs, tops

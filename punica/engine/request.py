@@ -33,19 +33,13 @@ class Request:
     status: Status = Status.WAITING
     output_token_ids: list[int] = field(default_factory=list)  # the last num_pending are PENDING
     num_pending: int = 0
-    output_logprobs: list[float] = field(default_factory=list)
-    output_top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)  # (token, logprob), best first
-    # prompt logprobs (params.prompt_logprobs): per prompt token, from its first (None); those of
-    # steps whose copy to the host may still be under way wait in prompt_logprob_chunks
-    prompt_logprobs: list[float | None] = field(default_factory=list)
-    prompt_top_logprobs: list[list[tuple[int, float]] | None] = field(default_factory=list)
-    prompt_logprob_chunks: list = field(default_factory=list)  # (punica.engine.prompt_logprobs.Chunk, row, count)
-    num_prompt_logprobs: int = 0         # prompt tokens whose logprob is computed, those in chunks included
+    # prompt tokens whose logprob (params.prompt_logprobs) a launched step computes or computed; the
+    # first has none and counts from the start
+    num_prompt_logprobs: int = 0
     matcher: object = None               # its grammar's xgrammar.GrammarMatcher (structured outputs), or None
     logit_bias_tensors: object = None    # its logit_bias as host tensors, made at its first step (engine.sampler)
     pages: list[int] = field(default_factory=list)
-    num_cached: int = 0                  # tokens whose K/V are in the cache
-    num_scheduled: int = 0               # tokens the scheduled step computes (a prompt chunk, or 1 to decode)
+    num_cached: int = 0                  # tokens whose K/V are in the cache (or computed by a launched step)
     page_digests: list[bytes] = field(default_factory=list)  # prefix-cache names of its full pages (kv_cache)
     num_pages_cached: int = 0            # its first pages that are in the prefix cache
     num_cached_prompt_tokens: int = 0    # prompt tokens the prefix cache held when it was first admitted
@@ -76,19 +70,21 @@ class Request:
         """It asks for prompt logprobs, and some of them are still to be computed."""
         return self.params.prompt_logprobs is not None and self.num_prompt_logprobs < len(self.prompt_token_ids)
 
-    def prompt_rows(self) -> tuple[int, int]:
-        """(first position, count) of its scheduled positions whose logits give prompt logprobs still
-        missing (position p gives token p + 1's: punica.engine.prompt_logprobs)."""
+    def prompt_rows(self, num_scheduled: int) -> tuple[int, int]:
+        """(first position, count) of the positions a step computing its next `num_scheduled` tokens
+        runs whose logits give prompt logprobs still missing (position p gives token p + 1's:
+        punica.engine.prompt_logprobs)."""
         if not self.needs_prompt_logprobs:
             return 0, 0
         first = max(self.num_cached, self.num_prompt_logprobs - 1)
-        end = min(self.num_cached + self.num_scheduled, len(self.prompt_token_ids) - 1)
+        end = min(self.num_cached + num_scheduled, len(self.prompt_token_ids) - 1)
         return first, max(0, end - first)
 
-    def num_logits(self) -> int:
-        """How many of its scheduled rows, ending at its last, get logits in the step."""
-        first, count = self.prompt_rows()
-        return self.num_cached + self.num_scheduled - first if count else 1
+    def num_logits(self, num_scheduled: int) -> int:
+        """How many of the rows of a step computing its next `num_scheduled` tokens, ending at its
+        last, get logits."""
+        first, count = self.prompt_rows(num_scheduled)
+        return self.num_cached + num_scheduled - first if count else 1
 
     @property
     def finished(self) -> bool:

@@ -1,5 +1,13 @@
 """Continuous-batching scheduler (torch-free), with chunked prefill, prefix caching, and tenants.
 
+The scheduler owns its requests' state. `schedule` plans a step (a frozen SchedulerOutput: which
+requests run how many tokens, in the order of the step's rows); `launched` records that the step
+ran on the device (its tokens count as cached; each request that reached its last token holds a
+PENDING output token); `update_from_output` puts the sampled values once they are on the host, ends
+requests at a stop token, their grammar's end or their length, and frees them. Steps overlap (the
+engine plans step t+1 before step t's tokens reach the host), so several outputs can be launched and
+not yet updated: each is matched to the requests it planned, whatever became of them since.
+
 Each step computes at most `max_num_batched_tokens` tokens. The running requests are first ranked
 by the waiting queue (punica.engine.waiting: in admission order for `FcfsQueue`; for the fair share
 of punica.engine.fair_share, by their tenants' service, least first): the rank says who keeps its
@@ -35,28 +43,21 @@ nothing starves. `release` is called when an admitted request leaves the batch.
 
 from __future__ import annotations
 
+import itertools
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from punica.config import ceil_div
 from punica.engine.kv_cache import PageAllocator
-from punica.engine.request import Request, Status
+from punica.engine.request import PENDING, Request, Status
+from punica.engine.scheduler_output import RequestUpdate, SampledTokens, SchedulerOutput
 from punica.engine.tenancy import TenantStats
 from punica.engine.waiting import FcfsQueue, WaitingQueue, key_of
 
-
-@dataclass(frozen=True)
-class ScheduledBatch:
-    prefills: list[Request]   # run request.num_scheduled of their uncached tokens each
-    decodes: list[Request]    # run one token each
-    preempted: list[Request]  # sent back to the queue this step
-
-    @property
-    def requests(self) -> list[Request]:
-        return self.prefills + self.decodes
-
-    def __bool__(self) -> bool:
-        return bool(self.prefills or self.decodes)
+NON_FINITE = ("the model's output for this request is not finite (NaN or inf): its activations overflowed, "
+              "e.g. through its adapter's weights")
+GRAMMAR_REJECTED = "the sampled token does not match this request's structured_outputs constraint"
 
 
 @dataclass
@@ -69,34 +70,46 @@ def is_decode(request: Request) -> bool:
     return request.num_tokens - request.num_cached == 1
 
 
+def by_slot(row: tuple[Request, int]) -> int:
+    return row[0].slot
+
+
 class Scheduler:
     def __init__(self, allocator: PageAllocator, max_batch_size: int, max_num_batched_tokens: int,
                  chunked_prefill: bool = True,
                  acquire: Callable[[Request], bool] = lambda request: True,
                  release: Callable[[Request], None] = lambda request: None,
-                 waiting: WaitingQueue | None = None):
+                 waiting: WaitingQueue | None = None,
+                 eos_token_ids: frozenset[int] = frozenset(), max_model_len: int | None = None):
         self.allocator = allocator
         self.acquire, self.release = acquire, release
         self.max_batch_size = max_batch_size
         self.max_num_batched_tokens = max_num_batched_tokens
         self.chunked_prefill = chunked_prefill
+        self.eos_token_ids = eos_token_ids  # end a request (unless it ignores EOS)
+        self.max_model_len = max_model_len  # prompt + output tokens of a request at most (None: max_tokens only)
         self.waiting = waiting if waiting is not None else FcfsQueue()
+        self.requests: dict[str, Request] = {}  # every request not finished, by id
         self.running: list[Request] = []  # in admission order: the last is the newest
         self.num_preemptions = 0
         self.num_chunked_steps = 0        # steps that ran a prompt chunk short of its prompt's end
         self.prefix_cache: dict[str | None, PrefixCacheCounts] = {}  # per adapter (None: base model)
+        self._steps = itertools.count(1)
+        self._planned: dict[int, tuple[Request, ...]] = {}  # the rows' requests of outputs not yet updated
         # during `schedule`: the running requests ranked (the last is preempted first), and the
         # pages each tenant's running requests hold
         self._ranked: list[Request] = []
         self._held: dict[str | None, int] = {}
 
     def add(self, request: Request) -> None:
+        self.requests[request.request_id] = request
         self.waiting.add(request)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def schedule(self) -> ScheduledBatch:
+    # planning a step -----------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
         self._held = {}
         for request in self.running:
             self.allocator.cache_full_pages(request)
@@ -109,24 +122,43 @@ class Scheduler:
                 self._make_room(request, preempted)
         decodes = [r for r in decodes if r.status is Status.RUNNING]
         for request in decodes:
-            request.num_scheduled = 1
             self.waiting.charge(request, 1)
-        if self.chunked_prefill:
-            budget = max(0, self.max_num_batched_tokens - len(decodes))
-        else:
-            budget = self.max_num_batched_tokens
-        prefills = []
+        budget = self._prompt_budget(len(decodes))
+        prefills: list[tuple[Request, int]] = []
         for request in [r for r in self._ranked if not is_decode(r)]:
             if budget == 0:
                 break
-            if request.status is Status.RUNNING and self._grow_prompt(request, budget, preempted):
-                prefills.append(request)
-                budget -= request.num_scheduled
+            if request.status is Status.RUNNING and (chunk := self._grow_prompt(request, budget, preempted)):
+                prefills.append((request, chunk))
+                budget -= chunk
         prefills += self._admit(budget)
-        if any(r.num_cached + r.num_scheduled < r.num_tokens for r in prefills):
+        if any(r.num_cached + chunk < r.num_tokens for r, chunk in prefills):
             self.num_chunked_steps += 1
         self._ranked, self._held = [], {}
-        return ScheduledBatch(prefills, decodes, preempted)
+        return self._output(sorted(prefills, key=by_slot), sorted(((r, 1) for r in decodes), key=by_slot), preempted)
+
+    def _prompt_budget(self, num_decodes: int) -> int:
+        """The prompt tokens the step may compute beside its `num_decodes` decodes."""
+        if self.chunked_prefill:
+            return max(0, self.max_num_batched_tokens - num_decodes)
+        return self.max_num_batched_tokens
+
+    def _output(self, prefills: list[tuple[Request, int]], decodes: list[tuple[Request, int]],
+                preempted: list[Request]) -> SchedulerOutput:
+        rows = prefills + decodes
+        output = SchedulerOutput(
+            step=next(self._steps), request_ids=tuple(r.request_id for r, _ in rows),
+            num_computed=tuple(r.num_cached for r, _ in rows), num_scheduled=tuple(n for _, n in rows),
+            num_prefills=len(prefills),
+            sampling_rows=tuple(row for row, (r, n) in enumerate(rows) if r.num_cached + n == r.num_tokens),
+            preempted_ids=tuple(r.request_id for r in preempted))
+        if rows:
+            self._planned[output.step] = tuple(r for r, _ in rows)
+        return output
+
+    def requests_of(self, output: SchedulerOutput) -> tuple[Request, ...]:
+        """The requests of an output's rows (not yet updated), whatever became of them since."""
+        return self._planned.get(output.step, ())
 
     def can_grow_running(self) -> bool:
         """Whether every running decode can take its next token without a preemption, for want of
@@ -147,6 +179,18 @@ class Scheduler:
                 return False
         return True
 
+    def may_run_ahead(self, output: SchedulerOutput) -> bool:
+        """Whether the next step can be planned before the tokens `output` sampled are on the host:
+        not when one of its requests reads its output tokens to sample (penalties) or is certain to
+        end by length (it must leave the batch), nor when a running decode would need a preemption
+        (the victim is recomputed from its tokens)."""
+        rows = self.requests_of(output)
+        for request in (rows[row] for row in output.sampling_rows):
+            if not request.finished and (request.params.uses_penalties
+                                         or self.ends_by_length(request, len(request.output_token_ids))):
+                return False
+        return self.can_grow_running()
+
     def _make_room(self, request: Request, preempted: list[Request]) -> None:
         """Grow a decode by its next token, preempting the last ranked running requests (perhaps
         itself) until it fits."""
@@ -157,9 +201,10 @@ class Scheduler:
                 return
         self._grow(request, request.num_tokens)
 
-    def _grow_prompt(self, request: Request, budget: int, preempted: list[Request]) -> bool:
+    def _grow_prompt(self, request: Request, budget: int, preempted: list[Request]) -> int:
         """Grow a running prompt by its next chunk (at most `budget` tokens), preempting prompts
-        ranked after it, never a decode, and shrinking the chunk to the pages left; False if none is left."""
+        ranked after it, never a decode, and shrinking the chunk to the pages left; the chunk, 0 if
+        no page is left."""
         chunk = min(request.num_tokens - request.num_cached, budget)
         while (victim := self._victim(request, request.num_cached + chunk)) is not None:
             if victim is request or is_decode(victim):
@@ -168,12 +213,10 @@ class Scheduler:
             self._preempt(victim)
             preempted.append(victim)
         if chunk <= 0:
-            return False
+            return 0
         self._grow(request, request.num_cached + chunk)
-        request.num_scheduled = chunk
         self.waiting.charge(request, chunk)
-        return True
-
+        return chunk
     def _victim(self, request: Request, num_tokens: int) -> Request | None:
         """The running request to preempt before `request` may hold `num_tokens` tokens, None if it
         may: its tenant's last ranked when the tenant would go over its max_kv_tokens, else the last
@@ -218,8 +261,10 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.preempted(request)
 
-    def _admit(self, budget: int) -> list[Request]:
-        admitted: list[Request] = []
+    def _admit(self, budget: int) -> list[tuple[Request, int]]:
+        """Admit waiting requests in the queue's order while the batch has room, pages suffice and the
+        budget lasts: (request, its first chunk) of each."""
+        admitted: list[tuple[Request, int]] = []
         page_size = self.allocator.page_size
         passed: set[Request] = set()        # waiting for their adapter: those behind them go ahead
         blocked: set[str | None] = set()    # tenants at their max_kv_tokens: others go ahead
@@ -254,17 +299,94 @@ class Scheduler:
             counts.hit_tokens += computed
             if not request.num_preemptions:
                 request.num_cached_prompt_tokens = computed
-            request.num_scheduled = chunk
             self.waiting.charge(request, chunk)
             request.status = Status.RUNNING
             self.running.append(request)
             self._ranked.append(request)
-            admitted.append(request)
+            admitted.append((request, chunk))
             budget -= chunk
         return admitted
 
-    def finish(self, request: Request, reason: str) -> None:
-        """Mark finished (or aborted) and release its pages, wherever it is; the KV of a request
+    # a launched step ------------------------------------------------------------------------
+    def launched(self, output: SchedulerOutput) -> None:
+        """The step of `output` runs on the device: the tokens of its rows count as cached, and each
+        row that samples gives its request an output token, PENDING until `update_from_output` puts
+        its value. A request that ended since it was planned is left as it is."""
+        rows = self.requests_of(output)
+        for request, num_scheduled in zip(rows, output.num_scheduled):
+            if not request.finished:
+                request.num_prompt_logprobs += request.prompt_rows(num_scheduled)[1]
+                request.num_cached += num_scheduled
+        for request in (rows[row] for row in output.sampling_rows):
+            if not request.finished:
+                request.output_token_ids.append(PENDING)
+                request.num_pending += 1
+
+    def update_from_output(self, output: SchedulerOutput, sampled: SampledTokens) -> list[RequestUpdate]:
+        """Put the values of a launched step's sampled tokens, each into its request's oldest PENDING
+        token, and end the requests that stop there: at a stop token or EOS, at their grammar's end
+        ("stop"), at max_tokens or the context ("length"), or at a row that could not be sampled or
+        that their grammar rejects (finish_reason "error"). A request that ended while its row ran
+        gets nothing (its id may name a new request by now). One update per prompt logprobs computed
+        and per token, in that order."""
+        rows = self._planned.pop(output.step, ())
+        updates = [RequestUpdate(rows[row], prompt_logprobs=part)
+                   for row, part in sampled.prompt_logprobs.items() if not rows[row].finished]
+        now = time.monotonic()
+        for row, token, ok, logprob, top in zip(output.sampling_rows, sampled.token_ids, sampled.ok,
+                                                sampled.logprobs, sampled.top_logprobs):
+            request = rows[row]
+            if request.finished:
+                continue
+            if not ok:
+                updates.append(self._fail(request, NON_FINITE, now))
+            elif request.matcher is not None and not request.matcher.accept_token(token):
+                updates.append(self._fail(request, GRAMMAR_REJECTED, now))
+            else:
+                self._append(request, token, now)
+                updates.append(RequestUpdate(request, token, logprob, top))
+        return updates
+
+    def _append(self, request: Request, token: int, now: float) -> None:
+        num_out = len(request.output_token_ids) - request.num_pending + 1
+        request.output_token_ids[num_out - 1] = token
+        request.num_pending -= 1
+        if request.first_token_time is None:
+            request.first_token_time = now
+        p = request.params
+        if ((request.matcher is not None and request.matcher.is_terminated()) or token in p.stop_token_ids
+                or (token in self.eos_token_ids and not p.ignore_eos)):
+            self.finish(request, "stop", now)
+        elif self.ends_by_length(request, num_out):
+            self.finish(request, "length", now)
+
+    def ends_by_length(self, request: Request, num_out: int) -> bool:
+        """Whether the request is done once it has `num_out` output tokens (max_tokens or the context)."""
+        return (num_out >= request.params.max_tokens
+                or (self.max_model_len is not None and len(request.prompt_token_ids) + num_out >= self.max_model_len))
+
+    def fail(self, output: SchedulerOutput, error: str) -> list[RequestUpdate]:
+        """End the requests of a step that failed to run, or whose tokens could not be read, with
+        finish_reason "error"."""
+        now = time.monotonic()
+        rows = self._planned.pop(output.step, ())
+        return [self._fail(request, error, now) for request in rows if not request.finished]
+
+    def _fail(self, request: Request, error: str, now: float) -> RequestUpdate:
+        self.finish(request, "error", now)
+        return RequestUpdate(request, error=error)
+
+    def stop(self, request: Request) -> None:
+        """End a request at its last token whose value is known: its text reached a stop string (the
+        output processor's finding). finish_reason "stop", also when that token ended it by length."""
+        if request.finished:
+            request.finish_reason = "stop"
+        else:
+            self.finish(request, "stop", time.monotonic())
+
+    def finish(self, request: Request, reason: str, finish_time: float | None = None) -> None:
+        """End a request wherever it is (aborted, stopped, failed): drop its output tokens still
+        PENDING (rows run past its end) and release its pages and adapter slot; the KV of a request
         that failed stays out of the prefix cache."""
         if request in self.running:
             self.running.remove(request)
@@ -272,9 +394,12 @@ class Scheduler:
             self.waiting.left_batch(request)
         elif request in self.waiting:
             self.waiting.remove(request)
+        del request.output_token_ids[len(request.output_token_ids) - request.num_pending:]
+        request.num_pending = 0
         self.allocator.free(request, cache=reason != "error")
         request.status = Status.FINISHED
-        request.finish_reason = reason
+        request.finish_reason, request.finish_time = reason, finish_time
+        del self.requests[request.request_id]
 
     def tenant_stats(self) -> dict[str | None, TenantStats]:
         return self.waiting.stats(self.running, self.allocator.page_size)

@@ -1,9 +1,10 @@
 """StepInput: everything the model needs to run one step, as plain host arrays, built once per step.
 
-The scheduler's batch (prefill requests first, then decodes, each group in the engine's order)
-becomes one StepInput, which every way of running a step consumes as it is: the eager runner
-copies it to the device, a CUDA-graph bucket pads it into its static buffers, and tensor-parallel
-ranks receive it through their pipes. Nothing downstream looks at requests.
+The scheduler's plan (punica.engine.scheduler_output.SchedulerOutput: prefill requests first, then
+decodes, each group in adapter-slot order) becomes one StepInput, which every way of running a step
+consumes as it is: the eager runner copies it to the device, a CUDA-graph bucket pads it into its
+static buffers, and tensor-parallel ranks receive it through their pipes. Nothing downstream looks
+at requests.
 
 Per token (T = num_tokens, prefill tokens first, then one per decode):
     token_ids    int64  the token (a placeholder where fed_rows >= 0)
@@ -137,18 +138,19 @@ class StepInput:
                    page_table=page_table, num_prefills=num_prefills, num_logits=logits)
 
     @classmethod
-    def from_requests(cls, prefills: list, decodes: list, page_size: int, fed_rows: list[int] | None = None
-                      ) -> StepInput:
-        """The step of these requests (punica.engine.request.Request): each prefill runs the
-        num_scheduled tokens after its cached ones, each decode its last token; a request that asks
-        for prompt logprobs gets the logits of the rows that give them."""
-        requests = prefills + decodes
-        new_tokens = [r.token_ids[r.num_cached:r.num_cached + r.num_scheduled] for r in prefills]
+    def from_requests(cls, requests: list, num_scheduled: tuple[int, ...], num_prefills: int, page_size: int,
+                      fed_rows: list[int] | None = None) -> StepInput:
+        """The step of these requests (punica.engine.request.Request), as a SchedulerOutput lays its
+        rows out: the first `num_prefills` run the `num_scheduled` tokens after their cached ones, the
+        others (decodes) their last token; a request that asks for prompt logprobs gets the logits
+        of the rows that give them."""
+        prefills, decodes = requests[:num_prefills], requests[num_prefills:]
+        new_tokens = [r.token_ids[r.num_cached:r.num_cached + n] for r, n in zip(prefills, num_scheduled)]
         new_tokens += [[r.last_token_id] for r in decodes]
         cached = [r.num_cached for r in prefills] + [r.num_tokens - 1 for r in decodes]
         return cls.build(new_tokens, cached, [r.pages for r in requests], [r.slot for r in requests],
-                         len(prefills), page_size, fed_rows, [r.params.lora_scale for r in requests],
-                         [r.num_logits() for r in prefills] + [1] * len(decodes))
+                         num_prefills, page_size, fed_rows, [r.params.lora_scale for r in requests],
+                         [r.num_logits(n) for r, n in zip(prefills, num_scheduled)] + [1] * len(decodes))
 
     # device views --------------------------------------------------------------------------
     def attn_batch(self, device: torch.device | str) -> AttnBatch:

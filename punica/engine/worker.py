@@ -1,6 +1,7 @@
 """ModelWorker: one process's part of running steps: the model (or its tensor-parallel shard), its
-KV cache, its LoRA pool and the runner over them. An executor drives one worker per process (one,
-or one per tensor-parallel rank); it knows nothing of requests, only StepInputs and adapter slots.
+KV cache, its LoRA pool and the runner over them. An executor runs steps on one worker's runner per
+process (one, or one per tensor-parallel rank); it knows nothing of requests, only StepInputs and
+adapter slots.
 """
 
 from __future__ import annotations
@@ -9,7 +10,6 @@ import torch
 
 from punica.config import EngineConfig, ModelConfig, ceil_div
 from punica.engine.runner import ModelRunner, kv_bytes_per_token
-from punica.engine.step_input import StepInput
 from punica.lora.layers import attach_pool
 from punica.lora.pool import LoraPool
 from punica.models.decoder import DecoderForCausalLM
@@ -52,13 +52,6 @@ class ModelWorker:
         self.runner = ModelRunner(model, num_pages, config.page_size, config.max_batch_size,
                                   context_limit(model.config, config, num_pages), eager=config.enforce_eager,
                                   kv_cache_dtype=config.kv_cache_dtype)
-
-    def run(self, step: StepInput) -> torch.Tensor:
-        """Logits [step.num_logits.sum(), V] float32 (see ModelRunner.run)."""
-        return self.runner.run(step)
-
-    def keep_sampled(self, tokens: torch.Tensor) -> None:
-        self.runner.keep_sampled(tokens)
 
     @property
     def uses_cuda_graphs(self) -> bool:

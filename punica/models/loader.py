@@ -97,14 +97,10 @@ class DummyWeights:
     seed: int = 0
 
 
-def empty_model(config: ModelConfig, dtype: torch.dtype, device: torch.device | str,
-                shard: ShardFn | None = None, weight_format: Fp8Format | None = None) -> DecoderForCausalLM:
-    """The model (or the shard `shard` makes of it) with uninitialised storage on `device`, allocated once."""
-    return _empty_model(config, dtype, device, shard, weight_format)[0]
-
-
 def _empty_model(config: ModelConfig, dtype: torch.dtype, device: torch.device | str, shard: ShardFn | None,
                  weight_format: Fp8Format | None = None) -> tuple[DecoderForCausalLM, dict[str, Shard]]:
+    """The model (or the shard `shard` makes of it) with uninitialised storage on `device`, allocated
+    once, and the shards `shard` made."""
     if weight_format is not None:
         check_fused_blocks(config, weight_format)
     model = DecoderForCausalLM(config, dtype=dtype, device="meta", weight_format=weight_format)

@@ -82,7 +82,7 @@ class TensorParallelExecutor:
         assert not step.any_fed, "a tensor-parallel step reads every token from the host"
         self.workers.send(("step", step))
         try:
-            return self.worker.run(step)
+            return self.worker.runner.run(step)
         except Exception as e:  # the workers ran (or wait in) this step: the group cannot go on
             raise self.workers.fail(e) from e
 

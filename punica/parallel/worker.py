@@ -77,7 +77,7 @@ def serve(conn: Connection, worker: ModelWorker) -> None:
     while True:
         message = conn.recv()
         if message[0] == "step":
-            worker.run(message[1])
+            worker.runner.run(message[1])
         elif message[0] == "write":
             _, slot, scale = message
             if conn.recv_bytes_into(staging.view(torch.uint8).numpy()) != staging.nbytes:

@@ -6,7 +6,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from punica.config import described
+from punica.cluster.policy import PolicyConfig
+from punica.config import check_bounds, described, field_of
 
 # 8 MiB holds the longest context punica serves (131,072 tokens) as text at 64 bytes a token
 # (English averages about 4, JSON-escaped non-ASCII text up to about 24) or as token ids
@@ -65,10 +66,7 @@ class ServerArgs:
                                               "with room; adapter-aware: workers holding the request's adapter "
                                               "first; round-robin; least-loaded)",
                                     choices=CLUSTER_POLICIES)
-    max_packed_kv_tokens: int | None = described(None, "with --workers: KV-aware packing, a busy worker takes a "
-                                                       "request only while its KV in use stays within this many "
-                                                       "tokens (bounds a packed worker's KV read per step; an idle "
-                                                       "worker takes any request; default: no bound)")
+    max_packed_kv_tokens: int | None = field_of(PolicyConfig, "max_packed_kv_tokens")
     shutdown_timeout: float = described(DEFAULT_SHUTDOWN_TIMEOUT_S, "on SIGTERM, seconds in-flight requests may "
                                                                     "still run before they end with finish_reason "
                                                                     "'abort'")
@@ -97,8 +95,7 @@ class ServerArgs:
         if self.cluster_policy not in CLUSTER_POLICIES:
             raise ValueError(f"cluster_policy must be one of {', '.join(CLUSTER_POLICIES)}, "
                              f"got {self.cluster_policy!r}")
-        if self.max_packed_kv_tokens is not None and self.max_packed_kv_tokens < 1:
-            raise ValueError(f"max_packed_kv_tokens must be >= 1 tokens, got {self.max_packed_kv_tokens}")
+        check_bounds(self)
         if self.tenants is not None and (self.api_key is not None or self.admin_api_key is not None):
             raise ValueError("--tenants holds the API keys: give no --api-key or --admin-api-key (nor "
                              "$PUNICA_API_KEY or $PUNICA_ADMIN_API_KEY) with it")

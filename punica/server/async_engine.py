@@ -126,7 +126,7 @@ class AsyncEngine:
         return self.engine.has_adapter(name)
 
     async def adapter_residency(self) -> dict:
-        return engine_listing(await self.call(self.engine.adapters.snapshot))
+        return engine_listing(await self.call(self.engine.adapter_snapshot))
 
     def num_waiting(self) -> int:
         """Requests queued in the engine, and those waiting for their grammars to enter it."""
@@ -136,7 +136,7 @@ class AsyncEngine:
         """Read the adapter once (so a broken one fails here, one over the engine's rank before its
         tensors are read), then register it."""
         config = self.engine.config
-        await asyncio.to_thread(load_adapter, path, self.engine.executor.model_config, name,
+        await asyncio.to_thread(load_adapter, path, self.engine.model_config, name,
                                 adapter_dirs=config.adapter_dirs, max_rank=config.max_lora_rank)
         await self.call(lambda: self.engine.load_adapter(name, path))
 

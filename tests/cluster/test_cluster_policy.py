@@ -187,16 +187,48 @@ def test_serve_max_packed_kv_tokens_is_checked_and_reaches_the_ray_policy(capsys
     from punica.server.args import ServerArgs
     from punica.server.serve import build_state
 
-    with pytest.raises(ValueError, match="max_packed_kv_tokens must be >= 1 tokens, got 0"):
+    with pytest.raises(ValueError, match="max_packed_kv_tokens must be >= 1, got 0"):
         ServerArgs(max_packed_kv_tokens=0)
     with pytest.raises(SystemExit):
         build_parser().parse_args(["serve", "--max-packed-kv-tokens", "many"])
     assert "--max-packed-kv-tokens: invalid int value: 'many'" in capsys.readouterr().err
-    assert main(["serve", "--max-packed-kv-tokens", "-5"]) == 2   # refused before anything starts
-    assert "max_packed_kv_tokens must be >= 1 tokens, got -5" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:
+        main(["serve", "--max-packed-kv-tokens", "-5"])   # refused before anything starts
+    assert e.value.code == 2
+    assert "argument --max-packed-kv-tokens: must be >= 1, got -5" in capsys.readouterr().err
     with pytest.raises(ValueError, match="needs --workers N"):
         build_state(EngineArgs(), server=ServerArgs(max_packed_kv_tokens=14000))
     monkeypatch.setattr(ray, "cluster_resources", lambda: {})   # no Ray started: only the policy is built
     engine = build_cluster_engine(EngineArgs(workers=2), {}, policy="adapter-aware", max_packed_kv_tokens=14000)
     assert engine.policy.name == "adapter-aware" and engine.policy.config.max_packed_kv_tokens == 14000
     assert build_cluster_engine(EngineArgs(workers=2), {}).policy.config.max_packed_kv_tokens is None
+
+
+def test_simulate_has_a_flag_for_every_described_policy_setting_and_serve_shares_max_packed_kv_tokens():
+    from dataclasses import fields
+
+    from punica.cli import build_parser
+    from punica.config import from_arguments
+    from punica.server.args import ServerArgs
+
+    args = build_parser().parse_args(["simulate", "--out", "x", "--max-batch-size", "16", "--light-load-batch", "4",
+                                      "--idle-release-s", "5", "--max-loras", "3", "--max-gpus-per-adapter", "2",
+                                      "--max-packed-kv-tokens", "9000", "--scale-ahead"])
+    assert from_arguments(PolicyConfig, args) == PolicyConfig(16, 4, 5.0, max_loras=3, max_gpus_per_adapter=2,
+                                                              max_packed_kv_tokens=9000, scale_ahead=True)
+    described = [f.name for f in fields(PolicyConfig) if "help" in f.metadata]
+    assert len(described) == 7 and all(hasattr(args, name) for name in described)
+    defaults = build_parser().parse_args(["simulate", "--out", "x"])
+    assert from_arguments(PolicyConfig, defaults) == PolicyConfig()
+    shared = {f.name: f for f in fields(ServerArgs)}["max_packed_kv_tokens"]
+    assert shared.metadata == {f.name: f for f in fields(PolicyConfig)}["max_packed_kv_tokens"].metadata
+
+
+@pytest.mark.parametrize("config, message", [
+    (dict(min_gpus=-1), "min_gpus must be >= 0, got -1"),
+    (dict(idle_release_s=float("nan")), "idle_release_s must be >= 0, got nan"),
+    (dict(max_batch_size=4, light_load_batch=5), r"light_load_batch must be in \[1, 4\], got 5"),
+])
+def test_a_policy_setting_out_of_its_bounds_is_refused_by_name(config, message):
+    with pytest.raises(ValueError, match=message):
+        PolicyConfig(**config)

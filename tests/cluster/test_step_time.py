@@ -1,6 +1,7 @@
-"""step_time.measure on a real Engine whose executor costs a known time per step (on a fake clock):
-the fitted model must recover that cost exactly, and overlapped engines are refused; the shipped
-models load by name, and a JSON file with a misspelt field is refused."""
+"""The benchmark's measurement loop (benchmarks.cluster_step_time.measure) on a real Engine whose
+executor costs a known time per step (on a fake clock): the fitted model must recover that cost
+exactly, and overlapped engines are refused; the shipped models load by name, and a JSON file with
+a misspelt field is refused."""
 
 import json
 import subprocess
@@ -10,7 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from punica.cluster.step_time import CPU_SMOLLM2, DEFAULT_MODEL, Sample, StepTimeModel, fit, load_model, measure
+from benchmarks.cluster_step_time import measure
+from punica.cluster.step_time import CPU_SMOLLM2, DEFAULT_MODEL, Sample, StepTimeModel, fit, load_model
 from punica.config import EngineConfig, ModelConfig
 from punica.engine.engine import Engine
 from punica.lora.pool import LoraPool

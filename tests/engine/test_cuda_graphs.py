@@ -22,14 +22,15 @@ def test_decode_batch_sizes():
 
 def prefill(num_tokens: int, num_cached: int = 0) -> Request:
     request = Request("r", list(range(num_tokens)), SamplingParams())
-    request.num_cached, request.num_scheduled = num_cached, num_tokens - num_cached
+    request.num_cached = num_cached
     return request
 
 
 def step_of(prefills: list[Request], decodes: list[Request]) -> StepInput:
     for request in prefills + decodes:
         request.pages = list(range(ceil_div(request.num_tokens, 4)))
-    return StepInput.from_requests(prefills, decodes, page_size=4)
+    num_scheduled = [r.num_tokens - r.num_cached for r in prefills + decodes]
+    return StepInput.from_requests(prefills + decodes, num_scheduled, len(prefills), page_size=4)
 
 
 def test_bucket_fits_and_order():
@@ -54,7 +55,7 @@ def test_bucket_fits_and_order():
 def scheduled_step(workload, greedy):
     """The function `scheduled_step(engine, num_decodes, new_prompts)`: requests of mixed adapters
     until `num_decodes` run; then add `new_prompts`: the next batch, and the rows of its decodes'
-    last tokens among the tokens the engine's last step sampled."""
+    last tokens among the tokens the engine's last step sampled, and the tokens each request runs."""
     def scheduled_step(engine, num_decodes, new_prompts):
         for prompt, adapter, _ in workload(max(num_decodes, 4), seed=3)[:num_decodes]:
             engine.add_request(prompt, greedy(30), adapter)
@@ -65,13 +66,16 @@ def scheduled_step(workload, greedy):
         for i, length in enumerate(new_prompts):
             adapter = [None, "a", "c"][i % 3] if num_decodes >= 4 else None  # resident: admitted at once
             engine.add_request(list(range(3, 3 + length)), greedy(30), adapter)
-        batch = engine.scheduler.schedule()
-        assert len(batch.prefills) == len(new_prompts) and len(batch.decodes) == num_decodes
-        decodes = sorted(batch.decodes, key=lambda r: r.slot)
+        output = engine.scheduler.schedule()
+        rows = list(engine.scheduler.requests_of(output))
+        prefills, decodes = rows[:output.num_prefills], rows[output.num_prefills:]
+        assert len(prefills) == len(new_prompts) and len(decodes) == num_decodes
+        assert [r.slot for r in prefills] == sorted(r.slot for r in prefills), "in adapter-slot order"
+        assert [r.slot for r in decodes] == sorted(r.slot for r in decodes), "in adapter-slot order"
         in_flight = engine.requests_in_flight()
         fed = [in_flight.index(r) for r in decodes] if in_flight else None
         assert all(r.output_token_ids[-1] == PENDING for r in decodes), "their last tokens are on the device only"
-        return sorted(batch.prefills, key=lambda r: r.slot), decodes, fed
+        return prefills, decodes, fed, output.num_scheduled
 
     return scheduled_step
 
@@ -84,8 +88,8 @@ def scheduled_step(workload, greedy):
 ])
 def test_static_batch_matches_eager_step(setup, bucket, num_decodes, new_prompts, make_engine, scheduled_step):
     engine = make_engine(setup, max_batch_size=16, kv_cache_tokens=1024)
-    prefills, decodes, fed = scheduled_step(engine, num_decodes, new_prompts)
-    step = StepInput.from_requests(prefills, decodes, engine.config.page_size, fed)
+    prefills, decodes, fed, num_scheduled = scheduled_step(engine, num_decodes, new_prompts)
+    step = StepInput.from_requests(prefills + decodes, num_scheduled, len(prefills), engine.config.page_size, fed)
     assert bucket.fits(step)
     if len(decodes) >= 4:
         assert {r.slot for r in decodes} >= {-1, 0, 1, 2}, "a base row and every adapter in the batch"

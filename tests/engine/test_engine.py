@@ -160,7 +160,7 @@ def test_a_step_that_can_run_nothing_sleeps_so_adapter_reads_get_the_gil(setup, 
     """Every queued request waits for its adapter's read: `step` sleeps (releasing the GIL to the
     reader threads) instead of returning at once, so a caller's tight `while has_unfinished():
     step()` loop cannot starve the reads; the request then runs as usual."""
-    from punica.engine import engine as engine_module
+    from punica.engine import core as engine_module
     from punica.lora.manager import AdapterManager
 
     read_may_finish = threading.Event()
@@ -206,3 +206,21 @@ def test_a_dropped_engine_frees_its_kv_cache_without_the_garbage_collector(setup
         assert kv_cache() is None, "a reference cycle keeps the engine alive"
     finally:
         gc.enable()
+
+
+def test_the_server_and_the_cluster_worker_use_the_engines_methods_not_its_parts(setup, make_engine):
+    """Nothing outside punica.engine reaches into an engine's adapter manager, executor, scheduler,
+    allocator, core or output processor; what they need, Engine's methods give."""
+    import re
+
+    import punica
+
+    root = Path(punica.__file__).parent
+    parts = re.compile(r"(?<!punica\.)\bengine\.(adapters|executor|scheduler|allocator|core|outputs)\b")
+    outside = [p for p in root.rglob("*.py") if p.relative_to(root).parts[0] != "engine"]
+    offenders = [f"{p.relative_to(root)}:{i}" for p in outside
+                 for i, line in enumerate(p.read_text().splitlines(), 1) if parts.search(line)]
+    assert not offenders
+    engine = make_engine(setup)
+    assert engine.model_config is engine.executor.model_config
+    assert engine.adapter_snapshot() == engine.adapters.snapshot() and engine.held_adapters() == []

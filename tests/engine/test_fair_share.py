@@ -12,6 +12,7 @@ from punica.engine.kv_cache import PageAllocator, namespace
 from punica.engine.request import Request, Status
 from punica.engine.sampling_params import SamplingParams
 from punica.engine.scheduler import Scheduler, is_decode
+from punica.engine.scheduler_output import SampledTokens
 from punica.engine.tenancy import TenantLimitError, TenantShare
 from punica.engine.waiting import FcfsQueue
 
@@ -23,16 +24,36 @@ def request(tenant, prompt_len=8, max_tokens=8, tokens=None):
     return Request(f"{tenant}-{next(NAMES)}", prompt, SamplingParams(max_tokens=max_tokens), tenant=tenant)
 
 
+class Step:
+    """A planned step's rows as requests: prefills, decodes, all, those it preempted, and the tokens
+    each runs."""
+
+    def __init__(self, sched, output):
+        rows = list(sched.requests_of(output))
+        self.output = output
+        self.prefills, self.decodes, self.requests = rows[:output.num_prefills], rows[output.num_prefills:], rows
+        self.preempted = [sched.requests[i] for i in output.preempted_ids]
+        self.num_scheduled = dict(zip(rows, output.num_scheduled))
+
+
+def schedule(sched):
+    return Step(sched, sched.schedule())
+
+
+def finish_step(sched, batch, tokens=None):
+    """What the engine does once the step ran: its tokens are cached, and each request at the end of
+    its tokens gets a token (7, or the next of `tokens`), those at max_tokens finish."""
+    sched.launched(batch.output)
+    n = len(batch.output.sampling_rows)
+    values = [next(tokens) for _ in range(n)] if tokens is not None else [7] * n
+    sched.update_from_output(batch.output, SampledTokens(values, [True] * n, [None] * n, [[]] * n))
+
+
 def run_step(sched):
     """One engine step: schedule, compute the scheduled tokens, sample a token for each request at
     the end of its tokens, finish those at max_tokens. Returns the batch."""
-    batch = sched.schedule()
-    for r in batch.requests:
-        r.num_cached += r.num_scheduled
-        if r.num_cached == r.num_tokens:
-            r.output_token_ids.append(7)
-            if len(r.output_token_ids) >= r.params.max_tokens:
-                sched.finish(r, "length")
+    batch = schedule(sched)
+    finish_step(sched, batch)
     return batch
 
 
@@ -169,7 +190,7 @@ def test_max_kv_tokens_makes_admission_wait_and_growth_preempt_the_tenants_own_n
     batch = run_step(sched)                                   # 8 and 7 tokens: still 2 pages each
     assert batch.decodes == [b0, a0, a1] and not batch.preempted, "b was served least: ranked first"
     assert not sched.can_grow_running(), "the next step preempts (the engine must not run ahead of it)"
-    batch = sched.schedule()                                  # a0 needs a 3rd page: a has none left
+    batch = schedule(sched)                                   # a0 needs a 3rd page: a has none left
     assert batch.preempted == [a1] and batch.decodes == [b0, a0]
     assert queue.tenants["a"].num_running == 1 and a1.status is Status.WAITING and list(queue) == [a1, a2]
 
@@ -229,8 +250,8 @@ def test_fair_scheduling_soak_every_attended_token_holds_its_own_kv_caps_hold_an
                     r.cache_salt = rng.choice([None, "s"])
                     live.append(r)
                     sched.add(r)
-        batch = sched.schedule()
-        assert sum(r.num_scheduled for r in batch.requests) <= budget
+        batch = schedule(sched)
+        assert sum(batch.num_scheduled[r] for r in batch.requests) <= budget
         assert all(is_decode(r) for r in batch.decodes)
         assert all(r.status is Status.RUNNING for r in batch.requests), "nothing scheduled was preempted"
         for tenant, cap in (("flood", 24), ("heavy", 16), ("capped", 5)):
@@ -239,14 +260,13 @@ def test_fair_scheduling_soak_every_attended_token_holds_its_own_kv_caps_hold_an
         for r in batch.requests:
             for pos in range(r.num_cached):
                 assert kv[r.pages[pos // page_size], pos % page_size] == (namespace(r), r.token_ids[pos])
-            for pos in range(r.num_cached, r.num_cached + r.num_scheduled):
+            for pos in range(r.num_cached, r.num_cached + batch.num_scheduled[r]):
                 kv[r.pages[pos // page_size], pos % page_size] = (namespace(r), r.token_ids[pos])
-            r.num_cached += r.num_scheduled
-            if r.num_cached == r.num_tokens:
-                r.output_token_ids.append(rng.randrange(50))
+        finish_step(sched, batch, iter(lambda: rng.randrange(50), None))
         for r in list(live):
-            if r.status is Status.RUNNING and (len(r.output_token_ids) >= r.params.max_tokens or rng.random() < 0.003):
-                sched.finish(r, "length")
+            if r.status is Status.RUNNING and rng.random() < 0.003:
+                sched.finish(r, "abort")
+            if r.finished:
                 live.remove(r)
                 num_finished += 1
     assert num_finished > 800 and sched.num_preemptions > 50 and sched.num_chunked_steps > 50

@@ -10,6 +10,7 @@ from punica.engine.kv_cache import PageAllocator
 from punica.engine.request import Request, Status
 from punica.engine.sampling_params import SamplingParams
 from punica.engine.scheduler import Scheduler, is_decode
+from punica.engine.scheduler_output import SampledTokens
 from punica.lora.manager import Registration
 
 
@@ -22,6 +23,29 @@ def registration(adapter, version):
 def request(name, tokens, adapter=None, version=0):
     return Request(name, list(tokens), SamplingParams(), adapter=adapter,
                    registration=registration(adapter, version) if adapter else None)
+
+
+class Step:
+    """A planned step's rows as requests: prefills, decodes, all, and the tokens each runs."""
+
+    def __init__(self, sched, output):
+        rows = list(sched.requests_of(output))
+        self.output = output
+        self.prefills, self.decodes, self.requests = rows[:output.num_prefills], rows[output.num_prefills:], rows
+        self.num_scheduled = dict(zip(rows, output.num_scheduled))
+
+
+def schedule(sched):
+    return Step(sched, sched.schedule())
+
+
+def run_step(sched, batch, token=lambda: 1):
+    """What the engine does once the step ran: its tokens are cached, and each request at the end of
+    its tokens gets a token (`token()`), those at max_tokens finish."""
+    sched.launched(batch.output)
+    n = len(batch.output.sampling_rows)
+    sched.update_from_output(batch.output, SampledTokens([token() for _ in range(n)], [True] * n, [None] * n,
+                                                         [[]] * n))
 
 
 def computed(alloc, r):
@@ -129,18 +153,15 @@ def test_chunked_prefill_runs_decodes_first_and_prompts_in_budgeted_chunks():
     sched = Scheduler(PageAllocator(64, 4), max_batch_size=4, max_num_batched_tokens=10)
     short = request("short", range(3))
     sched.add(short)
-    sched.schedule()
-    short.num_cached, short.output_token_ids = 3, [1]                # it decodes from now on
+    run_step(sched, schedule(sched))                                 # it decodes from now on
     long = request("long", range(30))
     sched.add(long)
     chunks = []
-    while long.num_cached < long.num_tokens:
-        batch = sched.schedule()
+    while not long.output_token_ids:
+        batch = schedule(sched)
         assert batch.decodes == [short] and batch.prefills == [long]
-        chunks.append(long.num_scheduled)
-        for r in batch.requests:
-            r.num_cached += r.num_scheduled
-        short.output_token_ids.append(1)
+        chunks.append(batch.num_scheduled[long])
+        run_step(sched, batch)
     assert chunks == [9, 9, 9, 3] and sched.num_chunked_steps == 3
 
 
@@ -173,8 +194,8 @@ def test_scheduler_soak_every_attended_token_holds_its_own_kv_and_no_page_leaks(
         if step == 600:                                  # reload: later requests of "a" get new weights
             alloc.drop(registration("a", versions["a"]))
             versions["a"] += 1
-        batch = sched.schedule()
-        assert sum(r.num_scheduled for r in batch.requests) <= 24
+        batch = schedule(sched)
+        assert sum(batch.num_scheduled[r] for r in batch.requests) <= 24
         assert all(is_decode(r) for r in batch.decodes)
         held = [p for r in sched.running for p in r.pages]
         assert len(set(held)) == len(held) or alloc.num_cached, "only cached pages are shared"
@@ -182,14 +203,13 @@ def test_scheduler_soak_every_attended_token_holds_its_own_kv_and_no_page_leaks(
             tokens = r.token_ids
             for pos in range(r.num_cached):
                 assert kv[r.pages[pos // page_size], pos % page_size] == (r.kv_owner, tokens[pos]), r.request_id
-            for pos in range(r.num_cached, r.num_cached + r.num_scheduled):
+            for pos in range(r.num_cached, r.num_cached + batch.num_scheduled[r]):
                 kv[r.pages[pos // page_size], pos % page_size] = (r.kv_owner, tokens[pos])
-            r.num_cached += r.num_scheduled
-            if r.num_cached == r.num_tokens:
-                r.output_token_ids.append(rng.randrange(50))
+        run_step(sched, batch, lambda: rng.randrange(50))
         for r in list(live):
-            if r.status is Status.RUNNING and (len(r.output_token_ids) >= r.params.max_tokens or rng.random() < 0.005):
-                sched.finish(r, "length")
+            if r.status is Status.RUNNING and rng.random() < 0.005:
+                sched.finish(r, "abort")
+            if r.finished:
                 live.remove(r)
                 finished += 1
     while sched.has_unfinished():

@@ -27,17 +27,16 @@ def test_only_requests_owed_prompt_logprobs_get_logits_of_more_rows():
     """A chunk gets the logits of its rows from the first missing logprob to its last; a request
     whose logprobs are all counted (recomputed after a preemption) gets its last row's only."""
     owed = Request("a", list(range(10)), SamplingParams(prompt_logprobs=2))
-    owed.num_prompt_logprobs, owed.num_cached, owed.num_scheduled = 4, 3, 4    # positions 3..6
+    owed.num_prompt_logprobs, owed.num_cached = 4, 3                            # 4 scheduled: positions 3..6
     done = Request("b", list(range(10)), SamplingParams(prompt_logprobs=2))
-    done.num_prompt_logprobs, done.num_scheduled = 10, 6
-    plain = Request("c", list(range(10)), SamplingParams())
-    plain.num_scheduled = 10
-    assert owed.prompt_rows() == (3, 4) and owed.num_logits() == 4
-    assert done.prompt_rows() == (0, 0) and done.num_logits() == 1
-    owed.num_cached, owed.num_scheduled = 7, 3                                  # the prompt's last chunk
-    assert owed.prompt_rows() == (7, 2) and owed.num_logits() == 3              # token 9 has no row: it samples
+    done.num_prompt_logprobs = 10                                               # 6 scheduled
+    plain = Request("c", list(range(10)), SamplingParams())                     # 10 scheduled
+    assert owed.prompt_rows(4) == (3, 4) and owed.num_logits(4) == 4
+    assert done.prompt_rows(6) == (0, 0) and done.num_logits(6) == 1
+    owed.num_cached = 7                                                         # the prompt's last chunk: 3
+    assert owed.prompt_rows(3) == (7, 2) and owed.num_logits(3) == 3            # token 9 has no row: it samples
     owed.pages = done.pages = plain.pages = [0, 1, 2]
-    step = StepInput.from_requests([owed, done, plain], [], page_size=4)
+    step = StepInput.from_requests([owed, done, plain], (3, 6, 10), 3, page_size=4)
     assert step.num_logits.tolist() == [3, 1, 1] and not step.only_last_logits
     assert step.logits_rows.tolist() == [0, 1, 2, 8, 18]
 

@@ -83,12 +83,13 @@ def graph_batch(prefills, decodes, page_size, max_pages, rng):
 
     def request(i, context_len, num_cached):
         r = Request(f"r{i}", [rng.randrange(100) for _ in range(context_len)], SamplingParams())
-        r.pages, r.num_cached, r.num_scheduled = pages[i], num_cached, context_len - num_cached
+        r.pages, r.num_cached = pages[i], num_cached
         return r
 
     prefill_requests = [request(i, c, c - q) for i, (q, c) in enumerate(prefills)]
     decode_requests = [request(len(prefills) + i, c, c - 1) for i, c in enumerate(decodes)]
-    step = StepInput.from_requests(prefill_requests, decode_requests, page_size)
+    step = StepInput.from_requests(prefill_requests + decode_requests, [q for q, _ in prefills] + [1] * len(decodes),
+                                   len(prefills), page_size)
     bucket = next(b for b in buckets(8, max_pages * page_size) if b.num_prefills and b.fits(step))
     static = StaticBatch(bucket, max_pages, page_size, scratch_page=num_pages - 1, device=torch.device(DEVICE))
     static.fill(step)

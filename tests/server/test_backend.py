@@ -24,7 +24,8 @@ def kind(member) -> str:
 
 def test_the_protocol_names_what_the_server_uses():
     assert {"generate", "abort", "max_model_len", "vocab_size", "has_adapter", "adapter_residency", "load_adapter",
-            "unload_adapter", "set_tenants", "num_waiting", "update_gauges", "start", "shutdown"} == set(MEMBERS)
+            "unload_adapter", "set_tenants", "check_room", "num_waiting", "update_gauges", "start",
+            "shutdown"} == set(MEMBERS)
 
 
 @pytest.mark.parametrize("backend", [AsyncEngine, ClusterBackend])
