@@ -145,6 +145,9 @@ def _decodes(q: torch.Tensor, kv_layer: torch.Tensor, kv_scales: torch.Tensor | 
         kv = _gather(kv_layer, kv_scales, pages)[:, :, firsts[0] - offset:context_lens[0] - offset]
         every = torch.ones(1, 1, 1, kv.shape[2], dtype=torch.bool)
         return F.scaled_dot_product_attention(qg, kv[0][None], kv[1][None], attn_mask=every, scale=scale).view_as(q)
+    width = max(first_pages) + num_pages  # a late window's span may run past the table: page 0 pads it,
+    if width > page_table.shape[1]:       # zeroed and masked below like any key past a context
+        page_table = F.pad(page_table, (0, width - page_table.shape[1]))
     kv = torch.stack([_gather(kv_layer, kv_scales, page_table[i, p:p + num_pages].long())
                       for i, p in enumerate(first_pages)], dim=1)  # [2, B, Hkv, keys, D]
     seen = torch.zeros(num_decodes, num_pages * page_size, dtype=torch.bool)

@@ -83,6 +83,18 @@ def test_decode_grouping_does_not_change_the_output(max_decode_padding):
                                rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("window", [8, 10])
+def test_decodes_whose_windows_start_on_different_pages_of_tables_without_padding(window):
+    """Page tables as wide as the longest context (as the engine builds them): a decode whose window
+    starts on a later page than the group's other decodes has fewer table entries past it than the
+    group's span of pages."""
+    rng = random.Random(window)
+    batch, num_pages = make_batch([1, 1, 1], [20, 19, 18], 0, 4, rng, pad_pages=0)
+    q, kv = random_inputs(batch, num_pages, 4, 4, 2, 16, torch.float32, seed=window)
+    out = fast(q, kv, batch, 0.25, window, max_decode_padding=1e9)
+    torch.testing.assert_close(out, ops.paged_attention_ref(q, kv, batch, 0.25, window), rtol=1e-5, atol=1e-5)
+
+
 def test_decode_groups():
     """Longest span first; a group takes the next span while it is at least its longest / max_padding;
     under a window a span is the context capped at the window."""
