@@ -71,6 +71,8 @@ def start_server():
     started = []
 
     def start(state, **kwargs) -> RunningServer:
+        # let go of the stopped ones: each holds its engine (model, KV cache) for as long as it is listed
+        started[:] = [running for running in started if running.thread.is_alive()]
         started.append(RunningServer(state, **kwargs))
         return started[-1]
 
