@@ -94,7 +94,7 @@ def graph_batch(prefills, decodes, page_size, max_pages, rng):
     static = StaticBatch(bucket, max_pages, page_size, scratch_page=num_pages - 1, device=torch.device(DEVICE))
     static.fill(step)
     sampled = torch.zeros(1, dtype=torch.int64, device=DEVICE)
-    batch = static.forward(lambda ids, attn, lora, kv_cache: attn, None, sampled, with_lora=False)
+    batch = static.forward(lambda ids, batch: batch.attn, None, sampled, with_lora=False)
     num_prefill_rows = sum(q for q, _ in prefills)
     rows = list(range(num_prefill_rows)) + list(range(bucket.prefill_tokens, bucket.prefill_tokens + len(decodes)))
     return batch, num_pages, torch.tensor(rows, device=DEVICE)
