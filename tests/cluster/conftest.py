@@ -15,6 +15,7 @@ def ray_cluster():
     ray.shutdown()
 
 
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups
 def pytest_collection_modifyitems(items):
     """Tests on a Ray instance run one after another in one pytest-xdist worker (`--dist loadgroup`):
     two instances at once would each start their workers on the same cores."""

@@ -56,6 +56,16 @@ class RunningServer:
         self.thread.join(timeout=30)
 
 
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups
+def pytest_collection_modifyitems(items):
+    """The server tests run one after another in one pytest-xdist worker (`--dist loadgroup`): each
+    module's server holds a model and a 1 GiB KV cache beside the session's shared one, and two
+    workers' servers at once outgrew a 24 GiB machine. Those on Ray keep the Ray group."""
+    for item in items:
+        if item.path.parent.name == "server" and item.get_closest_marker("xdist_group") is None:
+            item.add_marker(pytest.mark.xdist_group("server"))
+
+
 @pytest.fixture(scope="session", name="free_port")
 def free_port_fixture():
     """The function `free_port() -> int`."""
