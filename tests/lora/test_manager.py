@@ -155,7 +155,7 @@ def test_eviction_is_lru_and_never_takes_a_slot_in_use(base):
     # all three slots are held now: t1 waits, whatever we poll
     for _ in range(5):
         assert m.acquire("t1") is None
-        m.executor.submit(lambda: None).result()
+        wait_for_reads(m)
         m.poll(["t1"])
     m.release(slots["t2"])  # t4's
     assert load(m, "t1") == slots["t2"]
@@ -177,7 +177,7 @@ def test_queued_adapters_are_prefetched_without_evicting(base):
     m.release(load(m, "t0"))  # resident and unused: evictable, but a prefetch does not evict
     for _ in range(1000):
         m.poll(["t1", "t2", "t1", "t3", "t4"])  # queue order; the lookahead is max_loras = 3 adapters
-        m.executor.submit(lambda: None).result()
+        wait_for_reads(m)
         if {"t1", "t2"} <= names(m.resident) and "t3" in names(m.host):
             break
     assert {"t0", "t1", "t2"} == names(m.resident), "copied into the free slots; t0 kept"
@@ -195,7 +195,7 @@ def test_a_long_queue_does_not_pin_every_slot(base):
     for _ in range(1000):
         if m.acquire("t2") is not None:
             break
-        m.executor.submit(lambda: None).result()
+        wait_for_reads(m)
         m.poll(queue)
     assert names(m.resident) == {"t0", "t2"}, "t1 evicted for t2; t0, least recently used but next, kept"
 
