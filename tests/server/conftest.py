@@ -34,7 +34,7 @@ class RunningServer:
         self.server = server_class(config, **server_kwargs)
         self.thread = threading.Thread(target=self.server.run, daemon=True)
         self.thread.start()
-        deadline = time.monotonic() + 60
+        deadline = time.monotonic() + 600  # a bound, not a timing: Ray workers start slowly on a loaded machine
         while not self.server.started:
             if time.monotonic() > deadline or not self.thread.is_alive():
                 self.stop()
