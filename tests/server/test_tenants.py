@@ -4,6 +4,7 @@ they exist); /metrics and /v1/adapters are the admin's; the tenant travels with 
 the engine and to the request metrics. Without a tenants file, --admin-api-key guards the same
 endpoints. cache_salt reaches the engine."""
 
+import contextlib
 import dataclasses
 import threading
 import time
@@ -67,6 +68,20 @@ def as_(who: str | None, server) -> httpx.Client:
 
 def complete(client: httpx.Client, model: str, **extra) -> httpx.Response:
     return client.post("/v1/completions", json={"model": model, "prompt": "Hello", "max_tokens": 2, **extra})
+
+
+@contextlib.contextmanager
+def initech_at_its_cap(server):
+    """initech's one allowed request streaming (its first chunk read: in the engine, far from its end)
+    for the body of the with; yields a second initech client."""
+    base = server.state.base_model_name
+    with as_("initech", server) as streaming, as_("initech", server) as initech:
+        body = {"model": base, "prompt": "Count:", "max_tokens": 4000, "ignore_eos": True, "stream": True}
+        with streaming.stream("POST", "/v1/completions", json=body) as running:
+            assert running.status_code == 200
+            lines = running.iter_lines()  # held: a dropped iterator closes the stream
+            next(lines)
+            yield initech
 
 
 def openai_client(who: str, server) -> openai.OpenAI:
@@ -190,19 +205,15 @@ def test_request_metrics_carry_the_tenant(tenanted):
 
 def test_a_tenant_at_its_max_concurrent_requests_gets_429_and_then_is_served(tenanted):
     base = tenanted.state.base_model_name
-    with as_("initech", tenanted) as streaming, as_("initech", tenanted) as initech:
-        body = {"model": base, "prompt": "Count:", "max_tokens": 4000, "ignore_eos": True, "stream": True}
-        with streaming.stream("POST", "/v1/completions", json=body) as running:
-            assert running.status_code == 200
-            lines = running.iter_lines()  # held: a dropped iterator closes the stream
-            next(lines)  # its first chunk: the request is in the engine, far from its end
-            refused = complete(initech, base)
-            assert refused.status_code == 429, refused.text
-            assert refused.headers["Retry-After"]
-            error = refused.json()["error"]
-            assert error["code"] == "rate_limit_exceeded" and "max_concurrent_requests" in error["message"]
-            with as_("acme", tenanted) as acme:  # another tenant is not held back
-                assert complete(acme, base).status_code == 200
+    with initech_at_its_cap(tenanted) as initech:
+        refused = complete(initech, base)
+        assert refused.status_code == 429, refused.text
+        assert refused.headers["Retry-After"]
+        error = refused.json()["error"]
+        assert error["code"] == "rate_limit_exceeded" and "max_concurrent_requests" in error["message"]
+        with as_("acme", tenanted) as acme:  # another tenant is not held back
+            assert complete(acme, base).status_code == 200
+    with as_("initech", tenanted) as initech:
         # the stream left: its request is aborted, and initech has room again once the server has
         # seen it go (a disconnect is noticed asynchronously; until then the answer is a 429)
         deadline = time.monotonic() + 30
@@ -248,14 +259,9 @@ def test_a_tenant_at_its_max_concurrent_requests_gets_429_before_its_grammar_com
     monkeypatch.setattr(xgr.GrammarCompiler, "compile_json_schema", counting)
     base = tenanted.state.base_model_name
     schema = {"type": "object", "properties": {"never_compiled_at_the_cap": {"type": "string"}}}
-    with as_("initech", tenanted) as streaming, as_("initech", tenanted) as initech:
-        body = {"model": base, "prompt": "Count:", "max_tokens": 4000, "ignore_eos": True, "stream": True}
-        with streaming.stream("POST", "/v1/completions", json=body) as running:
-            assert running.status_code == 200
-            lines = running.iter_lines()  # held: a dropped iterator closes the stream
-            next(lines)
-            refused = complete(initech, base, guided_json=schema)
-            assert refused.status_code == 429, refused.text
+    with initech_at_its_cap(tenanted) as initech:
+        refused = complete(initech, base, guided_json=schema)
+        assert refused.status_code == 429, refused.text
     assert not [s for s in compiled if "never_compiled_at_the_cap" in s]
 
 
@@ -274,18 +280,13 @@ def test_a_tenant_at_its_max_concurrent_requests_gets_429_before_its_prompt_is_t
     for name in ("_tokenize", "_chat_prompt_ids"):
         monkeypatch.setattr(OpenAIHandlers, name, recording(name))
     base = tenanted.state.base_model_name
-    with as_("initech", tenanted) as streaming, as_("initech", tenanted) as initech:
-        body = {"model": base, "prompt": "Count:", "max_tokens": 4000, "ignore_eos": True, "stream": True}
-        with streaming.stream("POST", "/v1/completions", json=body) as running:
-            assert running.status_code == 200
-            lines = running.iter_lines()  # held: a dropped iterator closes the stream
-            next(lines)
-            tokenized.clear()
-            chat = {"model": base, "max_tokens": 2, "messages": [{"role": "user", "content": "Hi"}]}
-            for refused in (complete(initech, base), initech.post("/v1/chat/completions", json=chat)):
-                assert refused.status_code == 429, refused.text
-                assert refused.json()["error"]["code"] == "rate_limit_exceeded" and refused.headers["Retry-After"]
-            assert tokenized == []
+    with initech_at_its_cap(tenanted) as initech:
+        tokenized.clear()
+        chat = {"model": base, "max_tokens": 2, "messages": [{"role": "user", "content": "Hi"}]}
+        for refused in (complete(initech, base), initech.post("/v1/chat/completions", json=chat)):
+            assert refused.status_code == 429, refused.text
+            assert refused.json()["error"]["code"] == "rate_limit_exceeded" and refused.headers["Retry-After"]
+        assert tokenized == []
 
 
 @pytest.fixture()
