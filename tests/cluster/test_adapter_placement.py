@@ -6,7 +6,7 @@ import pytest
 
 from punica.cluster.placement import AdapterAwarePolicy, PunicaPolicy
 from punica.cluster.policy import PolicyConfig
-from punica.cluster.simulator import SimConfig, Simulator
+from punica.cluster.simulator import SimConfig, Simulator, ideal_cache_loads
 from punica.cluster.step_time import StepTimeModel
 from punica.cluster.trace import Trace, fig13_trace
 
@@ -155,3 +155,13 @@ def test_tokens_are_conserved_with_loads_and_evictions(policy, cap):
     result = simulate(trace, policy, max_loras=4, max_gpus_per_adapter=cap)
     assert result["num_evictions"] >= 0 and result["adapter_loads"] > 0
     assert sum(result["series"]["tokens"]) == sum(trace.output_lens) == result["output_tokens"]
+
+
+def test_the_floor_is_an_ideal_popularity_cache_of_the_slots_held_at_each_arrival():
+    adapters = [0, 1, 0, 2, 0, 1, None]   # by popularity: 0, 1, 2
+    assert ideal_cache_loads(adapters, [1] * 7) == 4   # three first uses, and 1 again (not in the top 1)
+    assert ideal_cache_loads(adapters, [2] * 7) == 3
+    assert ideal_cache_loads(adapters, [2] * 5 + [1, 1]) == 4
+    trace = fig13_trace(400, duration_s=300.0, seed=3, max_total=512, num_adapters=50, zipf_alpha=1.1)
+    result = simulate(trace, "adapter-aware", max_loras=4)
+    assert 0 < result["floor_loads_per_1k_requests"] <= result["loads_per_1k_requests"]

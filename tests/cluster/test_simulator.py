@@ -84,7 +84,8 @@ def test_punica_simulate_writes_json_and_pngs(tmp_path, capsys):
     assert data["meta"]["step_time"]["base"] == GROWING.base
     for policy in ("punica", "round-robin", "least-loaded"):
         assert (out / f"simulate-{policy}.png").stat().st_size > 10_000
-    assert "gpu_hours" in capsys.readouterr().out
+    header = capsys.readouterr().out.splitlines()[0]
+    assert "gpu_hours" in header and "loads_per_1k_requests" in header and "floor_loads_per_1k_requests" in header
 
 
 def test_simulate_defaults_are_the_fig13_setting_on_the_gpu_model():
