@@ -170,7 +170,7 @@ class Simulator:
             self._release(gpu_id)
         if self.free_ids and self.policy.needs_gpu():
             config = self.config.policy_config
-            wanted = max(config.scale_ahead, math.ceil(self.policy.num_placeable_waiting / config.max_batch_size))
+            wanted = max(1, math.ceil(self.policy.num_placeable_waiting / config.max_batch_size))
             while self.num_starting < min(wanted, len(self.free_ids)):
                 self.num_starting += 1
                 heapq.heappush(self.events, (self.now + self.config.gpu_startup_s, GPU_READY, 0, 0))
