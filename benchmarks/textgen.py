@@ -296,7 +296,8 @@ def main() -> None:
         rows += hf_baseline(config, args.workloads, args.hf_requests, args.hf_max_total, args.rank, dtype, device)
     device_name = torch.cuda.get_device_name() if device == "cuda" else "cpu"
     meta = {"device": device_name if tp == 1 else f"{tp}x {device_name}", "preset": args.preset,
-            "tensor_parallel_size": tp, "overlaps_steps": tp == 1 and args.overlap_steps,
+            "tensor_parallel_size": tp,
+            "overlaps_steps": tp == 1 and engine_args.engine_config().overlaps_steps_on(device),
             "requests": args.requests, "max_total": args.max_total, "rank": args.rank,
             "quantizations": args.quantizations,
             "hf_requests": args.hf_requests if hf_ran else 0, "hf_max_total": args.hf_max_total,

@@ -228,7 +228,10 @@ class EngineConfig:
     lora_host_bytes: int = described(4 << 30, "host tier for adapters read from disk, in bytes "
                                               "(page-locked at start on CUDA)")
     enforce_eager: bool = described(False, "CUDA: run every step eagerly, not as captured CUDA graphs")
-    overlap_steps: bool = described(True, "schedule step t+1 before step t's tokens reach the host")
+    overlap_steps: bool | None = described(
+        None, "schedule step t+1 before step t's tokens reach the host (default: on a GPU, which computes a step "
+              "while the host plans the next; off on the CPU, where a step's model runs inside it and overlap "
+              "would only return each token a step later)")
     # no flag of its own: punica serve's --adapter-dir. An adapter inside one of these directories
     # reads only files inside it (punica.lora.adapter_files)
     adapter_dirs: tuple[str, ...] = ()
@@ -263,6 +266,11 @@ class EngineConfig:
             raise ValueError(f"kv_cache_memory_fraction must be in (0, 1], got {self.kv_cache_memory_fraction}")
         if not 1 <= self.max_grammar_depth <= MAX_GRAMMAR_DEPTH:
             raise ValueError(f"max_grammar_depth must be in [1, {MAX_GRAMMAR_DEPTH}], got {self.max_grammar_depth}")
+
+    def overlaps_steps_on(self, device_type: str) -> bool:
+        """Whether steps overlap on a model of this device type ("cuda", "cpu"), when its executor can
+        feed sampled tokens on the device: `overlap_steps`, or by default on a GPU only."""
+        return self.overlap_steps if self.overlap_steps is not None else device_type == "cuda"
         if not self.max_grammar_compile_seconds > 0:
             raise ValueError(f"max_grammar_compile_seconds must be > 0, got {self.max_grammar_compile_seconds}")
 
@@ -318,7 +326,7 @@ def add_arguments(parser: argparse.ArgumentParser, cls: type, skip: tuple[str, .
         flag = "--" + f.name.replace("_", "-")
         default = defaults.get(f.name, f.default)
         kind = hints[f.name]
-        if kind is bool:
+        if kind is bool or kind == bool | None:
             parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, help=f.metadata["help"])
             continue
         if typing.get_origin(kind) is tuple:  # a repeatable flag

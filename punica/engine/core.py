@@ -6,7 +6,9 @@
     LaunchedStep.read()             -> SampledTokens (the values on the host)
     Scheduler.update_from_output()  -> [RequestUpdate], for the output processor
 
-Steps overlap: step t+1 is scheduled and launched before step t's sampled tokens reach the host.
+Steps overlap (`overlap_steps`; by default where the model runs on a GPU, which computes a step while
+the host plans the next: on the CPU the model runs inside the step, so overlap would only return each
+token a step later): step t+1 is scheduled and launched before step t's sampled tokens reach the host.
 Its decode rows read those tokens on the device (the StepInput's fed rows), and the host reads step
 t's tokens while the device runs step t+1. So `step` returns the updates of the step launched before
 it, and a request that stops (EOS, stop token or string) has run one more row, which is dropped. A
@@ -57,7 +59,7 @@ class EngineCore:
                  tokenizer, eos_token_ids: frozenset[int]):
         self.executor, self.scheduler, self.adapters = executor, scheduler, adapters
         self.page_size = config.page_size
-        self.overlaps_steps = config.overlap_steps and executor.can_feed_sampled
+        self.overlaps_steps = config.overlaps_steps_on(executor.device.type) and executor.can_feed_sampled
         self._tokenizer, self._eos_token_ids, self._grammar_limits = tokenizer, eos_token_ids, GrammarLimits.of(config)
         self._grammars: GrammarCompiler | None = None  # made at the first constrained request
         self._in_flight: LaunchedStep | None = None    # launched, its tokens not yet read

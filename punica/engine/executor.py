@@ -36,6 +36,7 @@ class Executor(Protocol):
     num_pages: int                # KV-cache pages for requests
     adapter_slots: AdapterSlots
     can_feed_sampled: bool        # runs steps whose tokens the previous step sampled on the device
+    device: torch.device          # where the model runs (rank 0's under tensor parallelism)
 
     def run(self, step: StepInput) -> torch.Tensor:
         """Logits [step.num_logits.sum(), V] float32 on the device of the sampler (ModelRunner.run)."""
@@ -56,6 +57,7 @@ class LocalExecutor:
         self.model_config = worker.model.config
         self.num_pages = worker.num_pages
         self.adapter_slots = worker.pool
+        self.device = worker.device
 
     def run(self, step: StepInput) -> torch.Tensor:
         return self.worker.runner.run(step)

@@ -77,6 +77,7 @@ class TensorParallelExecutor:
         self.model_config = full_config
         self.num_pages = worker.num_pages
         self.adapter_slots = ShardingPool(worker.pool, workers, full_config)
+        self.device = worker.device
 
     def run(self, step: StepInput) -> torch.Tensor:
         assert not step.any_fed, "a tensor-parallel step reads every token from the host"

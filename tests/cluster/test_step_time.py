@@ -33,6 +33,7 @@ class Clock:
 class CostedExecutor:
     """Runs no model: each step advances the clock by COST of what the step holds, and returns zero logits."""
     can_feed_sampled = True
+    device = torch.device("cpu")
 
     def __init__(self, clock: Clock):
         self.clock = clock
@@ -108,7 +109,7 @@ def test_models_load_by_name_or_file(tmp_path):
 
 
 def test_measure_refuses_an_overlapped_engine():
-    engine = Engine(CostedExecutor(Clock()), None, EngineConfig())
+    engine = Engine(CostedExecutor(Clock()), None, EngineConfig(overlap_steps=True))
     with pytest.raises(ValueError, match="overlap_steps=False"):
         measure(engine)
 

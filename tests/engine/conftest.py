@@ -30,7 +30,9 @@ def setup(tmp_path_factory, tiny_llama, make_peft_adapter, load_peft_model):
 def make_engine(setup, device="cpu", dtype=torch.float32, **config):
     base, paths, _ = setup
     model = load_hf_dir(base, dtype=dtype, device=device)
-    return engine_on_model(model, EngineConfig(**config), paths)
+    # steps overlap as on a GPU unless a test says otherwise (the CPU's default is not to): the
+    # overlapped path, its tokens fed on the device, is the one these tests exercise
+    return engine_on_model(model, EngineConfig(**({"overlap_steps": True} | config)), paths)
 
 
 def workload(n, seed):
@@ -43,7 +45,8 @@ def workload(n, seed):
 @pytest.fixture(scope="session", name="make_engine")
 def make_engine_fixture():
     """The function `make_engine(setup, device="cpu", dtype=torch.float32, **config) -> Engine`: an
-    engine of `setup`'s model and adapters, `config` going to EngineConfig."""
+    engine of `setup`'s model and adapters, `config` going to EngineConfig (overlap_steps True unless
+    given)."""
     return make_engine
 
 

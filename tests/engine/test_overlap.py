@@ -3,11 +3,17 @@ what one step at a time gives, and lose nothing when requests stop or are aborte
 
 from __future__ import annotations
 
-import pytest
+import argparse
 
+import pytest
+import torch
+
+from punica.config import EngineConfig, add_arguments
 from punica.engine.request import PENDING
 from punica.engine.runner import ModelRunner
 from punica.engine.sampling_params import SamplingParams
+from punica.factory import engine_on_model
+from punica.models.loader import load_hf_dir
 
 
 def generate(engine, requests):
@@ -98,3 +104,19 @@ def test_a_request_aborted_in_flight_returns_only_tokens_the_host_has(setup, gre
     assert [o.token_ids for o in outs if o.finished] == [alone.token_ids]
     assert engine.allocator.num_used == 0
     assert engine.step() == [] and not engine.has_unfinished(), "nothing queued, nothing in flight"
+
+
+def test_on_the_cpu_steps_do_not_overlap_unless_asked(setup):
+    """On the CPU the model runs inside `step`, so nothing overlaps it: by default each step returns
+    its own tokens (a request's first token comes from the step that prefilled it); asked to, the
+    engine overlaps there too, and from the command line the flag is on, off or left to the device."""
+    model = load_hf_dir(setup[0], dtype=torch.float32)
+    for overlap, tokens_of_the_first_step in ((None, [1]), (True, [])):
+        engine = engine_on_model(model, EngineConfig(overlap_steps=overlap), setup[1])
+        assert engine.overlaps_steps == bool(overlap)
+        engine.add_request([3, 4, 5], SamplingParams(max_tokens=2, temperature=0, ignore_eos=True))
+        assert [len(out.new_token_ids) for out in engine.step()] == tokens_of_the_first_step
+    parser = argparse.ArgumentParser()
+    add_arguments(parser, EngineConfig, only=("overlap_steps",))
+    flags = [parser.parse_args(args).overlap_steps for args in ([], ["--overlap-steps"], ["--no-overlap-steps"])]
+    assert flags == [None, True, False]
