@@ -171,7 +171,7 @@ def build_parser() -> argparse.ArgumentParser:
                                                                             "(default: one per request)")
     sim.add_argument("--zipf-alpha", type=bounded(float, 0, exclusive=True), default=1.5,
                      help="adapter popularity: Zipf exponent")
-    sim.add_argument("--policy", nargs="+", default=["punica", "round-robin", "least-loaded"],
+    sim.add_argument("--policy", nargs="+", default=["punica", "adapter-aware", "round-robin", "least-loaded"],
                      choices=list(POLICIES))
     add_arguments(sim, PolicyConfig)
     sim.add_argument("--host-tier-adapters", type=bounded(int, 1), default=48,

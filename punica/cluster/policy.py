@@ -318,12 +318,13 @@ class ClusterPolicy:
         whether or not they do): ask for one more GPU. Lightly loaded: a batch below
         `light_load_batch` and, under KV-aware packing, KV use below the same fraction of
         `max_packed_kv_tokens`."""
-        if not (self._waiting or self.config.scale_ahead):
-            return False
+        return bool(self._waiting or self.config.scale_ahead) and not self._has_light_gpu()
+
+    def _has_light_gpu(self) -> bool:
         cap = self.config.max_packed_kv_tokens
         light_kv = None if cap is None else cap * self.config.light_load_batch / self.config.max_batch_size
-        return not any(light_kv is None or self.gpus[g].kv_used < light_kv
-                       for b in range(self.config.light_load_batch) for g in self._buckets[b])
+        return any(light_kv is None or self.gpus[g].kv_used < light_kv
+                   for b in range(self.config.light_load_batch) for g in self._buckets[b])
 
     def release_idle(self, now: float) -> list[int]:
         """Remove and return GPUs idle for at least `idle_release_s` (keeping `min_gpus`)."""

@@ -13,8 +13,9 @@ from punica.cluster.simulator import SimConfig, Simulator
 from punica.cluster.step_time import StepTimeModel, load_model
 from punica.cluster.trace import fig13_trace
 
-COLUMNS = ("policy", "gpu_hours", "throughput_tokens_per_s", "latency_p50_s", "latency_p99_s",
-           "ttft_p50_s", "ttft_p99_s", "num_evictions", "loads_per_1k_requests", "sim_wall_s", "sim_cpu_s")
+COLUMNS = ("policy", "gpu_hours", "throughput_tokens_per_s", "latency_p50_s", "latency_p99_s", "ttft_p50_s",
+           "ttft_p99_s", "num_evictions", "loads_per_1k_requests", "floor_loads_per_1k_requests", "sim_wall_s",
+           "sim_cpu_s")
 NO_PLOTS = "plots need matplotlib (pip install matplotlib); simulate.json holds every series they draw"
 
 

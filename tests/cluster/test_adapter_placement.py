@@ -4,9 +4,9 @@ report; and in the simulator, a request waits exactly its adapter's load time.""
 
 import pytest
 
-from punica.cluster.placement import AdapterAwarePolicy, PunicaPolicy
+from punica.cluster.placement import AdapterAwarePolicy, PunicaPolicy, rendezvous
 from punica.cluster.policy import PolicyConfig
-from punica.cluster.simulator import SimConfig, Simulator
+from punica.cluster.simulator import SimConfig, Simulator, ideal_cache_loads
 from punica.cluster.step_time import StepTimeModel
 from punica.cluster.trace import Trace, fig13_trace
 
@@ -48,7 +48,7 @@ def test_slots_evict_the_lru_unused_adapter_and_a_gpu_with_every_slot_pinned_is_
 
 
 def test_adapter_aware_prefers_a_gpu_holding_the_adapter_even_if_less_busy():
-    aware, punica = cluster(), cluster(PunicaPolicy)
+    aware, punica = cluster(min_gpus=4), cluster(PunicaPolicy)  # four GPUs kept: none drains
     for policy in (aware, punica):
         place(policy, "x0", "x")
         place(policy, "x1", "x")          # GPU 0: batch 2, adapter x
@@ -93,19 +93,65 @@ def test_held_back_requests_ask_for_no_gpu_and_cost_one_try_per_adapter_and_sche
 
 
 def test_migration_prefers_gpus_holding_the_migrated_requests_adapter():
-    policy = cluster(num_gpus=3, kv=40, max_batch_size=8)
+    policy = cluster(num_gpus=3, kv=40, max_batch_size=8, min_gpus=3)
     policy.set_adapters(2, ["a"])
-    assert place(policy, "b0", "b", 35) == 0
-    policy.adapter_loaded(0, "b")
+    assert place(policy, "x0", None, 34) == 0 and place(policy, "x1", None, 1) == 0
     assert place(policy, "a0", "a", 5) == 2
     policy.adapter_loaded(2, "a")
     policy.gpus[0].adapters["a"] = 0   # GPU 0 holds "a" too, unused
     policy.holders["a"].add(0)
-    assert place(policy, "a1", "a", 3) == 0  # the busiest holder
+    assert place(policy, "a1", "a", 4) == 0  # the busiest holder
     policy.adapter_loaded(0, "a")
-    evicted = policy.step(0, 3)              # GPU 0's KV runs out: its newest goes
+    evicted = policy.step(0, 1)              # GPU 0's KV runs out: its newest goes
     assert evicted == ["a1"]
     assert policy.schedule() == [("a1", 2)]  # to the other GPU holding "a", not to the empty GPU 1
+
+
+def home(num_gpus, among=None):
+    """An adapter name whose rendezvous home among GPUs 0..num_gpus-1 is GPU `among` (default: the last)."""
+    among = num_gpus - 1 if among is None else among
+    return next(name for name in (f"m{i}" for i in range(1000))
+                if max(range(num_gpus), key=lambda g: rendezvous(name, g)) == among)
+
+
+def test_a_holder_below_the_reserve_mark_comes_before_a_busier_one_above_it():
+    policy = cluster(num_gpus=2, max_batch_size=8, min_gpus=2)  # mark: 8 - 2 = 6
+    policy.set_adapters(0, ["a"])
+    policy.set_adapters(1, ["a", "b"])
+    assert [place(policy, f"x{i}", None) for i in range(7)] == [0] * 7  # GPU 0: batch 7, above the mark
+    assert place(policy, "b0", "b") == 1                                # GPU 1: batch 1
+    assert place(policy, "a0", "a") == 1     # the holder below the mark, not the busiest holder
+    assert place(policy, "y0", None) == 0    # GPU 0's last slot is still free
+
+
+def test_a_miss_goes_to_the_adapters_rendezvous_home_not_the_busiest_gpu():
+    policy = cluster(num_gpus=3, max_batch_size=8, min_gpus=3)
+    place(policy, "x0", None)
+    place(policy, "x1", None)                                    # GPU 0 the busiest
+    adapter = home(3)
+    assert place(policy, "m", adapter) == 2 and policy.holders[adapter] == {2}
+    assert place(policy, "m2", adapter) == 2                     # its holder since
+    assert place(policy, "x2", None) == 0                        # no adapter: Punica's rule
+
+
+def test_the_least_loaded_gpus_drain_down_to_min_gpus_and_lose_their_holder_preference():
+    for min_gpus, expected in ((1, 0), (3, 2)):
+        policy = cluster(num_gpus=3, max_batch_size=8, min_gpus=min_gpus)
+        assert [place(policy, f"x{i}", None) for i in range(4)] == [0] * 4  # batch 4: one GPU's worth
+        policy.set_adapters(2, ["a"])                            # GPU 2 holds "a", idle
+        # one GPU's batch suffices (4 <= 0.95 x 8), so GPUs 1 and 2 drain unless min_gpus keeps them
+        assert place(policy, "a0", "a") == expected
+
+
+def test_adapter_aware_asks_for_a_gpu_ahead_once_the_batches_fill_the_cluster():
+    for policy_class, expected in ((AdapterAwarePolicy, [False, True]), (PunicaPolicy, [False, False])):
+        policy = cluster(policy_class, num_gpus=2, kv=10_000, max_batch_size=32, light_load_batch=16)
+        for i in range(62):
+            place(policy, f"x{i}", None)
+        asked = [policy.needs_gpu()]                             # 62 < 0.98 x 64
+        place(policy, "x62", None)
+        asked.append(policy.needs_gpu())                         # 63: nothing waits yet
+        assert policy.num_waiting == 0 and asked == expected
 
 
 def test_set_adapters_keeps_adapters_in_use_and_forgets_the_rest():
@@ -155,3 +201,24 @@ def test_tokens_are_conserved_with_loads_and_evictions(policy, cap):
     result = simulate(trace, policy, max_loras=4, max_gpus_per_adapter=cap)
     assert result["num_evictions"] >= 0 and result["adapter_loads"] > 0
     assert sum(result["series"]["tokens"]) == sum(trace.output_lens) == result["output_tokens"]
+
+
+@pytest.mark.parametrize(("policy", "max_ttft"), [("adapter-aware", 0.2), ("punica", 5.0)])
+def test_the_simulator_starts_the_gpu_adapter_aware_asks_for_ahead(policy, max_ttft):
+    # GPU 1 is released at t=2; four long requests fill GPU 0 at t=10, a fifth comes at t=16:
+    # adapter-aware asked for a GPU at t=10 (ready at 15), Punica's policy only at 16 (ready at 21,
+    # after GPU 0's first finish at 20.1)
+    trace = Trace([10.0] * 4 + [16.0], [5] * 5, [100] * 5, [None] * 5, duration_s=30.0)
+    config = PolicyConfig(max_batch_size=4, light_load_batch=2, idle_release_s=2.0)
+    result = Simulator(SimConfig(2, 4096, FLAT, policy, config, gpu_startup_s=5.0), trace).run()
+    assert result["ttft_p99_s"] <= max_ttft and (policy == "adapter-aware" or result["ttft_p99_s"] > 4)
+
+
+def test_the_floor_is_an_ideal_popularity_cache_of_the_slots_held_at_each_arrival():
+    adapters = [0, 1, 0, 2, 0, 1, None]   # by popularity: 0, 1, 2
+    assert ideal_cache_loads(adapters, [1] * 7) == 4   # three first uses, and 1 again (not in the top 1)
+    assert ideal_cache_loads(adapters, [2] * 7) == 3
+    assert ideal_cache_loads(adapters, [2] * 5 + [1, 1]) == 4
+    trace = fig13_trace(400, duration_s=300.0, seed=3, max_total=512, num_adapters=50, zipf_alpha=1.1)
+    result = simulate(trace, "adapter-aware", max_loras=4)
+    assert 0 < result["floor_loads_per_1k_requests"] <= result["loads_per_1k_requests"]

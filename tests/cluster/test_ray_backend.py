@@ -9,6 +9,7 @@ import pytest
 import ray
 import torch
 
+from punica.cluster.placement import rendezvous
 from punica.cluster.policy import PolicyConfig
 from punica.cluster.ray_backend import ClusterEngine, Tracked, build_cluster_engine
 from punica.config import EngineArgs, EngineConfig
@@ -112,48 +113,48 @@ def test_two_workers_of_two_tensor_parallel_ranks_each_match_one_engine(ray_clus
 
 
 @pytest.mark.slow
-def test_adapter_aware_sends_an_adapters_requests_to_the_worker_holding_it(ray_cluster, model):
-    """Worker 1 comes to hold "a" (worker 0 is full of "b" requests when the first "a" arrives);
-    then, with worker 0 the busier, every later "a" request goes to worker 1 while it has room."""
-    rng = random.Random(3)
-    prompts = [[rng.randrange(3, 128) for _ in range(6)] for _ in range(12)]
-    requests = [(p, "b") for p in prompts[:4]] + [(prompts[4], "a")] + [(p, "b") for p in prompts[5:7]] \
-        + [(p, "a") for p in prompts[7:10]]
-    expected = single_engine(model, requests, max_tokens=12)
+def test_adapter_aware_sends_an_adapters_requests_to_its_holder_and_a_full_holder_spills(ray_cluster, model):
+    """"a" is first placed on its home, worker 1, which then holds it; worker 0 gets two long
+    requests without adapter (the busier worker); four "a" requests fill worker 1 (max batch 4)
+    though worker 0 is busier, and the fifth spills to worker 0."""
+    assert max(range(2), key=lambda g: rendezvous("a", g)) == 1
+    rng = random.Random(5)
+    prompts = [[rng.randrange(3, 128) for _ in range(6)] for _ in range(8)]
 
     async def main():
         cluster = build_cluster_engine(cpu_args(model, workers=2, page_size=4, max_batch_size=4), model[1],
                                        policy="adapter-aware")
-        placements = []
+        placements = []   # (request, worker, each worker's batch after the placement)
         schedule = cluster.policy.schedule
 
         def logged(now=0.0):
             placed = schedule(now)
-            placements.extend(placed)
+            batches = {g: gpu.batch_size for g, gpu in cluster.policy.gpus.items()}
+            placements.extend((request_id, gpu_id, batches) for request_id, gpu_id in placed)
             return placed
 
         cluster.policy.schedule = logged
         await cluster.start()
         try:
-            first = await asyncio.gather(*(collect(cluster, f"r{i}", p, a, 12, {})
-                                           for i, (p, a) in enumerate(requests[:5])))
+            await collect(cluster, "first", prompts[0], "a", 4, {})
             held = {g: set(gpu.adapters) for g, gpu in cluster.policy.gpus.items()}
-            later = [asyncio.ensure_future(collect(cluster, f"r{i}", p, a, 12, {}))
-                     for i, (p, a) in enumerate(requests[5:7], 5)]
-            while len(placements) < 7:
+            long = [asyncio.ensure_future(collect(cluster, f"n{i}", prompts[1 + i], None, 100, {})) for i in range(2)]
+            while len(placements) < 3:   # placed as each task starts
                 await asyncio.sleep(0.01)
-            later += [asyncio.ensure_future(collect(cluster, f"r{i}", p, a, 12, {}))
-                      for i, (p, a) in enumerate(requests[7:], 7)]
-            outs = first + list(await asyncio.gather(*later))
-            return outs, held, dict(placements)
+            await asyncio.gather(*(collect(cluster, f"a{i}", prompts[3 + i], "a", 8, {}) for i in range(5)))
+            await asyncio.gather(*long)
+            return held, placements
         finally:
             await cluster.shutdown()
 
-    outs, held, placed = asyncio.run(asyncio.wait_for(main(), 120))
-    assert placed["r4"] == 1 and "a" in held[1] and "a" not in held[0]  # the worker reported holding "a"
-    assert placed["r5"] == placed["r6"] == 0                            # "b" stays where it is held
-    assert [placed[f"r{i}"] for i in (7, 8, 9)] == [1, 1, 1]            # though worker 0 is busier
-    assert outs == expected
+    held, placements = asyncio.run(asyncio.wait_for(main(), 180))
+    placed = {request_id: gpu_id for request_id, gpu_id, _ in placements}
+    assert placed["first"] == 1 and "a" in held[1] and "a" not in held[0]   # the worker reported holding "a"
+    assert placed["n0"] == placed["n1"] == 0
+    assert [placed[f"a{i}"] for i in range(5)] == [1, 1, 1, 1, 0]             # the full holder spills
+    batches_at = {request_id: batches for request_id, _, batches in placements}
+    assert batches_at["a0"] == {0: 2, 1: 1}                                   # worker 0 the busier one
+    assert batches_at["a4"] == {0: 3, 1: 4}
 
 
 @pytest.mark.slow

@@ -80,17 +80,18 @@ def test_punica_simulate_writes_json_and_pngs(tmp_path, capsys):
     assert main(["simulate", "--gpus", "3", "--requests", "200", "--duration", "120", "--max-total", "256",
                  "--kv-tokens", "4096", "--step-time", str(tmp_path / "step.json"), "--out", str(out)]) == 0
     data = json.loads((out / "simulate.json").read_text())
-    assert [r["policy"] for r in data["results"]] == ["punica", "round-robin", "least-loaded"]
+    assert [r["policy"] for r in data["results"]] == ["punica", "adapter-aware", "round-robin", "least-loaded"]
     assert data["meta"]["step_time"]["base"] == GROWING.base
-    for policy in ("punica", "round-robin", "least-loaded"):
+    for policy in ("punica", "adapter-aware", "round-robin", "least-loaded"):
         assert (out / f"simulate-{policy}.png").stat().st_size > 10_000
-    assert "gpu_hours" in capsys.readouterr().out
+    header = capsys.readouterr().out.splitlines()[0]
+    assert "gpu_hours" in header and "loads_per_1k_requests" in header and "floor_loads_per_1k_requests" in header
 
 
 def test_simulate_defaults_are_the_fig13_setting_on_the_gpu_model():
     args = build_parser().parse_args(["simulate", "--out", "x"])
     assert (args.gpus, args.duration, args.zipf_alpha, args.step_time) == (16, 3600.0, 1.5, "h200-llama-2-7b")
-    assert args.policy == ["punica", "round-robin", "least-loaded"]
+    assert args.policy == ["punica", "adapter-aware", "round-robin", "least-loaded"]
 
 
 def test_simulate_without_matplotlib_writes_json_and_says_how_to_get_plots(tmp_path):
