@@ -5,7 +5,8 @@ of q and k before rotary (`qk_norm`), sliding-window attention on some layers
 (`layer_windows`, with a rope of their own: `local_rope`), and Gemma's: GeGLU (`hidden_act`),
 embeddings times sqrt(hidden) (`embed_scale`), RMSNorms on the attention and MLP outputs
 before their residual adds (`sandwich_norms`), softcapped attention scores and logits, and its
-query scale (`attn_scale`); with none of them it is Llama. (Gemma's (1 + w) norm weights are
+query scale (`attn_scale`); with none of them it is Llama. On the layers a mixture-of-experts
+family makes sparse (`moe_layers`) the MLP is a MoeBlock (punica.models.moe). (Gemma's (1 + w) norm weights are
 stored with the 1 added, by the loader.)
 
 The forward pass takes one fused batch of tokens (prefill tokens first, decode tokens after)
@@ -33,6 +34,7 @@ from torch import nn
 from punica.config import ModelConfig
 from punica.lora.layers import LoraLinear
 from punica.models.forward_batch import ForwardBatch
+from punica.models.moe import MoeBlock
 from punica.models.quantized import Fp8Format, Fp8Linear, Linear, projection
 from punica.models.rotary import Rotary
 from punica.ops.attention import paged_attention, rope_and_write_kv_, softcap_ref
@@ -75,8 +77,11 @@ class DecoderLayer(nn.Module):
         # with sandwich norms: on the attention output and on the MLP output
         self.attn_out_norm = RMSNorm(c.hidden_size, c.rms_norm_eps, **factory) if c.sandwich_norms else None
         self.mlp_out_norm = RMSNorm(c.hidden_size, c.rms_norm_eps, **factory) if c.sandwich_norms else None
-        self.gate_up_proj = lora_projection("gate_up", c.hidden_size, 2 * c.intermediate_size)
-        self.down_proj = lora_projection("down", c.intermediate_size, c.hidden_size)
+        # the MLP: a mixture of experts on the config's MoE layers (punica.models.moe), else dense
+        self.moe = MoeBlock(c, index, **factory) if c.is_moe(index) else None
+        if self.moe is None:
+            self.gate_up_proj = lora_projection("gate_up", c.hidden_size, 2 * c.intermediate_size)
+            self.down_proj = lora_projection("down", c.intermediate_size, c.hidden_size)
         q, kv, inter = c.q_size, c.kv_size, c.intermediate_size
         self.qkv_slices = {"q": (0, q), "k": (q, q + kv), "v": (q + kv, q + 2 * kv)}
         self.gate_up_slices = {"gate": (0, inter), "up": (inter, 2 * inter)}
@@ -100,6 +105,8 @@ class DecoderLayer(nn.Module):
         return self.o_proj(o.reshape(num_tokens, -1), batch.lora)
 
     def mlp(self, h: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        if self.moe is not None:
+            return self.moe(h, batch)
         return self.down_proj(self.act(self.gate_up_proj(h, batch.lora)), batch.lora)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, batch: ForwardBatch

@@ -67,6 +67,8 @@ ROW_PARALLEL = ("o", "down")                     # input features split: lora_a 
 
 def rank_config(config: ModelConfig, world_size: int) -> ModelConfig:
     """The config of one rank's shard: 1/N of the heads, kv heads and intermediate size."""
+    if config.moe_layers and world_size > 1:
+        raise ValueError(f"tensor parallelism of mixture-of-experts models ({config.family}) is not supported")
     for name in ("num_heads", "num_kv_heads", "intermediate_size"):
         if getattr(config, name) % world_size:
             raise ValueError(f"tensor parallelism: {name} ({getattr(config, name)}) is not "
