@@ -2,17 +2,21 @@
 engine's greedy tokens over mixed batches equal transformers' (+ PEFT's, one adapter at a time:
 PEFT runs no mixed batches of adapters on experts)."""
 
+import copy
 import json
 import random
 
 import pytest
 import torch
-from safetensors.torch import save_file
+from peft import LoraConfig, PeftModel, get_peft_model
+from safetensors.torch import load_file, save_file
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from punica.config import EngineConfig, ModelConfig, preset_config
 from punica.factory import engine_on_model
 from punica.families import UnsupportedModel
+from punica.lora.adapter import AdapterError, load_adapter
+from punica.lora.pool import LoraPool
 from punica.models.loader import dummy_model, load_hf_dir
 
 SHAPE = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -128,3 +132,95 @@ def test_moe_presets_build_with_random_weights():
     assert model.layers[1].moe.experts.base.gate_up_weight().shape == (4, 64, 64)
     with pytest.raises(ValueError, match=r"fp8 weights of a mixture-of-experts model \(qwen3_moe\)"):
         dummy_model(tiny, torch.float32, quantization="fp8")
+
+
+# name -> (rank, alpha, use_rslora, target_modules, target_parameters): attention and experts, the
+# experts alone (one of their two parameters), attention alone
+EXPERTS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
+ADAPTERS = {
+    "both": (8, 16, False, ["q_proj", "v_proj", "o_proj"], EXPERTS),
+    "experts": (4, 8, True, None, ["mlp.experts.down_proj"]),
+    "attn": (16, 8, False, ["q_proj", "k_proj", "v_proj", "o_proj"], None),
+}
+
+
+def make_moe_adapter(hf, path, rank, alpha, rslora, modules, parameters, seed):
+    """A PEFT adapter of random non-zero A and B (init_lora_weights=False) on a copy of `hf`."""
+    config = LoraConfig(r=rank, lora_alpha=alpha, use_rslora=rslora, target_modules=modules,
+                        target_parameters=parameters, init_lora_weights=False)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        peft_model = get_peft_model(copy.deepcopy(hf), config)
+    peft_model.save_pretrained(str(path))
+    return path
+
+
+@pytest.mark.parametrize("name", list(TINY_MOE))
+def test_tiny_moe_with_expert_adapters_matches_transformers_peft(tmp_path, name, run_all, greedy):
+    """12 requests over the base model and three adapters (attention + experts, experts only, attention
+    only) in mixed batches: each request's greedy tokens are transformers + PEFT's with its adapter."""
+    hf = tiny_moe(name, seed=2)
+    hf.save_pretrained(tmp_path / "base")
+    paths = {a: make_moe_adapter(hf, tmp_path / a, *spec, seed=i + 1) for i, (a, spec) in enumerate(ADAPTERS.items())}
+    model = load_hf_dir(tmp_path / "base", dtype=torch.float32)
+    engine = engine_on_model(model, EngineConfig(max_batch_size=6, page_size=4, kv_cache_tokens=256, max_loras=3,
+                                                 max_lora_rank=16), {a: str(p) for a, p in paths.items()})
+    reqs = requests([None, *ADAPTERS], 12, seed=3)
+    outs = run_all(engine, reqs, greedy)
+    references = {None: hf} | {a: PeftModel.from_pretrained(copy.deepcopy(hf), str(p)).eval() for a, p in paths.items()}
+    for prompt, adapter, _ in reqs[:4]:  # the adapters change the tokens
+        if adapter is not None:
+            assert greedy_tokens(references[adapter], prompt, 8) != greedy_tokens(hf, prompt, 8), adapter
+    for (prompt, adapter, max_tokens), out in zip(reqs, outs):
+        assert out.token_ids == greedy_tokens(references[adapter], prompt, max_tokens), (adapter, prompt)
+
+
+def rewrite_adapter(path, config_fields=None, rename=None):
+    """Change an adapter directory's config fields and rename its tensors (rename(key) -> new key)."""
+    config = json.loads((path / "adapter_config.json").read_text()) | (config_fields or {})
+    (path / "adapter_config.json").write_text(json.dumps(config))
+    if rename is not None:
+        tensors = load_file(str(path / "adapter_model.safetensors"))
+        save_file({rename(k): v for k, v in tensors.items()}, str(path / "adapter_model.safetensors"))
+
+
+@pytest.mark.parametrize("config_fields,rename,message", [
+    ({"target_parameters": ["mlp.gate.weight"]}, None,
+     r"target_parameters names 'mlp.gate.weight'; punica adapts only the MoE experts' gate_up_proj and down_proj"),
+    (None, lambda k: k.replace("experts.lora_", "experts.0.down_proj.lora_"),
+     r"experts.0.down_proj.lora_A.weight adapts one expert's module; punica serves LoRA on the fused experts"),
+    (None, lambda k: k.replace("layers.1.mlp.experts", "layers.0.mlp.experts"),
+     r"adapts experts, but layer 0 of the base model has none"),
+    ({"use_dora": True}, None, r"DoRA on a mixture-of-experts model \(qwen3_moe\) is not supported"),
+    (None, lambda k: k.replace("experts.base_layer.lora_B", "experts.base_layer.lora_X"),
+     r"experts.base_layer.lora_A.weight has no lora_B beside it"),
+])
+def test_expert_adapters_that_cannot_be_served_are_refused_by_name(tmp_path, config_fields, rename, message):
+    hf = tiny_moe("qwen3_moe")
+    path = make_moe_adapter(hf, tmp_path / "both", *ADAPTERS["both"], seed=1)
+    rewrite_adapter(path, config_fields, rename)
+    with pytest.raises(AdapterError, match=message):
+        load_adapter(path, ModelConfig.from_hf_dict(hf.config.to_dict()))
+
+
+def test_expert_adapter_layout_and_bytes(tmp_path):
+    """PEFT's fused expert LoRA (lora_A rows expert-major, lora_B columns expert-minor) as per-expert
+    (A, B), and the pool's slot holding them."""
+    hf = tiny_moe("mixtral")
+    path = make_moe_adapter(hf, tmp_path / "both", *ADAPTERS["both"], seed=1)
+    config = ModelConfig.from_hf_dict(hf.config.to_dict())
+    adapter = load_adapter(path, config)
+    tensors = load_file(str(path / "adapter_model.safetensors"))
+    a = tensors["base_model.model.model.layers.1.mlp.experts.base_layer.lora_A.weight"]  # gate_up: [E * r, H]
+    b = tensors["base_model.model.model.layers.1.mlp.experts.base_layer.lora_B.weight"]  # [2I, E * r]
+    got_a, got_b = adapter.experts["gate_up", 1]
+    torch.testing.assert_close(got_a[2], a[2 * 8:3 * 8])
+    torch.testing.assert_close(got_b[2], b[:, 2::4])
+    assert set(adapter.experts) == {("gate_up", 0), ("gate_up", 1), ("down", 0), ("down", 1)}
+    expert_bytes = 4 * 2 * 4 * 8 * ((64 + 96) + (48 + 64))  # fp32, 2 layers, 4 experts, rank 8
+    assert adapter.num_bytes == expert_bytes + 4 * 2 * 8 * ((64 + 64) + (64 + 32) + (64 + 64))  # q, v, o
+    pool = LoraPool(config, max_loras=2, max_rank=16, dtype=torch.float32, device="cpu")
+    pool.write(1, adapter)
+    w = pool.expert_weights(1)
+    torch.testing.assert_close(w.gate_up_a[1, 2, :8], got_a[2])
+    assert w.gate_up_a[1, :, 8:].abs().sum() == 0 and w.down_b[0].abs().sum() == 0
