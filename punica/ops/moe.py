@@ -5,7 +5,8 @@ any device.
 A token routed to k experts makes k (token, expert) pairs; `route` sorts the pairs by expert
 (stably, so that within an expert they keep the tokens' order, and so their adapter slots'
 order: punica.lora.experts adds each (slot, expert) segment's LoRA delta), and the experts'
-projections run over the pairs' rows:
+projections run over the pairs' rows (`grouped_matmul`: a reference, and on CUDA one Triton launch
+per projection, punica.ops.moe_triton):
 
     rows      = x[routing.pair_tokens]                       [P, H]   P = T * k
     gate_up   = grouped_matmul(rows, w_gate_up, routing)      [P, 2I]  w_gate_up [E, 2I, H]
@@ -46,7 +47,9 @@ def route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> ExpertR
     flat_experts = experts.reshape(-1)
     order = torch.sort(flat_experts, stable=True).indices
     tokens = torch.arange(num_tokens, device=router_logits.device).repeat_interleave(top_k)
-    counts = torch.bincount(flat_experts, minlength=num_experts)
+    # counted by a scatter (bincount syncs with the host on CUDA to size its output)
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=router_logits.device)
+    counts.scatter_add_(0, flat_experts, torch.ones_like(flat_experts))
     indptr = torch.zeros(num_experts + 1, dtype=torch.int64, device=router_logits.device)
     torch.cumsum(counts, 0, out=indptr[1:])
     return ExpertRouting(pair_tokens=tokens[order], pair_experts=flat_experts[order],
@@ -55,7 +58,15 @@ def route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> ExpertR
 
 def grouped_matmul(rows: torch.Tensor, weights: torch.Tensor, routing: ExpertRouting) -> torch.Tensor:
     """rows [P, h_in] (sorted by expert), weights [E, h_out, h_in]  ->  [P, h_out]: each pair's row
-    times its expert's weight, rows[p] @ weights[pair_experts[p]].T."""
+    times its expert's weight, rows[p] @ weights[pair_experts[p]].T. On CUDA one Triton launch
+    (punica.ops.moe_triton), else the reference."""
+    if rows.is_cuda:
+        from punica.ops.moe_triton import grouped_matmul_triton
+        return grouped_matmul_triton(rows, weights, routing)
+    return grouped_matmul_ref(rows, weights, routing)
+
+
+def grouped_matmul_ref(rows: torch.Tensor, weights: torch.Tensor, routing: ExpertRouting) -> torch.Tensor:
     out = rows.new_empty(rows.shape[0], weights.shape[1])
     bounds = routing.expert_indptr.tolist()
     for expert, (lo, hi) in enumerate(zip(bounds, bounds[1:])):

@@ -98,3 +98,25 @@ compile_ttir(k._split_k_sum_kernel, dict(HAS_BIAS=True, SPLIT_K=4, BLOCK=1024), 
 
 def test_skinny_gemm_kernels_compile_for_cuda(compile_for_cuda):
     compile_for_cuda(LINEAR_SCRIPT)
+
+
+MOE_SCRIPT = """
+from punica.ops import moe_triton as k
+
+
+def types(name, consts):
+    if name in ("rows", "w", "out"):
+        return "*bf16"
+    if name in ("block_rows", "block_experts"):
+        return "*i32"
+    return "i32"
+
+
+for block_m in (16, 64):
+    compile_ttir(k._grouped_gemm_kernel, dict(UPCAST=False, PRECISION="tf32", BLOCK_M=block_m, BLOCK_N=64,
+                                              BLOCK_K=64), types)
+"""
+
+
+def test_grouped_gemm_kernel_compiles_for_cuda(compile_for_cuda):
+    compile_for_cuda(MOE_SCRIPT)
