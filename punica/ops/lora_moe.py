@@ -21,9 +21,19 @@ def add_expert_lora(y: torch.Tensor, rows: torch.Tensor, lora_a: torch.Tensor, l
         for p with pair_slots[p] = s >= 0, e = pair_experts[p]:
             y[p] += pair_scales[p] * (rows[p] @ lora_a[s, e].T) @ lora_b[s, e].T
 
-    Pairs sorted by expert, and within an expert by slot, make few runs of equal (slot, expert):
-    one shrink and one expand each.
+    On CUDA one Triton launch of one program per pair (punica.ops.lora_moe_triton); else the
+    reference, for which pairs sorted by expert, and within an expert by slot, make few runs of
+    equal (slot, expert): one shrink and one expand each.
     """
+    if rows.is_cuda:
+        from punica.ops.lora_moe_triton import add_expert_lora_triton
+        add_expert_lora_triton(y, rows, lora_a, lora_b, pair_slots, pair_experts, pair_scales)
+        return
+    add_expert_lora_ref(y, rows, lora_a, lora_b, pair_slots, pair_experts, pair_scales)
+
+
+def add_expert_lora_ref(y: torch.Tensor, rows: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,
+                        pair_slots: torch.Tensor, pair_experts: torch.Tensor, pair_scales: torch.Tensor) -> None:
     if rows.shape[0] == 0:
         return
     num_experts = lora_a.shape[1]
