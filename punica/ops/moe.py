@@ -62,7 +62,7 @@ def grouped_matmul(rows: torch.Tensor, weights: torch.Tensor, routing: ExpertRou
     (punica.ops.moe_triton), else the reference."""
     if rows.is_cuda:
         from punica.ops.moe_triton import grouped_matmul_triton
-        return grouped_matmul_triton(rows, weights, routing)
+        return grouped_matmul_triton(rows, weights, routing.pair_experts, routing.expert_indptr)
     return grouped_matmul_ref(rows, weights, routing)
 
 

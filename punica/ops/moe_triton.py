@@ -16,7 +16,6 @@ import torch
 import triton
 import triton.language as tl
 
-from punica.ops.moe import ExpertRouting
 from punica.ops.triton_env import interpreting
 
 
@@ -48,18 +47,19 @@ def _grouped_gemm_kernel(rows, w, out, block_rows, block_experts, N, K, num_pair
         tl.store(out_ptrs, acc.to(out.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
 
 
-def align_blocks(routing: ExpertRouting, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(block_rows [num_blocks * block_m] int32: the pair of each row, num_pairs in padding rows;
-    block_experts [num_blocks] int32: each block's expert, -1 past the last run), num_blocks =
-    ceil((P + E * (block_m - 1)) / block_m), every expert's run starting at a block."""
-    indptr, num_pairs = routing.expert_indptr, routing.num_pairs
+def align_blocks(pair_experts: torch.Tensor, expert_indptr: torch.Tensor, block_m: int
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Of the pairs of an ExpertRouting (punica.ops.moe): (block_rows [num_blocks * block_m] int32,
+    the pair of each row, num_pairs in padding rows; block_experts [num_blocks] int32, each block's
+    expert, -1 past the last run), num_blocks = ceil((P + E * (block_m - 1)) / block_m), every
+    expert's run starting at a block."""
+    indptr, num_pairs = expert_indptr, pair_experts.numel()
     num_experts = indptr.numel() - 1
     num_blocks = triton.cdiv(num_pairs + num_experts * (block_m - 1), block_m)
     counts = indptr[1:] - indptr[:-1]
     padded_end = torch.cumsum((counts + block_m - 1) // block_m * block_m, 0)
     padded_start = padded_end - (counts + block_m - 1) // block_m * block_m
-    experts = routing.pair_experts
-    position = padded_start[experts] + torch.arange(num_pairs, device=indptr.device) - indptr[experts]
+    position = padded_start[pair_experts] + torch.arange(num_pairs, device=indptr.device) - indptr[pair_experts]
     block_rows = torch.full((num_blocks * block_m,), num_pairs, dtype=torch.int32, device=indptr.device)
     block_rows[position] = torch.arange(num_pairs, dtype=torch.int32, device=indptr.device)
     starts = torch.arange(num_blocks, device=indptr.device) * block_m
@@ -76,8 +76,9 @@ def tile_shape(num_pairs: int) -> tuple[int, int, int]:
     return (16 if num_pairs <= 256 else 64), 64, 64
 
 
-def grouped_matmul_triton(rows: torch.Tensor, weights: torch.Tensor, routing: ExpertRouting) -> torch.Tensor:
-    """punica.ops.moe.grouped_matmul in one launch."""
+def grouped_matmul_triton(rows: torch.Tensor, weights: torch.Tensor, pair_experts: torch.Tensor,
+                          expert_indptr: torch.Tensor) -> torch.Tensor:
+    """punica.ops.moe.grouped_matmul in one launch (the routing's pair_experts and expert_indptr)."""
     num_pairs, k = rows.shape
     num_experts, n, _ = weights.shape
     assert weights.shape[2] == k and rows.stride(1) == 1 and weights.stride(2) == 1, (rows.shape, weights.shape)
@@ -85,7 +86,7 @@ def grouped_matmul_triton(rows: torch.Tensor, weights: torch.Tensor, routing: Ex
     if num_pairs == 0:
         return out
     block_m, block_n, block_k = tile_shape(num_pairs)
-    block_rows, block_experts = align_blocks(routing, block_m)
+    block_rows, block_experts = align_blocks(pair_experts, expert_indptr, block_m)
     grid = (block_experts.numel(), triton.cdiv(n, block_n))
     _grouped_gemm_kernel[grid](
         rows, weights, out, block_rows, block_experts, n, k, num_pairs, rows.stride(0), weights.stride(0),
