@@ -6,12 +6,15 @@ per projection, SwiGLU between them, and each token's outputs summed by its rout
 Each pair adds its token's adapter delta (slot and lora_scale from the step's LoraBatch) to both
 expert projections' outputs, by (slot, expert) (punica.ops.lora_moe). Its weights are the layer's
 part of the adapter pool (punica.lora.pool.ExpertWeights), set by punica.lora.layers.attach_pool;
-without them, and in steps where no token has an adapter, it is its experts alone.
+without them, and in steps where no token has an adapter, it is its experts alone. Under tensor
+parallelism (punica.parallel.tensor_parallel) each rank holds every expert's slice of the
+intermediate dimension, and the weighted sum is all-reduced (`tp_group`).
 """
 
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from punica.lora.batch import LoraBatch
@@ -28,6 +31,9 @@ class LoraExperts(nn.Module):
         super().__init__()
         self.base, self.layer = base, layer
         self.weights: ExpertWeights | None = None
+        # split over the experts' intermediate dimension under tensor parallelism: the ranks whose
+        # partial outputs are summed
+        self.tp_group: dist.ProcessGroup | None = None
 
     def forward(self, x: torch.Tensor, routing: ExpertRouting, lora: LoraBatch) -> torch.Tensor:
         """x: [T, H]  ->  [T, H]: each token's experts' outputs, each with the token's LoRA deltas,
@@ -43,7 +49,10 @@ class LoraExperts(nn.Module):
         down = grouped_matmul(hidden, self.base.down_weight(), routing)
         if w is not None:
             add_expert_lora(down, hidden, w.down_a, w.down_b, slots, routing.pair_experts, scales)
-        return combine(down, routing, x.shape[0])
+        out = combine(down, routing, x.shape[0])
+        if self.tp_group is not None:
+            dist.all_reduce(out, group=self.tp_group)
+        return out
 
     def extra_repr(self) -> str:
         return f"layer={self.layer}"

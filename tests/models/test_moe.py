@@ -8,9 +8,8 @@ import random
 
 import pytest
 import torch
-from peft import LoraConfig, PeftModel, get_peft_model
+from peft import PeftModel
 from safetensors.torch import load_file, save_file
-from transformers import AutoConfig, AutoModelForCausalLM
 
 from punica.config import EngineConfig, ModelConfig, preset_config
 from punica.factory import engine_on_model
@@ -19,32 +18,7 @@ from punica.lora.adapter import AdapterError, load_adapter
 from punica.lora.pool import LoraPool
 from punica.models.loader import dummy_model, load_hf_dir
 
-SHAPE = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-             vocab_size=128, max_position_embeddings=256)
-# name -> (model_type, config overrides): Qwen3-MoE with a dense first layer, top-k weights as routed
-# (norm_topk_prob false), and Mixtral (renormalised top-k) on every layer
-TINY_MOE = {
-    "qwen3_moe": ("qwen3_moe", dict(head_dim=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
-                                    norm_topk_prob=False, mlp_only_layers=[0])),
-    "mixtral": ("mixtral", dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=48)),
-}
-
-
-def tiny_moe(name, seed=0):
-    """A random tiny MoE model by transformers' class, fp32 eval; router weights of std 1 so that a
-    token's experts are chosen by clear margins (near ties would turn on float noise), norms random."""
-    model_type, overrides = TINY_MOE[name]
-    config = AutoConfig.for_model(model_type, **(SHAPE | overrides))
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        model = AutoModelForCausalLM.from_config(config, attn_implementation="eager").eval()
-        with torch.no_grad():
-            for param_name, param in model.named_parameters():
-                if param_name.endswith("mlp.gate.weight"):
-                    param.normal_(0.0, 1.0)
-                elif "norm" in param_name:
-                    param.add_(torch.randn_like(param) * 0.2)
-    return model
+MOE_FAMILIES = ["qwen3_moe", "mixtral"]  # tests/conftest.py TINY_MOE_FAMILIES
 
 
 def save_fused(model, path):
@@ -72,9 +46,9 @@ def requests(names, n, seed):
 
 @pytest.mark.parametrize("name,layout", [("qwen3_moe", "per_expert"), ("qwen3_moe", "fused"),
                                          ("mixtral", "per_expert")])
-def test_tiny_moe_matches_transformers(tmp_path, name, layout, run_all, greedy):
+def test_tiny_moe_matches_transformers(tmp_path, name, layout, run_all, greedy, tiny_moe_model):
     """A batch of 6 requests through the engine (prefills fused with decodes): transformers' greedy tokens."""
-    hf = tiny_moe(name, seed=1)
+    hf = tiny_moe_model(name, seed=1)
     if layout == "fused":
         save_fused(hf, tmp_path / "base")
     else:
@@ -89,14 +63,14 @@ def test_tiny_moe_matches_transformers(tmp_path, name, layout, run_all, greedy):
         assert out.token_ids == greedy_tokens(hf, prompt, max_tokens), prompt
 
 
-def test_moe_config_fields():
-    c = ModelConfig.from_hf_dict(tiny_moe("qwen3_moe").config.to_dict())
+def test_moe_config_fields(tiny_moe_model):
+    c = ModelConfig.from_hf_dict(tiny_moe_model("qwen3_moe").config.to_dict())
     assert (c.family, c.num_experts, c.num_experts_per_tok, c.moe_intermediate_size, c.norm_topk_prob,
             c.moe_layers, c.qk_norm) == ("qwen3_moe", 4, 2, 32, False, (1,), True)
-    sparse_step = ModelConfig.from_hf_dict(tiny_moe("qwen3_moe").config.to_dict() | {
+    sparse_step = ModelConfig.from_hf_dict(tiny_moe_model("qwen3_moe").config.to_dict() | {
         "mlp_only_layers": [], "decoder_sparse_step": 2, "norm_topk_prob": True})
     assert (sparse_step.moe_layers, sparse_step.norm_topk_prob) == ((1,), True)
-    m = ModelConfig.from_hf_dict(tiny_moe("mixtral").config.to_dict())
+    m = ModelConfig.from_hf_dict(tiny_moe_model("mixtral").config.to_dict())
     assert (m.family, m.num_experts, m.moe_intermediate_size, m.norm_topk_prob, m.moe_layers) == (
         "mixtral", 4, 48, True, (0, 1))
 
@@ -106,13 +80,13 @@ def test_moe_config_fields():
     ({"decoder_sparse_step": 0}, r"decoder_sparse_step=0"),
     ({"shared_expert_intermediate_size": 64}, r"a shared expert"),
 ])
-def test_unsupported_moe_variants_are_refused_by_name(fields, message):
+def test_unsupported_moe_variants_are_refused_by_name(fields, message, tiny_moe_model):
     with pytest.raises(UnsupportedModel, match=message):
-        ModelConfig.from_hf_dict(tiny_moe("qwen3_moe").config.to_dict() | fields)
+        ModelConfig.from_hf_dict(tiny_moe_model("qwen3_moe").config.to_dict() | fields)
 
 
-def test_a_checkpoint_with_both_expert_layouts_is_refused(tmp_path):
-    hf = tiny_moe("mixtral")
+def test_a_checkpoint_with_both_expert_layouts_is_refused(tmp_path, tiny_moe_model):
+    hf = tiny_moe_model("mixtral")
     save_fused(hf, tmp_path / "base")
     state = {k: v.contiguous() for k, v in hf.state_dict().items()}
     down = state["model.layers.0.mlp.experts.down_proj"]
@@ -123,11 +97,11 @@ def test_a_checkpoint_with_both_expert_layouts_is_refused(tmp_path):
         load_hf_dir(tmp_path / "base", torch.float32)
 
 
-def test_moe_presets_build_with_random_weights():
+def test_moe_presets_build_with_random_weights(tiny_moe_model):
     for name, experts, top_k in (("qwen3-30b-a3b", 128, 8), ("mixtral-8x7b", 8, 2)):
         c = preset_config(name)
         assert (c.num_experts, c.num_experts_per_tok, len(c.moe_layers)) == (experts, top_k, c.num_layers)
-    tiny = ModelConfig.from_hf_dict(tiny_moe("qwen3_moe").config.to_dict())
+    tiny = ModelConfig.from_hf_dict(tiny_moe_model("qwen3_moe").config.to_dict())
     model = dummy_model(tiny, torch.float32)
     assert model.layers[1].moe.experts.base.gate_up_weight().shape == (4, 64, 64)
     with pytest.raises(ValueError, match=r"fp8 weights of a mixture-of-experts model \(qwen3_moe\)"):
@@ -144,22 +118,12 @@ ADAPTERS = {
 }
 
 
-def make_moe_adapter(hf, path, rank, alpha, rslora, modules, parameters, seed):
-    """A PEFT adapter of random non-zero A and B (init_lora_weights=False) on a copy of `hf`."""
-    config = LoraConfig(r=rank, lora_alpha=alpha, use_rslora=rslora, target_modules=modules,
-                        target_parameters=parameters, init_lora_weights=False)
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        peft_model = get_peft_model(copy.deepcopy(hf), config)
-    peft_model.save_pretrained(str(path))
-    return path
-
-
-@pytest.mark.parametrize("name", list(TINY_MOE))
-def test_tiny_moe_with_expert_adapters_matches_transformers_peft(tmp_path, name, run_all, greedy):
+@pytest.mark.parametrize("name", MOE_FAMILIES)
+def test_tiny_moe_with_expert_adapters_matches_transformers_peft(tmp_path, name, run_all, greedy, tiny_moe_model,
+                                                                  make_moe_adapter):
     """12 requests over the base model and three adapters (attention + experts, experts only, attention
     only) in mixed batches: each request's greedy tokens are transformers + PEFT's with its adapter."""
-    hf = tiny_moe(name, seed=2)
+    hf = tiny_moe_model(name, seed=2)
     hf.save_pretrained(tmp_path / "base")
     paths = {a: make_moe_adapter(hf, tmp_path / a, *spec, seed=i + 1) for i, (a, spec) in enumerate(ADAPTERS.items())}
     model = load_hf_dir(tmp_path / "base", dtype=torch.float32)
@@ -195,18 +159,19 @@ def rewrite_adapter(path, config_fields=None, rename=None):
     (None, lambda k: k.replace("experts.base_layer.lora_B", "experts.base_layer.lora_X"),
      r"experts.base_layer.lora_A.weight has no lora_B beside it"),
 ])
-def test_expert_adapters_that_cannot_be_served_are_refused_by_name(tmp_path, config_fields, rename, message):
-    hf = tiny_moe("qwen3_moe")
+def test_expert_adapters_that_cannot_be_served_are_refused_by_name(tmp_path, config_fields, rename, message,
+                                                                   tiny_moe_model, make_moe_adapter):
+    hf = tiny_moe_model("qwen3_moe")
     path = make_moe_adapter(hf, tmp_path / "both", *ADAPTERS["both"], seed=1)
     rewrite_adapter(path, config_fields, rename)
     with pytest.raises(AdapterError, match=message):
         load_adapter(path, ModelConfig.from_hf_dict(hf.config.to_dict()))
 
 
-def test_expert_adapter_layout_and_bytes(tmp_path):
+def test_expert_adapter_layout_and_bytes(tmp_path, tiny_moe_model, make_moe_adapter):
     """PEFT's fused expert LoRA (lora_A rows expert-major, lora_B columns expert-minor) as per-expert
     (A, B), and the pool's slot holding them."""
-    hf = tiny_moe("mixtral")
+    hf = tiny_moe_model("mixtral")
     path = make_moe_adapter(hf, tmp_path / "both", *ADAPTERS["both"], seed=1)
     config = ModelConfig.from_hf_dict(hf.config.to_dict())
     adapter = load_adapter(path, config)
@@ -227,11 +192,12 @@ def test_expert_adapter_layout_and_bytes(tmp_path):
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("name", list(TINY_MOE))
-def test_cuda_graph_moe_engine_matches_eager_and_transformers_peft(tmp_path, name, run_all, greedy):
+@pytest.mark.parametrize("name", MOE_FAMILIES)
+def test_cuda_graph_moe_engine_matches_eager_and_transformers_peft(tmp_path, name, run_all, greedy, tiny_moe_model,
+                                                                   make_moe_adapter):
     """On the GPU in fp32 (the grouped GEMM and expert LoRA kernels): an engine replaying CUDA graphs
     and an eager one both give transformers + PEFT's tokens over mixed adapters."""
-    hf = tiny_moe(name, seed=2)
+    hf = tiny_moe_model(name, seed=2)
     hf.save_pretrained(tmp_path / "base")
     paths = {a: make_moe_adapter(hf, tmp_path / a, *spec, seed=i + 1) for i, (a, spec) in enumerate(ADAPTERS.items())}
     references = {None: hf} | {a: PeftModel.from_pretrained(copy.deepcopy(hf), str(p)).eval() for a, p in paths.items()}
