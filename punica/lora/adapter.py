@@ -166,6 +166,12 @@ class AdapterWeights:
     def dora(self) -> bool:
         return bool(self.magnitude)
 
+    @property
+    def num_bytes(self) -> int:
+        """Of its weights: every A, B (of the experts too) and DoRA magnitude."""
+        tensors = [t for pairs in (self.pairs, self.experts) for pair in pairs.values() for t in pair]
+        return sum(t.numel() * t.element_size() for t in (*tensors, *self.magnitude.values()))
+
     def tensors(self) -> Iterator[tuple[str, int, torch.Tensor, torch.Tensor]]:
         for (proj, layer), (a, b) in self.pairs.items():
             yield proj, layer, a, b

@@ -213,3 +213,21 @@ def test_cuda_graph_moe_engine_matches_eager_and_transformers_peft(tmp_path, nam
     for (prompt, adapter, max_tokens), tokens in zip(reqs, outputs[True]):
         assert tokens == greedy_tokens(references[adapter], prompt, max_tokens), (adapter, prompt)
     assert outputs[False] == outputs[True]
+
+
+def test_adapter_listing_reports_each_adapters_bytes(tmp_path, run_all, greedy, tiny_moe_model, make_moe_adapter):
+    """The engine's adapter snapshot (GET /v1/adapters) gives each adapter's bytes once read: experts
+    included, in the pool's dtype."""
+    hf = tiny_moe_model("mixtral")
+    hf.save_pretrained(tmp_path / "base")
+    paths = {a: str(make_moe_adapter(hf, tmp_path / a, *spec, seed=i + 1))
+             for i, (a, spec) in enumerate(ADAPTERS.items())}
+    model = load_hf_dir(tmp_path / "base", dtype=torch.float32)
+    engine = engine_on_model(model, EngineConfig(max_batch_size=2, page_size=4, kv_cache_tokens=64, max_loras=3,
+                                                 max_lora_rank=16), paths)
+    assert engine.adapter_snapshot()["adapters"]["experts"]["bytes"] is None  # not read yet
+    run_all(engine, [([5, 6], name, 1) for name in ADAPTERS], greedy)
+    listing = engine.adapter_snapshot()["adapters"]
+    for name, path in paths.items():
+        assert listing[name]["bytes"] == load_adapter(path, model.config).num_bytes > 0
+    assert listing["experts"]["bytes"] == 4 * 2 * 4 * 4 * (48 + 64)  # fp32, 2 layers, 4 experts, rank 4: down only
