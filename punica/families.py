@@ -170,6 +170,8 @@ def _moe_fields(d: dict[str, Any], family: Family, num_layers: int, refuse) -> d
     else:
         num_experts, inter = d.get("num_experts", d.get("num_local_experts")), d["moe_intermediate_size"]
         normalize = bool(d.get("norm_topk_prob", False))
+        if d.get("use_sliding_window"):  # transformers' Qwen3-MoE then slides on every layer, unlike Qwen3's
+            raise refuse("use_sliding_window (sliding-window attention) on qwen3_moe")
         step, dense = d.get("decoder_sparse_step", 1), set(d.get("mlp_only_layers") or ())
         if not isinstance(step, int) or step < 1:
             raise refuse(f"decoder_sparse_step={step!r} (a positive number of layers)")

@@ -79,6 +79,7 @@ def test_moe_config_fields(tiny_moe_model):
     ({"num_experts_per_tok": 5}, r"num_experts_per_tok=5 of 4 experts"),
     ({"decoder_sparse_step": 0}, r"decoder_sparse_step=0"),
     ({"shared_expert_intermediate_size": 64}, r"a shared expert"),
+    ({"use_sliding_window": True, "sliding_window": 8}, r"use_sliding_window \(sliding-window attention\) on qwen3"),
 ])
 def test_unsupported_moe_variants_are_refused_by_name(fields, message, tiny_moe_model):
     with pytest.raises(UnsupportedModel, match=message):
