@@ -52,6 +52,7 @@ class ModelConfig:
     family: str = "llama"
     qkv_bias: bool = False   # biases on q, k and v (the LoRA delta adds to the biased projection)
     qk_norm: bool = False    # RMSNorm over each head of q and k before rotary
+    qk_norm_whole: bool = False  # with qk_norm: over the whole q and k projections instead (OLMoE)
     layer_windows: tuple[int, ...] = ()  # each layer's sliding window in tokens, 0: full; (): all full
     hidden_act: str = "silu"  # the MLP's gate activation: silu (SwiGLU) or gelu_tanh (GeGLU)
     norm_offset: float = 0.0  # checkpoints store each RMSNorm weight less this (Gemma's 1 + w)

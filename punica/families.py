@@ -21,11 +21,13 @@ transformers runs for it, or not at all.
     qwen3_moe   Qwen3MoeForCausalLM   no          yes       as qwen3; mixture-of-experts MLPs
     mixtral     MixtralForCausalLM    no          no        every layer (sliding_window); mixture-of-
                                                             experts MLPs
+    olmoe       OlmoeForCausalLM      no          yes (*)   refused; mixture-of-experts MLPs
+                                                            (*) over the whole q and k, not each head
 
 A mixture-of-experts family (`moe`) routes each token to num_experts_per_tok of num_experts
 SwiGLU experts (punica.models.moe): Mixtral on every layer with the top-k weights renormalised,
-Qwen3-MoE on the layers decoder_sparse_step and mlp_only_layers leave sparse (the others a dense
-MLP of intermediate_size), renormalised where norm_topk_prob says.
+OLMoE on every layer, Qwen3-MoE on the layers decoder_sparse_step and mlp_only_layers leave sparse
+(the others a dense MLP of intermediate_size), those two renormalised where norm_topk_prob says.
 """
 
 from __future__ import annotations
@@ -51,7 +53,8 @@ class Family:
     gemma: bool = False    # GeGLU, (1 + w) norms, sqrt(hidden) embedding scale, sandwich norms, softcaps
     window_pattern: int = 0  # without layer_types: every window_pattern-th layer is global, the others local
     fused: bool = False    # checkpoints and adapters hold qkv_proj and gate_up_proj
-    moe: str = ""          # a mixture-of-experts family: "qwen3_moe" or "mixtral" (its config fields)
+    moe: str = ""          # a mixture-of-experts family: "qwen3_moe", "mixtral" or "olmoe" (its config fields)
+    qk_norm_whole: bool = False  # the q/k norms span the whole projection (all heads), not each head
 
 
 FAMILIES = {f.name: f for f in (
@@ -65,6 +68,7 @@ FAMILIES = {f.name: f for f in (
     Family("phi3", "Phi3ForCausalLM", windows="all", fused=True),
     Family("qwen3_moe", "Qwen3MoeForCausalLM", qk_norm=True, windows="qwen", moe="qwen3_moe"),
     Family("mixtral", "MixtralForCausalLM", windows="all", moe="mixtral"),
+    Family("olmoe", "OlmoeForCausalLM", qk_norm=True, qk_norm_whole=True, moe="olmoe"),
 )}
 GEMMA_OPTIONS = ("attn_logit_softcapping", "final_logit_softcapping")  # implemented for the Gemma families
 BY_ARCHITECTURE = {f.architecture: f for f in FAMILIES.values()}
@@ -155,6 +159,7 @@ def hf_model_fields(d: dict[str, Any]) -> dict[str, Any]:
         eos_token_ids=tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,)),
         qkv_bias=family.qkv_bias,
         qk_norm=family.qk_norm,
+        qk_norm_whole=family.qk_norm_whole,
         layer_windows=layer_windows,
         fused_projections=family.fused,
     )
@@ -167,6 +172,11 @@ def _moe_fields(d: dict[str, Any], family: Family, num_layers: int, refuse) -> d
     if family.moe == "mixtral":
         num_experts, inter, normalize = d["num_local_experts"], d["intermediate_size"], True
         moe_layers = tuple(range(num_layers))
+    elif family.moe == "olmoe":
+        if d.get("clip_qkv") is not None:
+            raise refuse(f"clipped q/k/v (clip_qkv={d['clip_qkv']})")
+        num_experts, inter = d.get("num_experts", d.get("num_local_experts")), d["intermediate_size"]
+        normalize, moe_layers = bool(d.get("norm_topk_prob", False)), tuple(range(num_layers))
     else:
         num_experts, inter = d.get("num_experts", d.get("num_local_experts")), d["moe_intermediate_size"]
         normalize = bool(d.get("norm_topk_prob", False))

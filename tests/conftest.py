@@ -117,11 +117,13 @@ def tiny_family_model(family: str, seed: int = 0, **overrides):
 
 # tiny mixture-of-experts models: (model_type, config overrides on top of tiny_family_model's shape):
 # Qwen3-MoE with a dense first layer and its top-k weights as routed (norm_topk_prob false), Mixtral
-# (renormalised top-k) on every layer; 4 experts, 2 per token
+# (renormalised top-k) and OLMoE (norm_topk_prob true, q/k norms over all heads) on every layer; 4
+# experts, 2 per token
 TINY_MOE_FAMILIES = {
     "qwen3_moe": ("qwen3_moe", dict(head_dim=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
                                     norm_topk_prob=False, mlp_only_layers=[0])),
     "mixtral": ("mixtral", dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=48)),
+    "olmoe": ("olmoe", dict(num_experts=4, num_experts_per_tok=2, intermediate_size=32, norm_topk_prob=True)),
 }
 
 

@@ -70,8 +70,11 @@ class DecoderLayer(nn.Module):
 
         self.input_norm = RMSNorm(c.hidden_size, c.rms_norm_eps, **factory)
         self.qkv_proj = lora_projection("qkv", c.hidden_size, c.q_size + 2 * c.kv_size, c.qkv_bias)
-        self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps, **factory) if c.qk_norm else None
-        self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps, **factory) if c.qk_norm else None
+        # over each head, or with qk_norm_whole over the whole projection (all heads)
+        self.qk_norm_whole = c.qk_norm_whole
+        q_norm_size, k_norm_size = (c.q_size, c.kv_size) if c.qk_norm_whole else (c.head_dim, c.head_dim)
+        self.q_norm = RMSNorm(q_norm_size, c.rms_norm_eps, **factory) if c.qk_norm else None
+        self.k_norm = RMSNorm(k_norm_size, c.rms_norm_eps, **factory) if c.qk_norm else None
         self.o_proj = lora_projection("o", c.q_size, c.hidden_size)
         self.post_norm = RMSNorm(c.hidden_size, c.rms_norm_eps, **factory)  # before the MLP
         # with sandwich norms: on the attention output and on the MLP output
@@ -95,9 +98,12 @@ class DecoderLayer(nn.Module):
         q = qkv[:, :q_end].view(num_tokens, self.num_heads, self.head_dim)
         k = qkv[:, q_end:k_end].view(num_tokens, self.num_kv_heads, self.head_dim)
         v = qkv[:, k_end:].view(num_tokens, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:  # over each head: rows of head_dim
-            q = self.q_norm(q.reshape(-1, self.head_dim)).view(num_tokens, self.num_heads, self.head_dim)
-            k = self.k_norm(k.reshape(-1, self.head_dim)).view(num_tokens, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:  # over each head (rows of head_dim) or each token's whole q and k
+            rows = num_tokens if self.qk_norm_whole else -1
+            q = self.q_norm(q.reshape(rows, self.q_norm.weight.shape[0])).view(num_tokens, self.num_heads,
+                                                                                self.head_dim)
+            k = self.k_norm(k.reshape(rows, self.k_norm.weight.shape[0])).view(num_tokens, self.num_kv_heads,
+                                                                                self.head_dim)
         cos, sin = batch.rope(self.rotary)
         kv_layer, kv_scales = batch.kv.layer(self.index)
         rope_and_write_kv_(q, k, v, cos, sin, kv_layer, batch.attn.slot_mapping, kv_scales)  # q rotated in place

@@ -202,8 +202,9 @@ def _place(config: ModelConfig, name: str) -> tuple[str, int, int]:
     places = {"q": (qkv, 0, q), "k": (qkv, q, q + kv), "v": (qkv, q + kv, q + 2 * kv),
               "o": ("o_proj.base", 0, h), "gate": (gate_up, 0, inter), "up": (gate_up, inter, 2 * inter),
               "down": ("down_proj.base", 0, h), "input_layernorm": ("input_norm", 0, h),
-              "post_attention_layernorm": ("post_norm", 0, h), "q_norm": ("q_norm", 0, config.head_dim),
-              "k_norm": ("k_norm", 0, config.head_dim)}
+              "post_attention_layernorm": ("post_norm", 0, h),
+              "q_norm": ("q_norm", 0, q if config.qk_norm_whole else config.head_dim),
+              "k_norm": ("k_norm", 0, kv if config.qk_norm_whole else config.head_dim)}
     if config.fused_projections:  # Phi-3's checkpoints hold the fused projections as they are
         places |= {"qkv": (qkv, 0, q + 2 * kv), "gate_up": (gate_up, 0, 2 * inter)}
     if config.sandwich_norms:  # Gemma's post_attention_layernorm normalises the attention output

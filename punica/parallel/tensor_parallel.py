@@ -74,6 +74,9 @@ ROW_PARALLEL = ("o", "down")                     # input features split: lora_a 
 def rank_config(config: ModelConfig, world_size: int) -> ModelConfig:
     """The config of one rank's shard: 1/N of the heads, kv heads and intermediate sizes (the
     dense MLP's and the experts')."""
+    if config.qk_norm_whole and world_size > 1:
+        raise ValueError(f"tensor parallelism of {config.family}: its q/k norms span every head, which the "
+                         "ranks split")
     for name in ("num_heads", "num_kv_heads", "intermediate_size", "moe_intermediate_size"):
         if getattr(config, name) % world_size:
             raise ValueError(f"tensor parallelism: {name} ({getattr(config, name)}) is not "

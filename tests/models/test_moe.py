@@ -17,8 +17,9 @@ from punica.families import UnsupportedModel
 from punica.lora.adapter import AdapterError, load_adapter
 from punica.lora.pool import LoraPool
 from punica.models.loader import dummy_model, load_hf_dir
+from punica.parallel.tensor_parallel import rank_config
 
-MOE_FAMILIES = ["qwen3_moe", "mixtral"]  # tests/conftest.py TINY_MOE_FAMILIES
+MOE_FAMILIES = ["qwen3_moe", "mixtral", "olmoe"]  # tests/conftest.py TINY_MOE_FAMILIES
 
 
 def save_fused(model, path):
@@ -45,7 +46,7 @@ def requests(names, n, seed):
 
 
 @pytest.mark.parametrize("name,layout", [("qwen3_moe", "per_expert"), ("qwen3_moe", "fused"),
-                                         ("mixtral", "per_expert")])
+                                         ("mixtral", "per_expert"), ("olmoe", "per_expert")])
 def test_tiny_moe_matches_transformers(tmp_path, name, layout, run_all, greedy, tiny_moe_model):
     """A batch of 6 requests through the engine (prefills fused with decodes): transformers' greedy tokens."""
     hf = tiny_moe_model(name, seed=1)
@@ -56,7 +57,7 @@ def test_tiny_moe_matches_transformers(tmp_path, name, layout, run_all, greedy, 
     keys = (tmp_path / "base" / "model.safetensors").read_bytes()[:20000]
     assert (b"experts.gate_up_proj" in keys) == (layout == "fused")
     model = load_hf_dir(tmp_path / "base", dtype=torch.float32)
-    assert [layer.moe is not None for layer in model.layers] == [name == "mixtral", True]
+    assert [layer.moe is not None for layer in model.layers] == [name != "qwen3_moe", True]
     engine = engine_on_model(model, EngineConfig(max_batch_size=4, page_size=4, kv_cache_tokens=256))
     reqs = requests([None], 6, seed=0)
     for (prompt, _, max_tokens), out in zip(reqs, run_all(engine, reqs, greedy)):
@@ -73,6 +74,13 @@ def test_moe_config_fields(tiny_moe_model):
     m = ModelConfig.from_hf_dict(tiny_moe_model("mixtral").config.to_dict())
     assert (m.family, m.num_experts, m.moe_intermediate_size, m.norm_topk_prob, m.moe_layers) == (
         "mixtral", 4, 48, True, (0, 1))
+    o = ModelConfig.from_hf_dict(tiny_moe_model("olmoe").config.to_dict())
+    assert (o.family, o.num_experts, o.moe_intermediate_size, o.norm_topk_prob, o.moe_layers, o.qk_norm_whole) == (
+        "olmoe", 4, 32, True, (0, 1), True)
+    with pytest.raises(UnsupportedModel, match=r"clipped q/k/v \(clip_qkv=8.0\)"):
+        ModelConfig.from_hf_dict(tiny_moe_model("olmoe").config.to_dict() | {"clip_qkv": 8.0})
+    with pytest.raises(ValueError, match=r"tensor parallelism of olmoe: its q/k norms span every head"):
+        rank_config(o, 2)
 
 
 @pytest.mark.parametrize("fields,message", [
