@@ -15,6 +15,7 @@ from punica.config import EngineConfig, ModelConfig, preset_config
 from punica.factory import engine_on_model
 from punica.families import UnsupportedModel
 from punica.lora.adapter import AdapterError, load_adapter
+from punica.lora.dummy import save_random_adapter
 from punica.lora.pool import LoraPool
 from punica.models.loader import dummy_model, load_hf_dir
 from punica.parallel.tensor_parallel import rank_config
@@ -240,3 +241,15 @@ def test_adapter_listing_reports_each_adapters_bytes(tmp_path, run_all, greedy, 
     for name, path in paths.items():
         assert listing[name]["bytes"] == load_adapter(path, model.config).num_bytes > 0
     assert listing["experts"]["bytes"] == 4 * 2 * 4 * 4 * (48 + 64)  # fp32, 2 layers, 4 experts, rank 4: down only
+
+
+def test_random_adapters_of_a_moe_model_adapt_its_experts(tmp_path, tiny_moe_model):
+    """The benchmarks' random adapters: on MoE layers gate/up/down become the experts' LoRA."""
+    config = ModelConfig.from_hf_dict(tiny_moe_model("qwen3_moe").config.to_dict())  # layer 0 dense
+    adapter = load_adapter(save_random_adapter(tmp_path / "all", config, rank=4, seed=0), config)
+    assert set(adapter.lora_a) == {"q", "k", "v", "o", "gate", "up", "down"}
+    assert adapter.lora_a["down"][1].abs().sum() == 0 < adapter.lora_a["down"][0].abs().sum()
+    assert set(adapter.experts) == {("gate_up", 1), ("down", 1)}
+    down_only = load_adapter(save_random_adapter(tmp_path / "down", config, rank=4, seed=0, projections=("down",)),
+                             config)
+    assert set(down_only.experts) == {("down", 1)} and down_only.experts["down", 1][0].shape == (4, 4, 32)
