@@ -1,6 +1,6 @@
 """Mixture-of-experts operators: the router's top-k, tokens grouped by expert, the grouped GEMM of
-the experts' projections and the weighted sum of their outputs. References (the spec), run on
-any device.
+the experts' projections and the weighted sum of their outputs: references (the spec), which run
+on any device, the grouped GEMM dispatched to Triton on CUDA.
 
 A token routed to k experts makes k (token, expert) pairs; `route` sorts the pairs by expert
 (stably, so that within an expert they keep the tokens' order, and so their adapter slots'
