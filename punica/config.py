@@ -52,6 +52,7 @@ class ModelConfig:
     family: str = "llama"
     qkv_bias: bool = False   # biases on q, k and v (the LoRA delta adds to the biased projection)
     qk_norm: bool = False    # RMSNorm over each head of q and k before rotary
+    qk_norm_whole: bool = False  # with qk_norm: over the whole q and k projections instead (OLMoE)
     layer_windows: tuple[int, ...] = ()  # each layer's sliding window in tokens, 0: full; (): all full
     hidden_act: str = "silu"  # the MLP's gate activation: silu (SwiGLU) or gelu_tanh (GeGLU)
     norm_offset: float = 0.0  # checkpoints store each RMSNorm weight less this (Gemma's 1 + w)
@@ -62,6 +63,14 @@ class ModelConfig:
     attn_scale: float = 0.0  # the attention's score scale; 0: head_dim ** -0.5
     local_rope: RopeConfig | None = None  # the rope of the sliding-window layers, where it is not `rope`
     fused_projections: bool = False  # checkpoint and adapters name the fused qkv_proj and gate_up_proj (Phi-3)
+    # mixture of experts (punica.models.moe): on the layers `moe_layers` the MLP is num_experts SwiGLU
+    # experts of moe_intermediate_size, num_experts_per_tok of them per token, their router weights
+    # renormalised to sum 1 with norm_topk_prob; the other layers' MLP is dense (intermediate_size)
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False
+    moe_layers: tuple[int, ...] = ()
 
     def __post_init__(self):
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers",
@@ -80,10 +89,19 @@ class ModelConfig:
             raise ValueError(f"model config: hidden_act {self.hidden_act!r} is not silu or gelu_tanh")
         if min(self.attn_softcap, self.final_softcap, self.attn_scale) < 0:
             raise ValueError("model config: softcaps and the attention scale must not be negative")
+        if self.moe_layers and not (0 < self.num_experts_per_tok <= self.num_experts and self.moe_intermediate_size > 0
+                                    and all(0 <= i < self.num_layers for i in self.moe_layers)):
+            raise ValueError(f"model config: MoE layers {self.moe_layers} need 1 <= num_experts_per_tok "
+                             f"({self.num_experts_per_tok}) <= num_experts ({self.num_experts}), a positive "
+                             f"moe_intermediate_size ({self.moe_intermediate_size}) and layers below {self.num_layers}")
 
     def window(self, layer: int) -> int:
         """Layer `layer`'s sliding window in tokens; 0: it attends to the whole context."""
         return self.layer_windows[layer] if self.layer_windows else 0
+
+    def is_moe(self, layer: int) -> bool:
+        """Whether layer `layer`'s MLP is the mixture of experts."""
+        return layer in self.moe_layers
 
     def layer_rope(self, layer: int) -> RopeConfig:
         """The rope of layer `layer`: `local_rope` on a sliding-window layer where there is one."""
@@ -135,6 +153,14 @@ PRESETS = {
                     "layer_windows": (4096, 0) * 21, "hidden_act": "gelu_tanh", "norm_offset": 1.0,
                     "embed_scale": True, "sandwich_norms": True, "attn_softcap": 50.0, "final_softcap": 30.0,
                     "attn_scale": 256 ** -0.5, "max_position_embeddings": 8192}),
+    "qwen3-30b-a3b": (2048, 6144, 48, 32, 4, 151936,
+                      {"family": "qwen3_moe", "head_dim": 128, "qk_norm": True, "rms_norm_eps": 1e-6,
+                       "rope": RopeConfig(theta=1e6), "num_experts": 128, "num_experts_per_tok": 8,
+                       "moe_intermediate_size": 768, "norm_topk_prob": True, "moe_layers": tuple(range(48))}),
+    "mixtral-8x7b": (4096, 14336, 32, 32, 8, 32000,
+                     {"family": "mixtral", "rope": RopeConfig(theta=1e6), "num_experts": 8,
+                      "num_experts_per_tok": 2, "moe_intermediate_size": 14336, "norm_topk_prob": True,
+                      "moe_layers": tuple(range(32))}),
     "tiny": (128, 256, 2, 4, 2, 512),  # smoke-testing the benchmarks on a CPU
 }
 

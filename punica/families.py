@@ -18,6 +18,16 @@ transformers runs for it, or not at all.
     gemma3_text Gemma3ForCausalLM     no          yes         other one; Gemma 3: 5 of each 6)
     phi3        Phi3ForCausalLM       no          no        every layer (sliding_window); fused
                                                             qkv_proj and gate_up_proj
+    qwen3_moe   Qwen3MoeForCausalLM   no          yes       as qwen3; mixture-of-experts MLPs
+    mixtral     MixtralForCausalLM    no          no        every layer (sliding_window); mixture-of-
+                                                            experts MLPs
+    olmoe       OlmoeForCausalLM      no          yes (*)   refused; mixture-of-experts MLPs
+                                                            (*) over the whole q and k, not each head
+
+A mixture-of-experts family (`moe`) routes each token to num_experts_per_tok of num_experts
+SwiGLU experts (punica.models.moe): Mixtral on every layer with the top-k weights renormalised,
+OLMoE on every layer, Qwen3-MoE on the layers decoder_sparse_step and mlp_only_layers leave sparse
+(the others a dense MLP of intermediate_size), those two renormalised where norm_topk_prob says.
 """
 
 from __future__ import annotations
@@ -43,6 +53,8 @@ class Family:
     gemma: bool = False    # GeGLU, (1 + w) norms, sqrt(hidden) embedding scale, sandwich norms, softcaps
     window_pattern: int = 0  # without layer_types: every window_pattern-th layer is global, the others local
     fused: bool = False    # checkpoints and adapters hold qkv_proj and gate_up_proj
+    moe: str = ""          # a mixture-of-experts family: "qwen3_moe", "mixtral" or "olmoe" (its config fields)
+    qk_norm_whole: bool = False  # the q/k norms span the whole projection (all heads), not each head
 
 
 FAMILIES = {f.name: f for f in (
@@ -54,6 +66,9 @@ FAMILIES = {f.name: f for f in (
     Family("gemma2", "Gemma2ForCausalLM", windows="layer_types", gemma=True, window_pattern=2),
     Family("gemma3_text", "Gemma3ForCausalLM", qk_norm=True, windows="layer_types", gemma=True, window_pattern=6),
     Family("phi3", "Phi3ForCausalLM", windows="all", fused=True),
+    Family("qwen3_moe", "Qwen3MoeForCausalLM", qk_norm=True, windows="qwen", moe="qwen3_moe"),
+    Family("mixtral", "MixtralForCausalLM", windows="all", moe="mixtral"),
+    Family("olmoe", "OlmoeForCausalLM", qk_norm=True, qk_norm_whole=True, moe="olmoe"),
 )}
 GEMMA_OPTIONS = ("attn_logit_softcapping", "final_logit_softcapping")  # implemented for the Gemma families
 BY_ARCHITECTURE = {f.architecture: f for f in FAMILIES.values()}
@@ -127,7 +142,7 @@ def hf_model_fields(d: dict[str, Any]) -> dict[str, Any]:
                      attn_softcap=float(d.get("attn_logit_softcapping") or 0.0),
                      final_softcap=float(d.get("final_logit_softcapping") or 0.0),
                      attn_scale=float(d.get("query_pre_attn_scalar", 256)) ** -0.5, local_rope=local_rope)
-    return gemma | dict(
+    return gemma | _moe_fields(d, family, num_layers, refuse) | dict(
         family=family.name,
         vocab_size=d["vocab_size"],
         hidden_size=d["hidden_size"],
@@ -144,9 +159,40 @@ def hf_model_fields(d: dict[str, Any]) -> dict[str, Any]:
         eos_token_ids=tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,)),
         qkv_bias=family.qkv_bias,
         qk_norm=family.qk_norm,
+        qk_norm_whole=family.qk_norm_whole,
         layer_windows=layer_windows,
         fused_projections=family.fused,
     )
+
+
+def _moe_fields(d: dict[str, Any], family: Family, num_layers: int, refuse) -> dict[str, Any]:
+    """The ModelConfig fields of a mixture-of-experts family's experts and router ({} for the others)."""
+    if not family.moe:
+        return {}
+    if family.moe == "mixtral":
+        num_experts, inter, normalize = d["num_local_experts"], d["intermediate_size"], True
+        moe_layers = tuple(range(num_layers))
+    elif family.moe == "olmoe":
+        if d.get("clip_qkv") is not None:
+            raise refuse(f"clipped q/k/v (clip_qkv={d['clip_qkv']})")
+        num_experts, inter = d.get("num_experts", d.get("num_local_experts")), d["intermediate_size"]
+        normalize, moe_layers = bool(d.get("norm_topk_prob", False)), tuple(range(num_layers))
+    else:
+        num_experts, inter = d.get("num_experts", d.get("num_local_experts")), d["moe_intermediate_size"]
+        normalize = bool(d.get("norm_topk_prob", False))
+        if d.get("use_sliding_window"):  # transformers' Qwen3-MoE then slides on every layer, unlike Qwen3's
+            raise refuse("use_sliding_window (sliding-window attention) on qwen3_moe")
+        step, dense = d.get("decoder_sparse_step", 1), set(d.get("mlp_only_layers") or ())
+        if not isinstance(step, int) or step < 1:
+            raise refuse(f"decoder_sparse_step={step!r} (a positive number of layers)")
+        moe_layers = tuple(i for i in range(num_layers) if i not in dense and (i + 1) % step == 0)
+    top_k = d.get("num_experts_per_tok")
+    if not (isinstance(num_experts, int) and isinstance(top_k, int) and 1 <= top_k <= num_experts):
+        raise refuse(f"num_experts_per_tok={top_k!r} of {num_experts!r} experts")
+    if d.get("shared_expert_intermediate_size"):
+        raise refuse("a shared expert (shared_expert_intermediate_size)")
+    return dict(num_experts=num_experts, num_experts_per_tok=top_k, moe_intermediate_size=inter,
+                norm_topk_prob=normalize, moe_layers=moe_layers)
 
 
 def _ropes(d: dict[str, Any], family: Family, refuse) -> tuple[dict[str, Any], dict[str, Any] | None]:

@@ -115,6 +115,52 @@ def tiny_family_model(family: str, seed: int = 0, **overrides):
     return model
 
 
+# tiny mixture-of-experts models: (model_type, config overrides on top of tiny_family_model's shape):
+# Qwen3-MoE with a dense first layer and its top-k weights as routed (norm_topk_prob false), Mixtral
+# (renormalised top-k) and OLMoE (norm_topk_prob true, q/k norms over all heads) on every layer; 4
+# experts, 2 per token
+TINY_MOE_FAMILIES = {
+    "qwen3_moe": ("qwen3_moe", dict(head_dim=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                                    norm_topk_prob=False, mlp_only_layers=[0])),
+    "mixtral": ("mixtral", dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=48)),
+    "olmoe": ("olmoe", dict(num_experts=4, num_experts_per_tok=2, intermediate_size=32, norm_topk_prob=True)),
+}
+
+
+def tiny_moe_model(family: str, seed: int = 0):
+    """A random tiny MoE model of a TINY_MOE_FAMILIES family by transformers' class, fp32 eval; router
+    weights of std 1 so that a token's experts are chosen by clear margins (near ties would turn on
+    float noise), norm weights random."""
+    model_type, overrides = TINY_MOE_FAMILIES[family]
+    shape = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, vocab_size=128, max_position_embeddings=256)
+    config = AutoConfig.for_model(model_type, **(shape | overrides))
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(config, attn_implementation="eager").eval()
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if name.endswith("mlp.gate.weight"):
+                    param.normal_(0.0, 1.0)
+                elif "norm" in name:
+                    param.add_(torch.randn_like(param) * 0.2)
+    return model
+
+
+def make_moe_adapter(base_model, path: str | Path, r: int, alpha: float, use_rslora: bool,
+                     target_modules: list[str] | None, target_parameters: list[str] | None, seed: int = 0) -> Path:
+    """Save a PEFT LoRA adapter of random non-zero A and B (init_lora_weights=False) to `path`, on
+    modules (target_modules) and on a MoE model's fused experts (target_parameters, e.g.
+    "mlp.experts.down_proj"); `base_model` is not modified."""
+    config = LoraConfig(r=r, lora_alpha=alpha, use_rslora=use_rslora, target_modules=target_modules,
+                        target_parameters=target_parameters, init_lora_weights=False)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        peft_model = get_peft_model(copy.deepcopy(base_model), config)
+    peft_model.save_pretrained(str(path))
+    return Path(path)
+
+
 def capture_graph(fn):
     """Run fn once eagerly (its kernels compile outside the capture), then capture one call of it
     in a CUDA graph: (graph, what the captured call returned)."""
@@ -169,6 +215,19 @@ def tiny_llama_config_fixture():
 def tiny_family_model_fixture():
     """The function `tiny_family_model(family, seed=0, **overrides)`: a tiny model of a TINY_FAMILIES family."""
     return tiny_family_model
+
+
+@pytest.fixture(scope="session", name="tiny_moe_model")
+def tiny_moe_model_fixture():
+    """The function `tiny_moe_model(family, seed=0)`: a tiny model of a TINY_MOE_FAMILIES family."""
+    return tiny_moe_model
+
+
+@pytest.fixture(scope="session", name="make_moe_adapter")
+def make_moe_adapter_fixture():
+    """The function `make_moe_adapter(base_model, path, r, alpha, use_rslora, target_modules,
+    target_parameters, seed=0) -> Path`."""
+    return make_moe_adapter
 
 
 @pytest.fixture(scope="session", name="tiny_llama")

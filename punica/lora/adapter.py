@@ -10,6 +10,16 @@ DoRA's projection output is (m / ||W + scale * B @ A||) * (x @ W.T + delta_y), t
 output feature's row (PEFT's DoraLinearLayer); the norms need the base weight W, so the pool
 computes them where W lives, when the adapter is copied into its slot (punica.lora.pool).
 
+    experts[(proj, layer)] = (A [E, rank, h_in], B [E, h_out, rank])   proj "gate_up" or "down"
+    delta_y of a token routed to expert e = scale * (x @ A[e].T) @ B[e].T   (punica.lora.experts)
+
+A mixture-of-experts layer's experts are adapted as PEFT adapts transformers 5's fused expert
+parameters (`target_parameters` mlp.experts.gate_up_proj / down_proj, each one LoRA per expert of
+the adapter's rank): lora_A [E * rank, h_in] holds expert e's A in rows e*rank .. (e+1)*rank, lora_B
+[h_out, E * rank] expert e's B in columns e, e + E, e + 2E, ... (PEFT's ParamWrapper). Both
+parameters of one layer nest (`experts.base_layer.lora_A` and `experts.lora_A`); which is which
+follows from their shapes, which differ for every model.
+
 Only targeted projections are keys; layers the adapter does not touch are zeros. Phi-3's fused
 modules (qkv_proj, gate_up_proj), in checkpoints and adapters of models with `fused_projections`,
 split exactly: one lora_A shared by q, k and v (gate and up), lora_B split by output rows, so
@@ -54,6 +64,12 @@ TENSOR_NAME = re.compile(
     r"^(?:base_model\.model\.)?(?:model\.)?layers\.(\d+)\.(\w+\.\w+)\."
     r"(?:lora_([AB])(?:\.[^.]+)?\.weight|lora_(magnitude)_vector(?:\.[^.]+)?(?:\.weight)?)$"
 )
+# a MoE layer's fused experts adapted through PEFT's target_parameters (punica.models.moe): the
+# wrappers of gate_up_proj and down_proj nest, so one of them is under `.base_layer`
+EXPERT_TENSOR = re.compile(
+    r"^(?:base_model\.model\.)?(?:model\.)?layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts((?:\.base_layer)*)\."
+    r"lora_([AB])(?:\.[^.]+)?\.weight$")
+PER_EXPERT_TENSOR = re.compile(r"\.experts\.\d+\.")
 # config options that change the math in ways the canonical layout cannot express
 UNSUPPORTED_OPTIONS = {
     "lora_bias": "a bias on lora_B (lora_bias)",
@@ -101,6 +117,8 @@ class LoraAdapter:
     lora_b: dict[str, torch.Tensor]    # projection -> [num_layers, h_out, rank]
     # DoRA: projection -> [num_layers, h_out], NaN in layers without it; empty for plain LoRA
     magnitude: dict[str, torch.Tensor] = field(default_factory=dict)
+    # MoE layers: ("gate_up" or "down", layer) -> (A [E, rank, h_in], B [E, h_out, rank])
+    experts: dict[tuple[str, int], tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
 
     def __post_init__(self):
         assert self.lora_a.keys() == self.lora_b.keys() <= set(PROJECTIONS)
@@ -111,7 +129,7 @@ class LoraAdapter:
 
     @property
     def num_bytes(self) -> int:
-        tensors = [*self.lora_a.values(), *self.lora_b.values()]
+        tensors = [*self.lora_a.values(), *self.lora_b.values(), *(t for pair in self.experts.values() for t in pair)]
         return sum(t.numel() * t.element_size() for t in tensors)
 
     @property
@@ -141,10 +159,18 @@ class AdapterWeights:
     scale: float
     pairs: dict[tuple[str, int], tuple[torch.Tensor, torch.Tensor]]  # (proj, layer) -> (A, B)
     magnitude: dict[tuple[str, int], torch.Tensor] = field(default_factory=dict)  # DoRA: (proj, layer) -> m
+    # MoE layers: ("gate_up" or "down", layer) -> (A [E, rank, h_in], B [E, h_out, rank])
+    experts: dict[tuple[str, int], tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
 
     @property
     def dora(self) -> bool:
         return bool(self.magnitude)
+
+    @property
+    def num_bytes(self) -> int:
+        """Of its weights: every A, B (of the experts too) and DoRA magnitude."""
+        tensors = [t for pairs in (self.pairs, self.experts) for pair in pairs.values() for t in pair]
+        return sum(t.numel() * t.element_size() for t in (*tensors, *self.magnitude.values()))
 
     def tensors(self) -> Iterator[tuple[str, int, torch.Tensor, torch.Tensor]]:
         for (proj, layer), (a, b) in self.pairs.items():
@@ -174,7 +200,7 @@ class AdapterWeights:
                 magnitude[proj] = torch.full((num_layers, m.shape[0]), float("nan"), dtype=m.dtype)
             magnitude[proj][layer] = m
         return LoraAdapter(name=self.name, rank=self.rank, scale=self.scale, lora_a=lora_a, lora_b=lora_b,
-                           magnitude=magnitude)
+                           magnitude=magnitude, experts=dict(self.experts))
 
 
 def load_adapter(path: str | Path, config: ModelConfig, name: str | None = None,
@@ -204,11 +230,29 @@ def read_adapter(path: str | Path, config: ModelConfig, name: str | None = None,
         raise fail(f"its rank {rank} is over this engine's max_lora_rank {max_rank} (start it with "
                    f"--max-lora-rank >= {rank})")
     dora = bool(cfg.get("use_dora"))
+    if dora and config.moe_layers:
+        raise fail(f"DoRA on a mixture-of-experts model ({config.family}) is not supported")
     with WeightsFile(path, dirs, _max_weights_bytes(config, rank), _max_header_bytes(config), fail) as weights:
         shapes = weights.shapes()
+        expert_names = _expert_tensors(shapes, cfg, config, rank, fail)
+        expert_keys = {key for sides in expert_names.values() for key in sides.values()}
+        shapes = {k: v for k, v in shapes.items() if k not in expert_keys}
         pairs = _pair_tensors(shapes, config.num_layers, cfg.get("layers_to_transform"), dora, fail)
         layout = _check_layout(pairs, shapes, config, rank, dora, fail)
         tensors = weights.tensors()
+    experts = {}
+    for (param, layer), sides in expert_names.items():
+        a = _converted(sides["A"], tensors[sides["A"]], dtype, fail)
+        b = _converted(sides["B"], tensors[sides["B"]], dtype, fail)
+        num_experts = config.num_experts
+        a = a.view(num_experts, rank, a.shape[-1])  # rows e*rank .. (e+1)*rank
+        b = b.view(b.shape[0], rank, num_experts).permute(2, 0, 1).contiguous()  # columns e, e + E, ...
+        for expert in range(num_experts):
+            gain = lora_gain(a[expert], b[expert], scale)
+            if not gain <= MAX_LORA_GAIN:
+                raise fail(f"layer {layer} expert {expert} {param} projection ({sides['A']}, {sides['B']}): the "
+                           f"delta's gain |scale| * ||B @ A||_2 is {gain:.3g}, over the limit of {MAX_LORA_GAIN:g}")
+        experts[param, layer] = (a, b)
     checked, magnitude = {}, {}
     for proj, layer, parts, bounds, sides in layout:
         a = _converted(sides["A"], tensors[sides["A"]], dtype, fail)
@@ -223,7 +267,7 @@ def read_adapter(path: str | Path, config: ModelConfig, name: str | None = None,
             checked[part, layer] = (a, b[lo:hi] if len(parts) > 1 else b)
             if m is not None:
                 magnitude[part, layer] = m[lo:hi]
-    if not checked:
+    if not checked and not experts:
         raise fail("the weights file holds no LoRA tensors")
     targets = cfg.get("target_modules")
     projections = {p for p, _ in checked}
@@ -233,7 +277,58 @@ def read_adapter(path: str | Path, config: ModelConfig, name: str | None = None,
             if proj is not None and proj not in projections:
                 raise fail(f"target_modules names {target} but the weights have no {proj} tensors")
     return AdapterWeights(name=name or path.resolve().name, rank=rank, scale=scale, pairs=checked,
-                          magnitude=magnitude)
+                          magnitude=magnitude, experts=experts)
+
+
+def _expert_tensors(shapes: dict[str, tuple[tuple[int, ...], Any]], cfg: dict[str, Any], config: ModelConfig,
+                    rank: int, fail: Fail) -> dict[tuple[str, int], dict[str, str]]:
+    """("gate_up" or "down", layer) -> {"A": name, "B": name} of the adapter's tensors on MoE layers'
+    fused experts (EXPERT_TENSOR), each tensor's dtype and shape checked; target_parameters other
+    than the experts' and per-expert modules refused by name. No tensor read."""
+    targets = cfg.get("target_parameters") or []
+    for target in targets:
+        # PEFT matches a parameter by its name's suffix, and makes the bare names of target_modules that
+        # name an expert parameter ("down_proj") target_parameters
+        parts = target.split(".") if isinstance(target, str) else [""]
+        if parts[-1] not in ("gate_up_proj", "down_proj") or (len(parts) > 1 and parts[-2] != "experts"):
+            raise fail(f"target_parameters names {target!r}; punica adapts only the MoE experts' gate_up_proj "
+                       "and down_proj")
+    h, inter, num_experts = config.hidden_size, config.moe_intermediate_size, config.num_experts
+    # (A, B) shapes of each expert parameter: they differ (gate_up's outputs 2I, down's inputs I)
+    expected = {"gate_up": ((num_experts * rank, h), (2 * inter, num_experts * rank)),
+                "down": ((num_experts * rank, inter), (h, num_experts * rank))}
+    found: dict[tuple[str, int], dict[str, str]] = {}
+    by_wrapper: dict[tuple[int, str], dict[str, str]] = {}
+    for key in shapes:
+        if PER_EXPERT_TENSOR.search(key):
+            raise fail(f"tensor {key} adapts one expert's module; punica serves LoRA on the fused experts "
+                       "(PEFT's target_parameters mlp.experts.gate_up_proj and down_proj)")
+        match = EXPERT_TENSOR.match(key)
+        if match is None:
+            continue
+        layer = int(match[1])
+        if layer >= config.num_layers or not config.is_moe(layer):
+            raise fail(f"tensor {key} adapts experts, but layer {layer} of the base model has none")
+        by_wrapper.setdefault((layer, match[2]), {})[match[3]] = key
+    for (layer, _), sides in by_wrapper.items():
+        if set(sides) != {"A", "B"}:
+            raise fail(f"tensor {next(iter(sides.values()))} has no lora_{'B' if 'A' in sides else 'A'} beside it")
+        got = tuple(shapes[sides[side]][0] for side in ("A", "B"))
+        param = next((p for p, shape in expected.items() if got == shape), None)
+        if param is None:
+            raise fail(f"tensors {sides['A']} and {sides['B']} have shapes {got[0]} and {got[1]}; the experts of "
+                       f"a rank-{rank} adapter need {expected['gate_up']} (gate_up_proj) or {expected['down']} "
+                       "(down_proj)")
+        if (param, layer) in found:
+            raise fail(f"layer {layer} has two LoRAs of the experts' {param}_proj ({sides['A']})")
+        for side in ("A", "B"):
+            _check_shape(sides[side], *shapes[sides[side]], got[side == "B"], None, f"experts' {param}", fail)
+        found[param, layer] = sides
+    for target in targets:
+        param = target.rsplit(".", 1)[-1].removesuffix("_proj")
+        if not any(p == param for p, _ in found):
+            raise fail(f"target_parameters names {target} but the weights have no tensors for it")
+    return found
 
 
 def _check_layout(pairs: dict[tuple[str, int], dict[str, str]], shapes: dict[str, tuple[tuple[int, ...], Any]],
@@ -250,6 +345,9 @@ def _check_layout(pairs: dict[tuple[str, int], dict[str, str]], shapes: dict[str
 
     for (proj, layer), sides in sorted(pairs.items(), key=first_projection):
         parts = FUSED_PROJECTIONS.get(proj, (proj,))
+        if config.is_moe(layer) and parts[0] in ("gate", "up", "down"):
+            raise fail(f"tensor {sides['A']} adapts a dense MLP projection, but layer {layer} of the base model "
+                       "is a mixture of experts (adapt its experts with target_parameters)")
         if len(parts) > 1 and not config.fused_projections:
             raise fail(f"tensor {sides['A']} targets the fused {proj}_proj, which a {config.family} model "
                        "does not have")
@@ -402,12 +500,14 @@ def _max_weights_bytes(config: ModelConfig, rank: int) -> int:
     DoRA magnitude for every projection of every layer in float64, 1 kB of names and framing per
     tensor, and 1 MiB more."""
     per_layer = sum(rank * (h_in + h_out) + h_out for h_in, h_out in config.projection_shapes().values())
-    return 8 * config.num_layers * per_layer + 1024 * 3 * len(PROJECTIONS) * config.num_layers + (1 << 20)
+    experts = len(config.moe_layers) * config.num_experts * rank * (
+        2 * config.hidden_size + 3 * config.moe_intermediate_size)
+    return 8 * (config.num_layers * per_layer + experts) + 1024 * 3 * len(PROJECTIONS) * config.num_layers + (1 << 20)
 
 
 def _max_header_bytes(config: ModelConfig) -> int:
     """A safetensors header of every tensor an adapter can have: 512 bytes for each, 64 KiB more."""
-    return 512 * 3 * len(PROJECTIONS) * config.num_layers + (1 << 16)
+    return 512 * (3 * len(PROJECTIONS) * config.num_layers + 4 * len(config.moe_layers)) + (1 << 16)
 
 
 def _check_shape(key: str, shape: tuple[int, ...], dtype: torch.dtype | str, expected: tuple[int, ...],

@@ -27,6 +27,7 @@ import torch.distributed as dist
 from torch import nn
 
 from punica.lora.batch import LoraBatch
+from punica.lora.experts import LoraExperts
 from punica.lora.pool import GroupWeights, LoraPool
 from punica.ops.lora import add_delta, bgmv_delta, lora_expand, lora_shrink
 
@@ -97,9 +98,12 @@ class LoraLinear(nn.Module):
 
 
 def attach_pool(model: nn.Module, pool: LoraPool) -> None:
-    """Point every LoraLinear of `model` at its group's part of `pool`, which then serves it as
-    adapters are written to its slots. Attach after the pool's last `allocate` (tensor-parallel
-    sharding reallocates it), and before CUDA graphs that read it are captured."""
+    """Point every LoraLinear (and LoraExperts) of `model` at its group's (its layer's experts') part
+    of `pool`, which then serves it as adapters are written to its slots. Attach after the pool's
+    last `allocate` (tensor-parallel sharding reallocates it), and before CUDA graphs that read it
+    are captured."""
     for module in model.modules():
         if isinstance(module, LoraLinear):
             module.weights = pool.group_weights(module.layer, module.group)
+        elif isinstance(module, LoraExperts):
+            module.weights = pool.expert_weights(module.layer)

@@ -103,6 +103,7 @@ class _HostAdapter:
     row: int                           # of the arena: the slot's contents
     scale: float
     dora: bool
+    num_bytes: int                     # of its weights as read (AdapterWeights.num_bytes)
 
 
 @dataclass
@@ -136,6 +137,7 @@ class AdapterManager:
         self.copies: dict[Registration, _Copy] = {}
         self.failed: dict[Registration, str] = {}
         self.counters: dict[Registration, AdapterCounters] = {}       # of the current registrations
+        self.num_bytes: dict[Registration, int] = {}  # of the current registrations read at least once
         self.load_started: dict[Registration, float] = {}             # perf_counter of each read or copy in flight
         self.num_errors = 0  # failed reads and unloads so far: when `error` may have changed
         self.num_load_failures = 0  # reads that failed (a broken adapter directory)
@@ -174,6 +176,7 @@ class AdapterManager:
         self.wanted.pop(registration, None)
         self.demand.discard(registration)
         self.failed.pop(registration, None)
+        self.num_bytes.pop(registration, None)
         del self.counters[registration]
         if registration in self.host and registration not in self.copies:  # else freed after the copy
             self.arena.give_back(self.host.pop(registration).row)
@@ -276,7 +279,9 @@ class AdapterManager:
          "host_tier": {"adapters", "bytes_used", "bytes_limit"},
          "adapters": {name: {"path", "tier" ("gpu", "host" or "disk"), "slot" (its GPU slot or None),
                              "loading" (the tier a read or copy in flight goes to, or None), "pinned",
-                             "error" (why it cannot load, or None), and AdapterCounters.as_dict()}}}"""
+                             "error" (why it cannot load, or None), "bytes" (of its weights as read, in
+                             the pool's dtype: attention and experts alike; None before its first
+                             read), and AdapterCounters.as_dict()}}}"""
         adapters = {}
         for name, registration in self.current.items():
             slot = self.resident.get(registration)
@@ -284,6 +289,7 @@ class AdapterManager:
             loading = "gpu" if registration in self.copies else "host" if registration in self.reads else None
             adapters[name] = {"path": str(registration.path), "tier": tier, "slot": slot, "loading": loading,
                               "pinned": registration in self.pinned, "error": self.failed.get(registration),
+                              "bytes": self.num_bytes.get(registration),
                               **self.counters[registration].as_dict()}
         rows = self.arena.rows.shape[0]
         return {"gpu_slots": {"total": self.pool.max_loras, "used": len(self.resident), "held": len(self.refs)},
@@ -333,7 +339,7 @@ class AdapterManager:
         adapter = read_adapter(registration.path, self.config, name=registration.name, dtype=self.dtype,
                                adapter_dirs=self.adapter_dirs, max_rank=self.pool.max_rank)
         self.pool.pack(adapter, out=self.arena.rows[row])
-        return _HostAdapter(row, adapter.scale, adapter.dora)
+        return _HostAdapter(row, adapter.scale, adapter.dora, adapter.num_bytes)
 
     def _read_done(self, registration: Registration, future: Future, row: int) -> None:
         started = self.load_started.pop(registration)
@@ -351,6 +357,7 @@ class AdapterManager:
             self.arena.give_back(row)
             return
         self.host[registration] = adapter
+        self.num_bytes[registration] = adapter.num_bytes
         self.num_loads += 1
         self.counters[registration].loaded("host", time.perf_counter() - started)
 

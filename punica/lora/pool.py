@@ -19,6 +19,11 @@ serve the whole group (punica.ops.lora.add_lora with slice_bounds):
                                                                  per output feature, 1 where no m
     dora_slots:     [max_loras] int32                           1 where the slot holds a DoRA adapter
 
+    expert_a[param]: [num_moe_layers, max_loras, E, max_rank, h_in]   a MoE layer's experts'
+    expert_b[param]: [num_moe_layers, max_loras, E, h_out, max_rank]  LoRA, param "gate_up" (h_in H,
+                                                                 h_out 2I) or "down" (I -> H), in
+                                                                 the order of config.moe_layers
+
 The expand multiplies a DoRA slot's tokens' projection outputs by its out_scales row
 (punica.ops.lora). Its norms need the base weights, so they are computed in `write_packed`,
 on the device that holds both, in float32, from `base_weight(layer, group)` [sum h_out, h_in]
@@ -44,6 +49,17 @@ from punica.lora.adapter import AdapterWeights, LoraAdapter
 # groups of projections that share their input, in the column order of the model's fused GEMMs
 GROUPS = {"qkv": ("q", "k", "v"), "o": ("o",), "gate_up": ("gate", "up"), "down": ("down",)}
 NORM_ROWS = 4096  # rows of W + scale * B @ A formed at once (float32) while computing DoRA's norms
+
+
+@dataclass(frozen=True, eq=False)
+class ExpertWeights:
+    """What one MoE layer's experts read of the pool (punica.lora.experts.LoraExperts): views of the
+    pool's tensors, S = max_loras slots of E experts, max_rank R."""
+    gate_up_a: torch.Tensor  # [S, E, R, H]
+    gate_up_b: torch.Tensor  # [S, E, 2I, R]
+    down_a: torch.Tensor     # [S, E, R, I]
+    down_b: torch.Tensor     # [S, E, H, R]
+    scales: torch.Tensor     # [S] float32
 
 
 @dataclass(frozen=True, eq=False)
@@ -77,10 +93,15 @@ class LoraPool:
         shapes = config.projection_shapes()
         self.lora_numel = sum(L * R * (h_in + h_out) for h_in, h_out in shapes.values())
         magnitude_numel = L * sum(h_out for _, h_out in shapes.values())
-        self.slot_numel = self.lora_numel + magnitude_numel
+        self.expert_shapes = {"gate_up": (config.hidden_size, 2 * config.moe_intermediate_size),
+                              "down": (config.moe_intermediate_size, config.hidden_size)}
+        self.expert_numel = len(config.moe_layers) * config.num_experts * R * sum(
+            h_in + h_out for h_in, h_out in self.expert_shapes.values())
+        self.slot_numel = self.lora_numel + magnitude_numel + self.expert_numel
         self.buffer = torch.zeros(self.max_loras, self.slot_numel, dtype=dtype, device=device)
+        self.expert_a, self.expert_b = self._expert_views(self.buffer)
         self.group_a, self.group_b = self._group_views(self.buffer)
-        self.group_m = self._magnitude_views(self.buffer[:, self.lora_numel:])
+        self.group_m = self._magnitude_views(self.buffer[:, self.lora_numel:self.slot_numel - self.expert_numel])
         self.a, self.b = self._projection_views(self.group_a, self.group_b)
         self.out_scales = self._magnitude_views(
             torch.ones(self.max_loras, magnitude_numel, dtype=torch.float32, device=device))
@@ -108,6 +129,25 @@ class LoraPool:
             offset += L * h_out * R
         assert offset == self.lora_numel, (offset, flat.shape)
         return a, b
+
+    def _expert_views(self, flat: torch.Tensor) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+        """Per expert parameter [num_moe_layers, S, E, R, h_in] and [num_moe_layers, S, E, h_out, R] views
+        of the expert part (the end) of flat [S, slot_numel]."""
+        M, E, R, S = len(self.config.moe_layers), self.config.num_experts, self.max_rank, flat.shape[0]
+        a, b, offset = {}, {}, self.slot_numel - self.expert_numel
+        for param, (h_in, h_out) in self.expert_shapes.items():
+            a[param] = flat[:, offset:offset + M * E * R * h_in].view(S, M, E, R, h_in).transpose(0, 1)
+            offset += M * E * R * h_in
+            b[param] = flat[:, offset:offset + M * E * h_out * R].view(S, M, E, h_out, R).transpose(0, 1)
+            offset += M * E * h_out * R
+        assert offset == self.slot_numel, (offset, flat.shape)
+        return a, b
+
+    def expert_weights(self, layer: int) -> ExpertWeights:
+        """MoE layer `layer`'s experts of every slot, as views that later writes to the pool show through."""
+        i = self.config.moe_layers.index(layer)
+        return ExpertWeights(gate_up_a=self.expert_a["gate_up"][i], gate_up_b=self.expert_b["gate_up"][i],
+                             down_a=self.expert_a["down"][i], down_b=self.expert_b["down"][i], scales=self.scales)
 
     def _magnitude_views(self, flat: torch.Tensor) -> dict[str, torch.Tensor]:
         """Per-group [L, S, sum h_out] views of flat [S, L * sum of every h_out]."""
@@ -151,12 +191,19 @@ class LoraPool:
         if adapter.rank > self.max_rank:
             raise ValueError(f"adapter {adapter.name!r} has rank {adapter.rank}, over the pool's "
                              f"max_lora_rank {self.max_rank}")
+        r = adapter.rank
         if out is None:
             out = torch.empty(self.slot_numel, dtype=self.buffer.dtype)
         assert out.shape == self.packed_shape and out.dtype == self.buffer.dtype, (out.shape, out.dtype)
         packed = out.view(1, self.slot_numel)
         a, b = self._projection_views(*self._group_views(packed))
-        magnitudes = self._magnitude_views(packed[:, self.lora_numel:])
+        magnitudes = self._magnitude_views(packed[:, self.lora_numel:self.slot_numel - self.expert_numel])
+        expert_a, expert_b = self._expert_views(packed)
+        packed[:, self.slot_numel - self.expert_numel:].zero_()  # what the adapter does not cover
+        for (param, layer), (lora_a, lora_b) in adapter.experts.items():
+            i = self.config.moe_layers.index(layer)
+            expert_a[param][i, 0, :, :r].copy_(lora_a)
+            expert_b[param][i, 0, :, :, :r].copy_(lora_b)
         for m in magnitudes.values():  # NaN: no magnitude (out_scales 1); a plain adapter's are never read
             m.fill_(float("nan") if adapter.dora else 0.0)
         columns = {p: (group, sum(self.config.projection_shapes()[q][1] for q in GROUPS[group][:i]))
@@ -164,7 +211,7 @@ class LoraPool:
         for p, layer, m in adapter.magnitudes():
             group, col = columns[p]
             magnitudes[group][layer, 0, col:col + m.shape[0]].copy_(m)
-        r, num_layers = adapter.rank, self.config.num_layers
+        num_layers = self.config.num_layers
         written: dict[str, set[int]] = {p: set() for p in a}
         for p, layer, lora_a, lora_b in adapter.tensors():
             a[p][layer, 0, :r].copy_(lora_a)

@@ -5,7 +5,8 @@ of q and k before rotary (`qk_norm`), sliding-window attention on some layers
 (`layer_windows`, with a rope of their own: `local_rope`), and Gemma's: GeGLU (`hidden_act`),
 embeddings times sqrt(hidden) (`embed_scale`), RMSNorms on the attention and MLP outputs
 before their residual adds (`sandwich_norms`), softcapped attention scores and logits, and its
-query scale (`attn_scale`); with none of them it is Llama. (Gemma's (1 + w) norm weights are
+query scale (`attn_scale`); with none of them it is Llama. On the layers a mixture-of-experts
+family makes sparse (`moe_layers`) the MLP is a MoeBlock (punica.models.moe). (Gemma's (1 + w) norm weights are
 stored with the 1 added, by the loader.)
 
 The forward pass takes one fused batch of tokens (prefill tokens first, decode tokens after)
@@ -33,6 +34,7 @@ from torch import nn
 from punica.config import ModelConfig
 from punica.lora.layers import LoraLinear
 from punica.models.forward_batch import ForwardBatch
+from punica.models.moe import MoeBlock
 from punica.models.quantized import Fp8Format, Fp8Linear, Linear, projection
 from punica.models.rotary import Rotary
 from punica.ops.attention import paged_attention, rope_and_write_kv_, softcap_ref
@@ -68,15 +70,21 @@ class DecoderLayer(nn.Module):
 
         self.input_norm = RMSNorm(c.hidden_size, c.rms_norm_eps, **factory)
         self.qkv_proj = lora_projection("qkv", c.hidden_size, c.q_size + 2 * c.kv_size, c.qkv_bias)
-        self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps, **factory) if c.qk_norm else None
-        self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps, **factory) if c.qk_norm else None
+        # over each head, or with qk_norm_whole over the whole projection (all heads)
+        self.qk_norm_whole = c.qk_norm_whole
+        q_norm_size, k_norm_size = (c.q_size, c.kv_size) if c.qk_norm_whole else (c.head_dim, c.head_dim)
+        self.q_norm = RMSNorm(q_norm_size, c.rms_norm_eps, **factory) if c.qk_norm else None
+        self.k_norm = RMSNorm(k_norm_size, c.rms_norm_eps, **factory) if c.qk_norm else None
         self.o_proj = lora_projection("o", c.q_size, c.hidden_size)
         self.post_norm = RMSNorm(c.hidden_size, c.rms_norm_eps, **factory)  # before the MLP
         # with sandwich norms: on the attention output and on the MLP output
         self.attn_out_norm = RMSNorm(c.hidden_size, c.rms_norm_eps, **factory) if c.sandwich_norms else None
         self.mlp_out_norm = RMSNorm(c.hidden_size, c.rms_norm_eps, **factory) if c.sandwich_norms else None
-        self.gate_up_proj = lora_projection("gate_up", c.hidden_size, 2 * c.intermediate_size)
-        self.down_proj = lora_projection("down", c.intermediate_size, c.hidden_size)
+        # the MLP: a mixture of experts on the config's MoE layers (punica.models.moe), else dense
+        self.moe = MoeBlock(c, index, **factory) if c.is_moe(index) else None
+        if self.moe is None:
+            self.gate_up_proj = lora_projection("gate_up", c.hidden_size, 2 * c.intermediate_size)
+            self.down_proj = lora_projection("down", c.intermediate_size, c.hidden_size)
         q, kv, inter = c.q_size, c.kv_size, c.intermediate_size
         self.qkv_slices = {"q": (0, q), "k": (q, q + kv), "v": (q + kv, q + 2 * kv)}
         self.gate_up_slices = {"gate": (0, inter), "up": (inter, 2 * inter)}
@@ -90,9 +98,12 @@ class DecoderLayer(nn.Module):
         q = qkv[:, :q_end].view(num_tokens, self.num_heads, self.head_dim)
         k = qkv[:, q_end:k_end].view(num_tokens, self.num_kv_heads, self.head_dim)
         v = qkv[:, k_end:].view(num_tokens, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:  # over each head: rows of head_dim
-            q = self.q_norm(q.reshape(-1, self.head_dim)).view(num_tokens, self.num_heads, self.head_dim)
-            k = self.k_norm(k.reshape(-1, self.head_dim)).view(num_tokens, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:  # over each head (rows of head_dim) or each token's whole q and k
+            rows = num_tokens if self.qk_norm_whole else -1
+            q = self.q_norm(q.reshape(rows, self.q_norm.weight.shape[0])).view(num_tokens, self.num_heads,
+                                                                                self.head_dim)
+            k = self.k_norm(k.reshape(rows, self.k_norm.weight.shape[0])).view(num_tokens, self.num_kv_heads,
+                                                                                self.head_dim)
         cos, sin = batch.rope(self.rotary)
         kv_layer, kv_scales = batch.kv.layer(self.index)
         rope_and_write_kv_(q, k, v, cos, sin, kv_layer, batch.attn.slot_mapping, kv_scales)  # q rotated in place
@@ -100,6 +111,8 @@ class DecoderLayer(nn.Module):
         return self.o_proj(o.reshape(num_tokens, -1), batch.lora)
 
     def mlp(self, h: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        if self.moe is not None:
+            return self.moe(h, batch)
         return self.down_proj(self.act(self.gate_up_proj(h, batch.lora)), batch.lora)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, batch: ForwardBatch

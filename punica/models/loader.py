@@ -45,6 +45,12 @@ DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 # tensors some checkpoints carry that the model recomputes
 IGNORED_TENSORS = re.compile(r".*rotary_emb\.inv_freq$")
 LAYER_TENSOR = re.compile(r"model\.layers\.(\d+)\.(?:self_attn\.|mlp\.)?(\w+?)(?:_proj)?\.(weight|bias)")
+# a MoE layer's router and experts (punica.models.moe): transformers 5's fused 3-D experts.gate_up_proj
+# [E, 2I, H] and experts.down_proj [E, H, I], or one Linear per expert (Qwen-MoE's gate/up/down_proj,
+# Mixtral's w1 (gate), w3 (up), w2 (down)), under mlp. (Mixtral's older checkpoints: block_sparse_moe.)
+MOE_TENSOR = re.compile(r"model\.layers\.(\d+)\.(?:mlp|block_sparse_moe)\."
+                        r"(?:(gate)\.weight|experts\.(gate_up_proj|down_proj)|experts\.(\d+)\.(gate_proj|up_proj|down_proj|w1|w2|w3)\.weight)")
+EXPERT_PARTS = {"gate_proj": "gate", "w1": "gate", "up_proj": "up", "w3": "up", "down_proj": "down", "w2": "down"}
 
 
 def default_dtype(device: torch.device | str) -> torch.dtype:
@@ -101,6 +107,8 @@ def _empty_model(config: ModelConfig, dtype: torch.dtype, device: torch.device |
                  weight_format: Fp8Format | None = None) -> tuple[DecoderForCausalLM, dict[str, Shard]]:
     """The model (or the shard `shard` makes of it) with uninitialised storage on `device`, allocated
     once, and the shards `shard` made."""
+    if weight_format is not None and config.moe_layers:
+        raise ValueError(f"fp8 weights of a mixture-of-experts model ({config.family}) are not supported")
     if weight_format is not None:
         check_fused_blocks(config, weight_format)
     model = DecoderForCausalLM(config, dtype=dtype, device="meta", weight_format=weight_format)
@@ -186,28 +194,54 @@ def _place(config: ModelConfig, name: str) -> tuple[str, int, int]:
         return "norm.weight", 0, h
     if name == "lm_head.weight":
         return "lm_head.weight", 0, config.vocab_size
+    moe = MOE_TENSOR.fullmatch(name)
+    if moe is not None and int(moe[1]) < config.num_layers and config.is_moe(int(moe[1])):
+        return _place_moe(config, moe)
     m = LAYER_TENSOR.fullmatch(name)
     qkv, gate_up = "qkv_proj.base", "gate_up_proj.base"
     places = {"q": (qkv, 0, q), "k": (qkv, q, q + kv), "v": (qkv, q + kv, q + 2 * kv),
               "o": ("o_proj.base", 0, h), "gate": (gate_up, 0, inter), "up": (gate_up, inter, 2 * inter),
               "down": ("down_proj.base", 0, h), "input_layernorm": ("input_norm", 0, h),
-              "post_attention_layernorm": ("post_norm", 0, h), "q_norm": ("q_norm", 0, config.head_dim),
-              "k_norm": ("k_norm", 0, config.head_dim)}
+              "post_attention_layernorm": ("post_norm", 0, h),
+              "q_norm": ("q_norm", 0, q if config.qk_norm_whole else config.head_dim),
+              "k_norm": ("k_norm", 0, kv if config.qk_norm_whole else config.head_dim)}
     if config.fused_projections:  # Phi-3's checkpoints hold the fused projections as they are
         places |= {"qkv": (qkv, 0, q + 2 * kv), "gate_up": (gate_up, 0, 2 * inter)}
     if config.sandwich_norms:  # Gemma's post_attention_layernorm normalises the attention output
         places |= {"post_attention_layernorm": ("attn_out_norm", 0, h), "pre_feedforward_layernorm": (
             "post_norm", 0, h), "post_feedforward_layernorm": ("mlp_out_norm", 0, h)}
-    if m is None or int(m[1]) >= config.num_layers or m[2] not in places or (m[3], m[2]) not in _layer_tensors(config):
+    if (m is None or int(m[1]) >= config.num_layers or m[2] not in places
+            or (m[3], m[2]) not in _layer_tensors(config, int(m[1]))):
         raise ValueError(f"unexpected tensor {name!r} in checkpoint (for a {config.family} model)")
     module, first, end = places[m[2]]
     return f"layers.{m[1]}.{module}.{m[3]}", first, end
 
 
-def _layer_tensors(config: ModelConfig) -> set[tuple[str, str]]:
-    """(weight or bias, projection or norm) of the tensors every layer of the checkpoint holds."""
-    projections = ("qkv", "o", "gate_up", "down") if config.fused_projections else (
-        "q", "k", "v", "o", "gate", "up", "down")
+def _place_moe(config: ModelConfig, m: re.Match) -> tuple[str, int, int]:
+    """`_place` of a MoE layer's router or experts (MOE_TENSOR's match): rows of the flattened
+    experts.base.gate_up_proj [E * 2I, H] and experts.base.down_proj [E * H, I]
+    (punica.models.moe; `base` of its punica.lora.experts.LoraExperts)."""
+    prefix, h, inter = f"layers.{m[1]}.moe", config.hidden_size, config.moe_intermediate_size
+    if m[2]:
+        return f"{prefix}.router.weight", 0, config.num_experts
+    if m[3]:  # the fused 3-D tensor, read flattened
+        rows = config.num_experts * (2 * inter if m[3] == "gate_up_proj" else h)
+        return f"{prefix}.experts.base.{m[3]}", 0, rows
+    expert, part = int(m[4]), EXPERT_PARTS[m[5]]
+    if expert >= config.num_experts:
+        raise ValueError(f"unexpected tensor {m[0]!r} in checkpoint (expert {expert} of a model with "
+                         f"{config.num_experts} experts)")
+    if part == "down":
+        return f"{prefix}.experts.base.down_proj", expert * h, (expert + 1) * h
+    first = expert * 2 * inter + (inter if part == "up" else 0)
+    return f"{prefix}.experts.base.gate_up_proj", first, first + inter
+
+
+def _layer_tensors(config: ModelConfig, layer: int) -> set[tuple[str, str]]:
+    """(weight or bias, projection or norm) of the tensors layer `layer` of the checkpoint holds
+    besides a MoE layer's router and experts."""
+    mlp = () if config.is_moe(layer) else ("gate_up", "down") if config.fused_projections else ("gate", "up", "down")
+    projections = (*(("qkv",) if config.fused_projections else ("q", "k", "v")), "o", *mlp)
     tensors = {("weight", p) for p in (*projections, "input_layernorm", "post_attention_layernorm")}
     if config.sandwich_norms:
         tensors |= {("weight", "pre_feedforward_layernorm"), ("weight", "post_feedforward_layernorm")}
@@ -256,6 +290,7 @@ def load_hf_dir(path: str | Path, dtype: torch.dtype | None = None, device: torc
     model, shards = _empty_model(config, dtype or default_dtype(device), device, shard, fmt)
     params = dict(model.named_parameters())
     filled: set[str] = set()
+    moe_rows: dict[str, list[tuple[int, int]]] = {}  # MoE parameter -> the row ranges read into it
     for file in _safetensors_files(path):
         with safe_open(str(file), framework="pt", device="cpu") as f:
             for name in f.keys():
@@ -273,9 +308,12 @@ def load_hf_dir(path: str | Path, dtype: torch.dtype | None = None, device: torc
                 where = shards.get(target, Shard.whole(param.shape))
                 tensor = f.get_slice(name)
                 shape, expected = tuple(tensor.get_shape()), (end - first, *where.full_shape[1:])
+                stored_fp8 = tensor.get_dtype() == "F8_E4M3"
+                if ".experts." in target and len(shape) == 3:  # fused experts, stored [E, rows, cols]
+                    tensor = f.get_tensor(name).flatten(0, 1)
+                    shape = tuple(tensor.shape)
                 if shape != expected:
                     raise ValueError(f"{file.name}: tensor {name} has shape {shape}, the config implies {expected}")
-                stored_fp8 = tensor.get_dtype() == "F8_E4M3"
                 if stored_fp8 != (checkpoint is not None and scales is not None):
                     want = "F8_E4M3, as its quantization_config says" if not stored_fp8 else \
                         "not fp8 without a quantization_config in config.json"
@@ -289,19 +327,43 @@ def load_hf_dir(path: str | Path, dtype: torch.dtype | None = None, device: torc
                     if config.norm_offset and target.endswith("norm.weight"):  # Gemma's 1 + w, in float32
                         part = part.float() + config.norm_offset
                     param.data[local:local + b - a].copy_(part)
-                filled.add(name)
+                if target.startswith(tuple(f"layers.{i}.moe." for i in config.moe_layers)):
+                    _cover_moe_rows(moe_rows, target, first, end, name)
+                else:
+                    filled.add(name)
     expected = {"model.embed_tokens.weight", "model.norm.weight"}
     if not config.tie_word_embeddings:
         expected.add("lm_head.weight")
     for i in range(config.num_layers):
-        for kind, part in _layer_tensors(config):
+        for kind, part in _layer_tensors(config, i):
             expected.add(_hf_layer_tensor(i, kind, part))
             if checkpoint is not None and kind == "weight" and part in PROJECTIONS:
                 expected.add(_hf_layer_tensor(i, "weight_scale", part))
     missing = sorted(expected - filled)
+    for target, rows in _moe_rows(config).items():
+        if sum(end - first for first, end in moe_rows.get(target, [])) != rows:
+            missing.append(f"rows of {target} (of {rows})")
     if missing:
         raise ValueError(f"checkpoint {path} lacks {len(missing)} tensors, e.g. {missing[:3]}")
     return model
+
+
+def _moe_rows(config: ModelConfig) -> dict[str, int]:
+    """The rows of every MoE parameter (punica.models.moe) a checkpoint must fill."""
+    rows = {"router.weight": config.num_experts, "experts.base.gate_up_proj": config.num_experts * 2
+            * config.moe_intermediate_size, "experts.base.down_proj": config.num_experts * config.hidden_size}
+    return {f"layers.{i}.moe.{name}": n for i in config.moe_layers for name, n in rows.items()}
+
+
+def _cover_moe_rows(moe_rows: dict[str, list[tuple[int, int]]], target: str, first: int, end: int,
+                    name: str) -> None:
+    """Record that tensor `name` filled rows [first, end) of MoE parameter `target`; a checkpoint that
+    holds rows twice (both expert layouts) is refused."""
+    covered = moe_rows.setdefault(target, [])
+    if any(a < end and first < b for a, b in covered):
+        raise ValueError(f"checkpoint tensor {name!r} fills rows of {target} that another tensor filled (a "
+                         "checkpoint holds either the fused experts or one tensor per expert)")
+    covered.append((first, end))
 
 
 def _read_scale(f, name: str, kind: str, config: ModelConfig, params: dict[str, torch.Tensor],

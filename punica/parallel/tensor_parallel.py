@@ -22,6 +22,12 @@ a row's scale holds for each rank's slice of its columns); block scales by whole
 column-parallel rank's row runs and a row-parallel rank's columns must start (and, except at
 the weight's end, stop) at block boundaries, or the model is refused.
 
+A mixture-of-experts layer (punica.models.moe) splits every expert the same way over its
+intermediate dimension: each expert's gate and up rows column-parallel, its down columns
+row-parallel, the router replicated; the block's output (every token's weighted sum of its
+experts' partial outputs) is all-reduced once (LoraExperts.tp_group). Its expert LoRA splits as
+the dense MLP's: gate_up's A replicated and B by rows, down's A by columns and B replicated.
+
 `split_model_` says where each split parameter lies in the full model's (loader.Shard), so it
 works on a model still on the meta device: the loader then reads (checkpoint) or generates
 (dummy weights) only the rank's slices, and no rank ever holds the full model.
@@ -66,14 +72,19 @@ ROW_PARALLEL = ("o", "down")                     # input features split: lora_a 
 
 
 def rank_config(config: ModelConfig, world_size: int) -> ModelConfig:
-    """The config of one rank's shard: 1/N of the heads, kv heads and intermediate size."""
-    for name in ("num_heads", "num_kv_heads", "intermediate_size"):
+    """The config of one rank's shard: 1/N of the heads, kv heads and intermediate sizes (the
+    dense MLP's and the experts')."""
+    if config.qk_norm_whole and world_size > 1:
+        raise ValueError(f"tensor parallelism of {config.family}: its q/k norms span every head, which the "
+                         "ranks split")
+    for name in ("num_heads", "num_kv_heads", "intermediate_size", "moe_intermediate_size"):
         if getattr(config, name) % world_size:
             raise ValueError(f"tensor parallelism: {name} ({getattr(config, name)}) is not "
                              f"divisible by the tensor-parallel size {world_size}")
     return dataclasses.replace(config, num_heads=config.num_heads // world_size,
                                num_kv_heads=config.num_kv_heads // world_size,
-                               intermediate_size=config.intermediate_size // world_size)
+                               intermediate_size=config.intermediate_size // world_size,
+                               moe_intermediate_size=config.moe_intermediate_size // world_size)
 
 
 def _part(size: int, rank: int, world_size: int) -> slice:
@@ -109,11 +120,27 @@ def model_shards(config: ModelConfig, rank: int, world_size: int) -> dict[str, S
         shards[f"layers.{i}.qkv_proj.base.weight"] = Shard((q + 2 * kv, h), qkv_rows)
         if config.qkv_bias:
             shards[f"layers.{i}.qkv_proj.base.bias"] = Shard((q + 2 * kv,), qkv_rows)
+        shards[f"layers.{i}.o_proj.base.weight"] = Shard((h, q), ((0, h),), _run(q, rank, world_size))
+        if config.is_moe(i):
+            shards |= _expert_shards(config, i, rank, world_size)
+            continue
         shards[f"layers.{i}.gate_up_proj.base.weight"] = Shard((2 * inter, h), (
             _run(inter, rank, world_size), _run(inter, rank, world_size, inter)))
-        shards[f"layers.{i}.o_proj.base.weight"] = Shard((h, q), ((0, h),), _run(q, rank, world_size))
         shards[f"layers.{i}.down_proj.base.weight"] = Shard((h, inter), ((0, h),), _run(inter, rank, world_size))
     return shards
+
+
+def _expert_shards(config: ModelConfig, layer: int, rank: int, world_size: int) -> dict[str, Shard]:
+    """A MoE layer's experts split over their intermediate dimension: every expert keeps its gate and
+    up rows of the rank's 1/N (column-parallel) and its down columns of it (row-parallel); the
+    router is replicated."""
+    h, inter, num_experts = config.hidden_size, config.moe_intermediate_size, config.num_experts
+    rows = tuple(run for e in range(num_experts) for run in (
+        _run(inter, rank, world_size, 2 * inter * e), _run(inter, rank, world_size, 2 * inter * e + inter)))
+    prefix = f"layers.{layer}.moe.experts.base"
+    return {f"{prefix}.gate_up_proj": Shard((num_experts * 2 * inter, h), rows),
+            f"{prefix}.down_proj": Shard((num_experts * h, inter), ((0, num_experts * h),),
+                                         _run(inter, rank, world_size))}
 
 
 def _scale_shard(name: str, weight: Shard, block_size: tuple[int, int] | None) -> Shard | None:
@@ -153,6 +180,9 @@ def split_model_(model: DecoderForCausalLM, rank: int, world_size: int) -> dict[
         layer.num_heads, layer.num_kv_heads = local.num_heads, local.num_kv_heads
         layer.qkv_slices = {"q": (0, lq), "k": (lq, lq + lkv), "v": (lq + lkv, lq + 2 * lkv)}
         layer.gate_up_slices = {"gate": (0, linter), "up": (linter, 2 * linter)}
+    for layer in model.layers:
+        if layer.moe is not None:
+            layer.moe.experts.base.intermediate_size = local.moe_intermediate_size
     model.config = local
     return shards
 
@@ -164,7 +194,11 @@ def shard_model_(model: DecoderForCausalLM, group: dist.ProcessGroup) -> dict[st
     only reshapes, and the loader fills in the rank's slices."""
     shards = split_model_(model, dist.get_rank(group), dist.get_world_size(group))
     for layer in model.layers:
-        layer.o_proj.tp_group = layer.down_proj.tp_group = group
+        layer.o_proj.tp_group = group
+        if layer.moe is not None:
+            layer.moe.experts.tp_group = group
+        else:
+            layer.down_proj.tp_group = group
     return shards
 
 
@@ -172,6 +206,7 @@ def shard_pool_(pool: LoraPool, group: dist.ProcessGroup) -> None:
     """Keep rank r's shard of every adapter slot in place; write later adapters with shard_adapter."""
     rank, world_size = dist.get_rank(group), dist.get_world_size(group)
     full, full_a, full_b = pool.config, pool.a, pool.b
+    full_expert_a, full_expert_b = pool.expert_a, pool.expert_b
     pool.allocate(rank_config(full, world_size), pool.buffer.dtype, pool.buffer.device)
     for p in COLUMN_PARALLEL:
         pool.a[p].copy_(full_a[p])
@@ -179,6 +214,19 @@ def shard_pool_(pool: LoraPool, group: dist.ProcessGroup) -> None:
     for p in ROW_PARALLEL:
         pool.a[p].copy_(full_a[p][..., _lora_part(full, p, rank, world_size)])
         pool.b[p].copy_(full_b[p])
+    gate, up, inter = _expert_parts(full, rank, world_size)
+    pool.expert_a["gate_up"].copy_(full_expert_a["gate_up"])
+    pool.expert_b["gate_up"].copy_(torch.cat([full_expert_b["gate_up"][..., gate, :],
+                                              full_expert_b["gate_up"][..., up, :]], dim=-2))
+    pool.expert_a["down"].copy_(full_expert_a["down"][..., inter])
+    pool.expert_b["down"].copy_(full_expert_b["down"])
+
+
+def _expert_parts(config: ModelConfig, rank: int, world_size: int) -> tuple[slice, slice, slice]:
+    """Rank r's rows of an expert's gate_up output [2I] (its gate part, its up part) and its part of I."""
+    inter = _part(config.moe_intermediate_size, rank, world_size)
+    n = config.moe_intermediate_size
+    return inter, slice(n + inter.start, n + inter.stop), inter
 
 
 def shard_adapter(adapter: LoraAdapter, config: ModelConfig, rank: int, world_size: int) -> LoraAdapter:
@@ -190,7 +238,14 @@ def shard_adapter(adapter: LoraAdapter, config: ModelConfig, rank: int, world_si
             lora_b[p] = lora_b[p][:, part].contiguous()
         else:
             lora_a[p] = lora_a[p][..., part].contiguous()
-    return dataclasses.replace(adapter, lora_a=lora_a, lora_b=lora_b)
+    gate, up, inter = _expert_parts(config, rank, world_size)
+    experts = {}
+    for (param, layer), (a, b) in adapter.experts.items():
+        if param == "gate_up":  # A replicated; B's rows: the rank's gate rows, then its up rows
+            experts[param, layer] = (a, torch.cat([b[:, gate], b[:, up]], dim=1))
+        else:  # A's columns: the rank's part of I; B replicated
+            experts[param, layer] = (a[..., inter].contiguous(), b)
+    return dataclasses.replace(adapter, lora_a=lora_a, lora_b=lora_b, experts=experts)
 
 
 def tensor_parallel_(model: DecoderForCausalLM, pool: LoraPool | None, group: dist.ProcessGroup) -> None:

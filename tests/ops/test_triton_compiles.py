@@ -98,3 +98,40 @@ compile_ttir(k._split_k_sum_kernel, dict(HAS_BIAS=True, SPLIT_K=4, BLOCK=1024), 
 
 def test_skinny_gemm_kernels_compile_for_cuda(compile_for_cuda):
     compile_for_cuda(LINEAR_SCRIPT)
+
+
+MOE_SCRIPT = """
+from punica.ops import moe_triton as k
+
+
+def types(name, consts):
+    if name in ("rows", "w", "out"):
+        return "*bf16"
+    if name in ("block_rows", "block_experts"):
+        return "*i32"
+    return "i32"
+
+
+for block_m in (16, 64):
+    compile_ttir(k._grouped_gemm_kernel, dict(UPCAST=False, PRECISION="tf32", BLOCK_M=block_m, BLOCK_N=64,
+                                              BLOCK_K=64), types)
+
+from punica.ops import lora_moe_triton as lk
+
+
+def lora_types(name, consts):
+    if name in ("y", "rows", "lora_a", "lora_b"):
+        return "*bf16"
+    if name == "pair_scales":
+        return "*fp32"
+    if name == "pair_slots":
+        return "*i32"
+    return "*i64" if name == "pair_experts" else "i32"
+
+
+compile_ttir(lk._expert_lora_kernel, dict(BLOCK_R=16, BLOCK_K=64, BLOCK_N=64), lora_types)
+"""
+
+
+def test_expert_kernels_compile_for_cuda(compile_for_cuda):
+    compile_for_cuda(MOE_SCRIPT)
