@@ -98,9 +98,19 @@ def tiny_family_model(family: str, seed: int = 0, **overrides):
     it, in fp32 eval mode; its biases and norm weights random too (transformers initialises them
     to 0 and 1, which would hide a bias or a norm the decoder forgot)."""
     model_type, family_overrides = TINY_FAMILIES[family]
-    shape = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-                 num_key_value_heads=2, vocab_size=128, max_position_embeddings=256)
-    config = AutoConfig.for_model(model_type, **(shape | family_overrides | overrides))
+    return random_tiny_model(model_type, family_overrides | overrides, seed,
+                             lambda name: name.endswith(".bias"), lambda param: param.normal_(0.0, 0.5))
+
+
+# every tiny test model's shape, under its family's overrides
+TINY_SHAPE = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, vocab_size=128, max_position_embeddings=256)
+
+
+def random_tiny_model(model_type: str, overrides: dict, seed: int, special, set_special):
+    """transformers' model of `model_type` in TINY_SHAPE with `overrides`, fp32 eval, seeded: the
+    parameters whose names `special` picks set by `set_special`, norm weights perturbed."""
+    config = AutoConfig.for_model(model_type, **(TINY_SHAPE | overrides))
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         # eager attention, the reference math, whatever a transformers version picks by default: SDPA has
@@ -108,8 +118,8 @@ def tiny_family_model(family: str, seed: int = 0, **overrides):
         model = AutoModelForCausalLM.from_config(config, attn_implementation="eager").eval()
         with torch.no_grad():
             for name, param in model.named_parameters():
-                if name.endswith(".bias"):
-                    param.normal_(0.0, 0.5)
+                if special(name):
+                    set_special(param)
                 elif "norm" in name:
                     param.add_(torch.randn_like(param) * 0.2)
     return model
@@ -132,19 +142,8 @@ def tiny_moe_model(family: str, seed: int = 0):
     weights of std 1 so that a token's experts are chosen by clear margins (near ties would turn on
     float noise), norm weights random."""
     model_type, overrides = TINY_MOE_FAMILIES[family]
-    shape = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-                 num_key_value_heads=2, vocab_size=128, max_position_embeddings=256)
-    config = AutoConfig.for_model(model_type, **(shape | overrides))
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        model = AutoModelForCausalLM.from_config(config, attn_implementation="eager").eval()
-        with torch.no_grad():
-            for name, param in model.named_parameters():
-                if name.endswith("mlp.gate.weight"):
-                    param.normal_(0.0, 1.0)
-                elif "norm" in name:
-                    param.add_(torch.randn_like(param) * 0.2)
-    return model
+    return random_tiny_model(model_type, overrides, seed, lambda name: name.endswith("mlp.gate.weight"),
+                             lambda param: param.normal_(0.0, 1.0))
 
 
 def make_moe_adapter(base_model, path: str | Path, r: int, alpha: float, use_rslora: bool,
