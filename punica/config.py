@@ -292,13 +292,13 @@ class EngineConfig:
             raise ValueError(f"kv_cache_memory_fraction must be in (0, 1], got {self.kv_cache_memory_fraction}")
         if not 1 <= self.max_grammar_depth <= MAX_GRAMMAR_DEPTH:
             raise ValueError(f"max_grammar_depth must be in [1, {MAX_GRAMMAR_DEPTH}], got {self.max_grammar_depth}")
+        if not self.max_grammar_compile_seconds > 0:
+            raise ValueError(f"max_grammar_compile_seconds must be > 0, got {self.max_grammar_compile_seconds}")
 
     def overlaps_steps_on(self, device_type: str) -> bool:
         """Whether steps overlap on a model of this device type ("cuda", "cpu"), when its executor can
         feed sampled tokens on the device: `overlap_steps`, or by default on a GPU only."""
         return self.overlap_steps if self.overlap_steps is not None else device_type == "cuda"
-        if not self.max_grammar_compile_seconds > 0:
-            raise ValueError(f"max_grammar_compile_seconds must be > 0, got {self.max_grammar_compile_seconds}")
 
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")

@@ -216,7 +216,7 @@ def test_constrained_outputs_match_and_are_the_same_with_overlap_and_preemption(
     import jsonschema
 
     plain = run_constrained(grammar_engine(grammar_setup, overlap_steps=False), 24)
-    tight = grammar_engine(grammar_setup, kv_cache_tokens=256, page_size=16)
+    tight = grammar_engine(grammar_setup, kv_cache_tokens=256, page_size=16, overlap_steps=True)
     overlapped = run_constrained(tight, 24)
     assert tight.overlaps_steps and tight.stats().num_preemptions > 0
     assert [o.token_ids for o in overlapped] == [o.token_ids for o in plain]
