@@ -11,9 +11,12 @@ Requests follow the paper's generator (prompt ~ lognorm(0.8, -1, 18), total ~ un
 full length. Throughput = (prompt + generated tokens) / wall time; also mean and p99 time to
 first token and time per output token. Workload "distinct" gives request i adapter i (one
 adapter per request); the adapters' values come from --files files (values do not change the
-work; each name still gets its own GPU slot and copy). The engines have one GPU slot per request,
-and every adapter of the workload is loaded before the clock starts (on-demand loading is
-benchmarks/adapter_load.py's question).
+work; each name still gets its own GPU slot and copy). The engines have one GPU slot per request
+while those fit in --max-lora-bytes (48 GiB by default), and every adapter of the workload is
+loaded before the clock starts (on-demand loading is benchmarks/adapter_load.py's question). Where
+they do not fit (a MoE preset's adapters adapt every expert: ~1.3 GB each on qwen3-30b-a3b), the
+adapters beyond the slots load on demand during the run, as a server's would; `adapter_slots` in
+the meta says how many there were.
 
 --quantizations: the engine's runs (every workload) once per format, on the same dummy weights:
 base weights none (the dtype's) or fp8 (e4m3, per-channel scales: punica.models.quantized), and
@@ -72,7 +75,9 @@ from punica.engine.engine import Engine
 from punica.engine.sampling_params import SamplingParams
 from punica.factory import build_engine, engine_on_model
 from punica.lora.dummy import save_random_adapter
+from punica.lora.pool import pool_slots
 from punica.models.loader import dummy_model
+from punica.parallel.tensor_parallel import rank_config
 from punica.workloads import WORKLOADS, adapter_ids, textgen_lengths
 
 HF_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -261,7 +266,10 @@ def main() -> None:
     parser.add_argument("--dora", action="store_true", help="also run every adapter workload on DoRA adapters")
     parser.add_argument("--quantizations", nargs="+", choices=FORMATS, default=["none"],
                         help="run the engine once per format: base weights none|fp8, +fp8kv: an fp8 KV cache")
-    add_arguments(parser, EngineArgs, only=("enforce_eager", "overlap_steps", "tensor_parallel_size"))
+    add_arguments(parser, EngineArgs, only=("enforce_eager", "overlap_steps", "tensor_parallel_size", "max_lora_bytes"))
+    # one slot per request unless that passes 48 GiB: a MoE preset's adapters (~1.3 GB each on
+    # qwen3-30b-a3b) would otherwise take the memory of the weights and the KV cache
+    parser.set_defaults(max_lora_bytes=48 << 30)
     parser.add_argument("--out", type=Path, default=Path("results/textgen"))
     args = parser.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -299,6 +307,8 @@ def main() -> None:
             "tensor_parallel_size": tp,
             "overlaps_steps": tp == 1 and engine_args.engine_config().overlaps_steps_on(device),
             "requests": args.requests, "max_total": args.max_total, "rank": args.rank,
+            "adapter_slots": pool_slots(rank_config(config, tp), args.requests, args.rank,
+                                        dtype, args.max_lora_bytes),
             "quantizations": args.quantizations,
             "hf_requests": args.hf_requests if hf_ran else 0, "hf_max_total": args.hf_max_total,
             "hf_batch": HF_BATCH, "date": time.strftime("%Y-%m-%d")}

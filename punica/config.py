@@ -162,6 +162,9 @@ PRESETS = {
                       "num_experts_per_tok": 2, "moe_intermediate_size": 14336, "norm_topk_prob": True,
                       "moe_layers": tuple(range(32))}),
     "tiny": (128, 256, 2, 4, 2, 512),  # smoke-testing the benchmarks on a CPU
+    "tiny-moe": (128, 256, 2, 4, 2, 512, {"family": "qwen3_moe", "head_dim": 32, "qk_norm": True, "num_experts": 8,
+                                          "num_experts_per_tok": 2, "moe_intermediate_size": 64,
+                                          "norm_topk_prob": True, "moe_layers": (1,)}),
 }
 
 
@@ -249,6 +252,10 @@ class EngineConfig:
                 "key), else its adapter; fcfs: first come, first served", choices=SCHEDULINGS)
     max_model_len: int | None = described(None, "longest prompt + output (default: the model's context)")
     max_loras: int = described(8, "adapters on the GPU at once (slots of the adapter pool)")
+    max_lora_bytes: int | None = described(
+        None, "device bytes the adapter pool takes at most: its slots are the fewer of --max-loras and what fits "
+              "(a slot holds an adapter of --max-lora-rank on every projection and, on a MoE model, every expert: "
+              "~1.3 GB at rank 16 on Qwen3-30B-A3B in bf16)")
     max_lora_rank: int = described(16, "rank of every GPU adapter slot (raised to the largest adapter given at "
                                        "start); adapters of lower rank are zero-padded")
     lora_host_bytes: int = described(4 << 30, "host tier for adapters read from disk, in bytes "
@@ -276,7 +283,7 @@ class EngineConfig:
                      "lora_host_bytes", "max_grammar_chars"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("kv_cache_tokens", "kv_cache_bytes", "max_model_len"):
+        for name in ("kv_cache_tokens", "kv_cache_bytes", "max_model_len", "max_lora_bytes"):
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"{name} must be >= 1, got {value}")

@@ -11,7 +11,7 @@ import torch
 from punica.config import EngineConfig, ModelConfig, ceil_div
 from punica.engine.runner import ModelRunner, kv_bytes_per_token
 from punica.lora.layers import attach_pool
-from punica.lora.pool import LoraPool
+from punica.lora.pool import LoraPool, pool_slots, slot_bytes
 from punica.models.decoder import DecoderForCausalLM
 
 CPU_KV_CACHE_BYTES = 1 << 30
@@ -19,15 +19,19 @@ CPU_KV_CACHE_BYTES = 1 << 30
 
 def kv_cache_pages(model: DecoderForCausalLM, config: EngineConfig) -> int:
     """Pages from kv_cache_tokens, or from kv_cache_bytes or the free-memory fraction (CUDA) / 1 GiB (CPU)
-    over the bytes a token takes in config.kv_cache_dtype (fp8: values and their scales)."""
+    over the bytes a token takes in config.kv_cache_dtype (fp8: values and their scales). The fraction
+    is of the memory left free once the adapter pool (allocated after) is set apart."""
     if config.kv_cache_tokens is not None:
         return ceil_div(config.kv_cache_tokens, config.page_size)
     budget = config.kv_cache_bytes
     if budget is None:
-        device = model.embed.weight.device
-        if device.type == "cuda":
-            free, _ = torch.cuda.mem_get_info(device)
-            budget = int(free * config.kv_cache_memory_fraction)
+        weight = model.embed.weight
+        if weight.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(weight.device)
+            slots = pool_slots(model.config, config.max_loras, config.max_lora_rank, weight.dtype,
+                               config.max_lora_bytes)
+            pool = slots * slot_bytes(model.config, config.max_lora_rank, weight.dtype)
+            budget = int(max(0, free - pool) * config.kv_cache_memory_fraction)
         else:
             budget = CPU_KV_CACHE_BYTES
     return max(1, budget // (kv_bytes_per_token(model, config.kv_cache_dtype) * config.page_size))
@@ -46,7 +50,8 @@ class ModelWorker:
         self.num_pages = num_pages
         weight = model.embed.weight
         self.device = weight.device
-        self.pool = LoraPool(model.config, config.max_loras, config.max_lora_rank, weight.dtype, weight.device)
+        slots = pool_slots(model.config, config.max_loras, config.max_lora_rank, weight.dtype, config.max_lora_bytes)
+        self.pool = LoraPool(model.config, slots, config.max_lora_rank, weight.dtype, weight.device)
         self.pool.base_weight = model.group_weight  # DoRA's norms
         attach_pool(model, self.pool)  # before the runner captures CUDA graphs that read the pool
         self.runner = ModelRunner(model, num_pages, config.page_size, config.max_batch_size,

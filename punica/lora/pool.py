@@ -51,6 +51,41 @@ GROUPS = {"qkv": ("q", "k", "v"), "o": ("o",), "gate_up": ("gate", "up"), "down"
 NORM_ROWS = 4096  # rows of W + scale * B @ A formed at once (float32) while computing DoRA's norms
 
 
+def expert_shapes(config: ModelConfig) -> dict[str, tuple[int, int]]:
+    """(h_in, h_out) of a MoE layer's expert parameters as the pool stores their LoRA."""
+    return {"gate_up": (config.hidden_size, 2 * config.moe_intermediate_size),
+            "down": (config.moe_intermediate_size, config.hidden_size)}
+
+
+def slot_parts(config: ModelConfig, max_rank: int) -> tuple[int, int, int]:
+    """Elements of one slot: the projections' A and B, DoRA's magnitudes, the experts' A and B."""
+    L, R = config.num_layers, max_rank
+    shapes = config.projection_shapes()
+    lora = sum(L * R * (h_in + h_out) for h_in, h_out in shapes.values())
+    magnitudes = L * sum(h_out for _, h_out in shapes.values())
+    experts = len(config.moe_layers) * config.num_experts * R * sum(
+        h_in + h_out for h_in, h_out in expert_shapes(config).values())
+    return lora, magnitudes, experts
+
+
+def slot_bytes(config: ModelConfig, max_rank: int, dtype: torch.dtype) -> int:
+    """Device bytes of one slot of a pool of `dtype` (its float32 scale and DoRA out_scales included)."""
+    lora, magnitudes, experts = slot_parts(config, max_rank)
+    return (lora + magnitudes + experts) * dtype.itemsize + (1 + magnitudes) * 4 + 4
+
+
+def pool_slots(config: ModelConfig, max_loras: int, max_rank: int, dtype: torch.dtype,
+               max_bytes: int | None) -> int:
+    """Slots of a pool: `max_loras`, or fewer where `max_bytes` holds fewer; an error where it holds none."""
+    if max_bytes is None:
+        return max_loras
+    one = slot_bytes(config, max_rank, dtype)
+    if max_bytes < one:
+        raise ValueError(f"max_lora_bytes {max_bytes} does not hold one adapter slot: a slot of rank {max_rank} "
+                         f"takes {one} bytes on this model")
+    return min(max_loras, max_bytes // one)
+
+
 @dataclass(frozen=True, eq=False)
 class ExpertWeights:
     """What one MoE layer's experts read of the pool (punica.lora.experts.LoraExperts): views of the
@@ -89,14 +124,8 @@ class LoraPool:
         """Fresh zeroed slots laid out for `config`'s projection shapes (views taken before, such as
         `group_weights`, keep the old tensors: attach the pool to a model after this)."""
         self.config = config
-        L, R = config.num_layers, self.max_rank
-        shapes = config.projection_shapes()
-        self.lora_numel = sum(L * R * (h_in + h_out) for h_in, h_out in shapes.values())
-        magnitude_numel = L * sum(h_out for _, h_out in shapes.values())
-        self.expert_shapes = {"gate_up": (config.hidden_size, 2 * config.moe_intermediate_size),
-                              "down": (config.moe_intermediate_size, config.hidden_size)}
-        self.expert_numel = len(config.moe_layers) * config.num_experts * R * sum(
-            h_in + h_out for h_in, h_out in self.expert_shapes.values())
+        self.lora_numel, magnitude_numel, self.expert_numel = slot_parts(config, self.max_rank)
+        self.expert_shapes = expert_shapes(config)
         self.slot_numel = self.lora_numel + magnitude_numel + self.expert_numel
         self.buffer = torch.zeros(self.max_loras, self.slot_numel, dtype=dtype, device=device)
         self.expert_a, self.expert_b = self._expert_views(self.buffer)

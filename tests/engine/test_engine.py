@@ -14,6 +14,7 @@ from safetensors.torch import load_file, save_file
 from punica.config import EngineConfig
 from punica.engine.sampling_params import SamplingParams
 from punica.factory import engine_on_model
+from punica.lora.pool import slot_bytes
 from punica.models.loader import load_hf_dir
 
 
@@ -38,6 +39,18 @@ def test_preemption_loses_and_repeats_nothing(setup, greedy, make_engine, run_al
     assert tight.stats().num_preemptions > 0
     assert [o.token_ids for o in outs] == [o.token_ids for o in ample]
     assert tight.allocator.num_free == tight.allocator.num_pages
+
+
+def test_max_lora_bytes_caps_the_adapter_slots(setup, greedy, make_engine, run_all, workload):
+    """Three adapters through a pool whose bytes hold two slots: the engine reports 2 slots and gives the
+    tokens of an engine of max_loras=2."""
+    requests = workload(12, seed=3)
+    two = make_engine(setup, max_batch_size=4, page_size=4, max_loras=2)
+    one = slot_bytes(two.model_config, two.config.max_lora_rank, torch.float32)
+    capped = make_engine(setup, max_batch_size=4, page_size=4, max_loras=8, max_lora_bytes=5 * one // 2)
+    assert capped.adapter_snapshot()["gpu_slots"]["total"] == 2
+    assert [o.token_ids for o in run_all(capped, requests, greedy)] == [o.token_ids for o in run_all(two, requests,
+                                                                                                       greedy)]
 
 
 def test_seeded_sampling_is_reproducible_across_batches_and_preemption(setup, hf_greedy, make_engine, run_all,

@@ -1,9 +1,11 @@
 """LoraPool layout: per-group stacked weights, per-projection views into them, one packed copy."""
 
+import pytest
 import torch
 
+from punica.config import preset_config
 from punica.lora.adapter import LoraAdapter
-from punica.lora.pool import GROUPS, LoraPool
+from punica.lora.pool import GROUPS, LoraPool, pool_slots, slot_bytes
 
 
 def random_adapter(config, rank, targets, seed):
@@ -91,3 +93,26 @@ def test_pack_reads_the_layers_of_a_peft_adapter_straight_into_the_slot(tmp_path
     pool.write_packed(0, packed, weights.scale)
     assert torch.equal(pool.a["k"][1, 0, :3], weights.pairs["k", 1][0]) and pool.a["k"][1, 0, :3].any()
     assert not pool.a["k"][0].any() and not pool.b["up"][0].any() and not pool.a["q"].any()
+
+
+@pytest.mark.parametrize("moe", [False, True])
+def test_slot_bytes_are_what_each_slot_allocates(punica_config, tiny_llama, tiny_moe_model, moe):
+    config = punica_config(tiny_moe_model("qwen3_moe") if moe else tiny_llama())
+    pools = [LoraPool(config, max_loras=n, max_rank=8, dtype=torch.bfloat16, device="cpu") for n in (1, 3)]
+    allocated = [p.buffer.nbytes + p.scales.nbytes + p.dora_slots.nbytes
+                 + 4 * sum(v.numel() for v in p.out_scales.values()) for p in pools]
+    assert allocated[1] - allocated[0] == 2 * slot_bytes(config, 8, torch.bfloat16) and allocated[0] == slot_bytes(
+        config, 8, torch.bfloat16)
+    assert bool(config.moe_layers) == moe and (pools[0].expert_numel > 0) == moe
+
+
+def test_pool_slots_are_the_fewer_of_max_loras_and_what_the_bytes_hold():
+    config = preset_config("qwen3-30b-a3b")
+    one = slot_bytes(config, 16, torch.bfloat16)
+    assert 1.2e9 < one < 1.4e9  # rank 16 on 128 experts x 48 layers, as the flag's help says
+    assert pool_slots(config, 96, 16, torch.bfloat16, None) == 96
+    assert pool_slots(config, 96, 16, torch.bfloat16, 48 << 30) == (48 << 30) // one == 38
+    assert pool_slots(config, 8, 16, torch.bfloat16, 48 << 30) == 8
+    assert pool_slots(config, 8, 16, torch.bfloat16, one) == 1
+    with pytest.raises(ValueError, match=f"does not hold one adapter slot: a slot of rank 16 takes {one} bytes"):
+        pool_slots(config, 8, 16, torch.bfloat16, one - 1)
