@@ -66,6 +66,12 @@ def acquire_adapter(adapters: AdapterManager, request: Request) -> bool:
     return True
 
 
+def adapter_ready(adapters: AdapterManager, request: Request) -> bool:
+    """Whether `acquire_adapter` would hold the request's slot now (its adapter is on the GPU)."""
+    return request.adapter is None or (adapters.current.get(request.adapter) is request.registration
+                                       and adapters.residency(request.adapter) is not None)
+
+
 def release_adapter(adapters: AdapterManager, request: Request) -> None:
     """Let go of the slot the request holds (it is that of the registration it was admitted on). A
     preempted request goes back to the queue on the residency it held (its next admission is a hit

@@ -24,7 +24,8 @@ from functools import partial
 import xgrammar as xgr
 
 from punica.config import EngineConfig, ModelConfig
-from punica.engine.admission import acquire_adapter, check_lora_scale, checked_prompt, release_adapter
+from punica.engine.admission import (acquire_adapter, adapter_ready, check_lora_scale, checked_prompt,
+                                     release_adapter)
 from punica.engine.core import EngineCore
 from punica.engine.executor import Executor
 from punica.engine.fair_share import FairQueue
@@ -64,6 +65,7 @@ class Engine:
                                    config.chunked_prefill,
                                    acquire=partial(acquire_adapter, self.adapters),
                                    release=partial(release_adapter, self.adapters),
+                                   ready=partial(adapter_ready, self.adapters),
                                    waiting=FairQueue() if config.scheduling == "fair" else FcfsQueue(),
                                    eos_token_ids=frozenset(eos), max_model_len=self.max_model_len)
         self.core = EngineCore(executor, self.scheduler, self.adapters, config, tokenizer, frozenset(eos))

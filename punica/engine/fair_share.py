@@ -5,7 +5,10 @@ OSDI'24): the next request admitted is the oldest waiting one of the tenant with
 (the tokens computed for it over its weight, punica.engine.waiting), so over time each backlogged
 tenant is served in proportion to its weight, whatever rate it sends at; within a tenant, first come
 first served (a preempted request at the head). Under KV pressure the newest running request of the
-tenant with the most service is preempted first. A tenant's service is charged as its tokens are
+tenant with the most service is preempted first. When the batch is full, a waiting request of a
+tenant under its share of the batch's places takes the place of the newest running request of the
+tenant furthest over its share (`displaced`): a flood holding the whole batch does not make the
+other tenants wait for its requests to end. A tenant's service is charged as its tokens are
 scheduled, so a tenant does not take the whole batch in one step by being least served at its start.
 """
 
@@ -40,6 +43,27 @@ class FairQueue(WaitingQueue):
 
     def _rank_key(self, request: Request) -> tuple:
         return (self.tenants[key_of(request)].service,)
+
+    def displaced(self, candidate: Request, ranked: list[Request], max_batch_size: int) -> Request | None:
+        """The newest running request of the tenant furthest over its share of the batch's places,
+        when `candidate`'s tenant stays within its share with one more and that
+        tenant stays at or over its own with one fewer (so no pair of tenants trades places back
+        and forth); None otherwise. A tenant's share of the places: max_batch_size * its weight /
+        the active tenants' weights."""
+        active = {key: a for key, a in self.tenants.items() if a.active}
+        total = sum(a.share.weight for a in active.values())
+
+        def share(key: str | None) -> float:
+            return max_batch_size * active[key].share.weight / total
+
+        mine = self.tenants[key_of(candidate)]
+        if mine.num_running + 1 > share(key_of(candidate)):
+            return None
+        over = [key for key, a in active.items() if a.num_running - 1 >= share(key)]
+        if not over:
+            return None
+        most = max(over, key=lambda key: active[key].num_running / active[key].share.weight)
+        return next(r for r in reversed(ranked) if key_of(r) == most)
 
     def _push(self, request: Request, front: bool) -> None:
         queue = self._queues.setdefault(key_of(request), deque())

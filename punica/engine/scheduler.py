@@ -39,6 +39,11 @@ charged to its tenant (the queue's service).
 A request whose adapter is not yet on the GPU (`acquire` says False) waits where it is while
 requests behind it go ahead; otherwise admission never skips the request the queue gives, so
 nothing starves. `release` is called when an admitted request leaves the batch.
+
+When the batch is full, a waiting request whose adapter is on the GPU (`ready`) may take a running
+request's place, if the queue says so (`displaced`: the fair share's tenant under its share of the
+batch's places, FCFS never): that request is preempted before the step's decodes are planned, and
+the waiting one admitted first.
 """
 
 from __future__ import annotations
@@ -79,10 +84,11 @@ class Scheduler:
                  chunked_prefill: bool = True,
                  acquire: Callable[[Request], bool] = lambda request: True,
                  release: Callable[[Request], None] = lambda request: None,
+                 ready: Callable[[Request], bool] = lambda request: True,
                  waiting: WaitingQueue | None = None,
                  eos_token_ids: frozenset[int] = frozenset(), max_model_len: int | None = None):
         self.allocator = allocator
-        self.acquire, self.release = acquire, release
+        self.acquire, self.release, self.ready = acquire, release, ready
         self.max_batch_size = max_batch_size
         self.max_num_batched_tokens = max_num_batched_tokens
         self.chunked_prefill = chunked_prefill
@@ -116,6 +122,7 @@ class Scheduler:
             self._held[key_of(request)] = self._held.get(key_of(request), 0) + len(request.pages)
         self._ranked = self.waiting.rank(self.running, self._held, self.allocator.page_size)
         preempted: list[Request] = []
+        displacing = self._displace(preempted)
         decodes = [r for r in self._ranked if is_decode(r)]
         for request in decodes:
             if request.status is Status.RUNNING:  # not preempted by a decode ranked before it
@@ -131,7 +138,7 @@ class Scheduler:
             if request.status is Status.RUNNING and (chunk := self._grow_prompt(request, budget, preempted)):
                 prefills.append((request, chunk))
                 budget -= chunk
-        prefills += self._admit(budget)
+        prefills += self._admit(budget, displacing)
         if any(r.num_cached + chunk < r.num_tokens for r, chunk in prefills):
             self.num_chunked_steps += 1
         self._ranked, self._held = [], {}
@@ -190,6 +197,30 @@ class Scheduler:
                                          or self.ends_by_length(request, len(request.output_token_ids))):
                 return False
         return self.can_grow_running()
+
+    def _displace(self, preempted: list[Request]) -> Request | None:
+        """In a full batch, the first waiting request, in the queue's order, that takes a running
+        request's place (`displaced`), its adapter on the GPU (`ready`) and its tenant under its
+        max_kv_tokens: that running request is preempted, and the waiting one returned, to be
+        admitted first in this step. None if none does."""
+        if len(self.running) < self.max_batch_size:
+            return None
+        passed: set[Request] = set()
+        blocked: set[str | None] = set()  # tenants whose requests take no place
+        while (candidate := self.waiting.next_candidate(passed, blocked)) is not None:
+            if not self.ready(candidate):
+                passed.add(candidate)
+                continue
+            max_pages = self._max_pages(candidate)
+            at_cap = max_pages is not None and self._held.get(key_of(candidate), 0) + ceil_div(
+                candidate.num_tokens, self.allocator.page_size) > max_pages
+            victim = None if at_cap else self.waiting.displaced(candidate, self._ranked, self.max_batch_size)
+            if victim is not None:
+                self._preempt(victim)
+                preempted.append(victim)
+                return candidate
+            blocked.add(key_of(candidate))
+        return None
 
     def _make_room(self, request: Request, preempted: list[Request]) -> None:
         """Grow a decode by its next token, preempting the last ranked running requests (perhaps
@@ -261,15 +292,15 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.preempted(request)
 
-    def _admit(self, budget: int) -> list[tuple[Request, int]]:
-        """Admit waiting requests in the queue's order while the batch has room, pages suffice and the
-        budget lasts: (request, its first chunk) of each."""
+    def _admit(self, budget: int, first: Request | None = None) -> list[tuple[Request, int]]:
+        """Admit waiting requests in the queue's order (`first` before all) while the batch has room,
+        pages suffice and the budget lasts: (request, its first chunk) of each."""
         admitted: list[tuple[Request, int]] = []
         page_size = self.allocator.page_size
         passed: set[Request] = set()        # waiting for their adapter: those behind them go ahead
         blocked: set[str | None] = set()    # tenants at their max_kv_tokens: others go ahead
         while len(self.running) < self.max_batch_size and budget > 0:
-            request = self.waiting.next_candidate(passed, blocked)
+            request, first = first or self.waiting.next_candidate(passed, blocked), None
             if request is None:
                 break
             # cached tokens have no logits: a request still owed prompt logprobs computes its prompt

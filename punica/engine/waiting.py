@@ -2,8 +2,9 @@
 
 The queue holds the requests waiting to run and, for every tenant (punica.engine.tenancy's
 `tenant_key`), what it has queued and running, what the engine computed for it and its share. The
-scheduler asks it which waiting request to admit next (`next_candidate`) and in which order the
-running requests keep their place (`rank`: under KV pressure the last is preempted first).
+scheduler asks it which waiting request to admit next (`next_candidate`), in which order the
+running requests keep their place (`rank`: under KV pressure the last is preempted first), and
+which running request a waiting one takes the place of when the batch is full (`displaced`).
 `FcfsQueue` answers in arrival order; punica.engine.fair_share.FairQueue by the tenants' service.
 
 Service: each token the scheduler schedules (a prompt chunk's, a decode's) is charged to its
@@ -149,6 +150,11 @@ class WaitingQueue:
 
     def _rank_key(self, request: Request) -> tuple:
         return ()
+
+    def displaced(self, candidate: Request, ranked: list[Request], max_batch_size: int) -> Request | None:
+        """The running request that waiting `candidate` takes the place of in a full batch (`ranked`:
+        the running requests in rank order), or None: it waits for a request to leave."""
+        return None
 
     def next_candidate(self, passed: set[Request], blocked: set[str | None]) -> Request | None:
         """The waiting request to admit next, but none of `passed` nor of the tenants in `blocked`."""

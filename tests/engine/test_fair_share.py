@@ -275,3 +275,81 @@ def test_fair_scheduling_soak_every_attended_token_holds_its_own_kv_caps_hold_an
     stats = sched.tenant_stats()
     assert all(s.num_waiting == s.num_running == s.num_kv_tokens == 0 for s in stats.values())
     assert set(stats) == {"flood", "heavy", "capped", "light", None}
+
+
+def fill(sched, tenant, n, max_tokens=50):
+    for _ in range(n):
+        sched.add(request(tenant, max_tokens=max_tokens))
+    run_step(sched)
+
+
+@pytest.mark.parametrize("fair", [True, False])
+def test_a_tenant_under_its_share_of_a_full_batch_takes_the_place_of_the_floods_newest(fair):
+    sched = Scheduler(PageAllocator(1000, 4), max_batch_size=4, max_num_batched_tokens=64,
+                      waiting=FairQueue() if fair else FcfsQueue())
+    fill(sched, "flood", 6)
+    flood = list(sched.running)
+    assert len(flood) == 4
+    sched.add(b := request("b"))
+    batch = run_step(sched)
+    if fair:
+        assert batch.preempted == [flood[-1]] and batch.prefills == [b], "b's share is 2 of 4 places"
+        assert sched.waiting[0] is flood[-1], "the preempted request waits first of its tenant"
+        sched.add(b1 := request("b"))
+        assert run_step(sched).preempted == [flood[-2]] and b1 in sched.running
+        sched.add(request("b"))
+        batch = run_step(sched)
+        assert batch.preempted == [] and len(sched.running) == 4, "b at its share: it waits its turn"
+    else:
+        assert batch.preempted == [] and b not in sched.running, "first come, first served: b waits"
+
+
+def test_tenants_within_a_place_of_their_share_never_trade_places():
+    """Eight tenants, one request each, a batch of 4: each tenant's share is half a place, so the
+    four waiting never displace the four running (no round robin by preemption)."""
+    sched = Scheduler(PageAllocator(1000, 4), max_batch_size=4, max_num_batched_tokens=64, waiting=FairQueue())
+    for tenant in "abcdefgh":
+        sched.add(request(tenant, max_tokens=20))
+    preempted = []
+    while sched.has_unfinished():
+        preempted += run_step(sched).preempted
+    assert preempted == []
+
+
+def test_two_backlogged_tenants_settle_at_equal_places_and_stop_preempting():
+    sched = Scheduler(PageAllocator(1000, 4), max_batch_size=8, max_num_batched_tokens=64, waiting=FairQueue())
+    fill(sched, "a", 8, max_tokens=500)
+    for tenant in "ab":
+        for _ in range(4):
+            sched.add(request(tenant, max_tokens=500))
+    for _ in range(10):
+        run_step(sched)
+    running = [r.tenant for r in sched.running]
+    assert running.count("a") == 4 and running.count("b") == 4 and sched.num_preemptions == 4
+    for _ in range(300):
+        run_step(sched)
+    assert sched.num_preemptions == 4
+
+
+def test_a_waiting_request_whose_adapter_is_not_on_the_gpu_displaces_nothing():
+    loaded: set[str] = set()
+    sched = Scheduler(PageAllocator(1000, 4), max_batch_size=4, max_num_batched_tokens=64, waiting=FairQueue(),
+                      acquire=lambda r: r.tenant in loaded, ready=lambda r: r.tenant in loaded)
+    loaded.add("flood")
+    fill(sched, "flood", 4)
+    sched.add(b := request("b"))
+    assert run_step(sched).preempted == []
+    loaded.add("b")
+    batch = run_step(sched)
+    assert len(batch.preempted) == 1 and batch.prefills == [b]
+
+
+def test_a_tenant_at_its_max_kv_tokens_displaces_nothing():
+    queue = FairQueue()
+    queue.set_shares({"b": TenantShare(max_kv_tokens=16)})
+    sched = Scheduler(PageAllocator(1000, 4), max_batch_size=4, max_num_batched_tokens=64, waiting=queue)
+    fill(sched, "b", 1, max_tokens=100)                  # b's only request runs: 8 + 1 tokens, 3 pages
+    fill(sched, "flood", 3)
+    assert len(sched.running) == 4
+    sched.add(request("b"))                               # 2 more pages would take b over 4
+    assert run_step(sched).preempted == []
