@@ -27,6 +27,7 @@ def kv_cache_pages(model: DecoderForCausalLM, config: EngineConfig) -> int:
     if budget is None:
         weight = model.embed.weight
         if weight.device.type == "cuda":
+            attach_pool(model, None)  # a pool it served before is not this engine's memory (ModelWorker)
             free, _ = torch.cuda.mem_get_info(weight.device)
             slots = pool_slots(model.config, config.max_loras, config.max_lora_rank, weight.dtype,
                                config.max_lora_bytes)
@@ -50,6 +51,9 @@ class ModelWorker:
         self.num_pages = num_pages
         weight = model.embed.weight
         self.device = weight.device
+        # a model serves one engine's pool: a pool it served before (an engine dropped on the same
+        # model) is let go before this one takes the memory
+        attach_pool(model, None)
         slots = pool_slots(model.config, config.max_loras, config.max_lora_rank, weight.dtype, config.max_lora_bytes)
         self.pool = LoraPool(model.config, slots, config.max_lora_rank, weight.dtype, weight.device)
         self.pool.base_weight = model.group_weight  # DoRA's norms

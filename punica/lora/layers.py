@@ -97,13 +97,13 @@ class LoraLinear(nn.Module):
         return f"layer={self.layer}, group={self.group!r}"
 
 
-def attach_pool(model: nn.Module, pool: LoraPool) -> None:
+def attach_pool(model: nn.Module, pool: LoraPool | None) -> None:
     """Point every LoraLinear (and LoraExperts) of `model` at its group's (its layer's experts') part
-    of `pool`, which then serves it as adapters are written to its slots. Attach after the pool's
-    last `allocate` (tensor-parallel sharding reallocates it), and before CUDA graphs that read it
-    are captured."""
+    of `pool`, which then serves it as adapters are written to its slots; None lets go of the pool
+    (the model then runs without LoRA). Attach after the pool's last `allocate` (tensor-parallel
+    sharding reallocates it), and before CUDA graphs that read it are captured."""
     for module in model.modules():
         if isinstance(module, LoraLinear):
-            module.weights = pool.group_weights(module.layer, module.group)
+            module.weights = None if pool is None else pool.group_weights(module.layer, module.group)
         elif isinstance(module, LoraExperts):
-            module.weights = pool.expert_weights(module.layer)
+            module.weights = None if pool is None else pool.expert_weights(module.layer)

@@ -221,6 +221,29 @@ def test_a_dropped_engine_frees_its_kv_cache_without_the_garbage_collector(setup
         gc.enable()
 
 
+def test_a_new_engine_on_the_model_of_a_dropped_one_lets_its_adapter_pool_go_first(setup, monkeypatch, greedy,
+                                                                                      run_all, workload):
+    """A MoE model's pool can take tens of GB: the dropped engine's must be gone before the next is
+    allocated, though the model's layers pointed at it."""
+    import punica.engine.worker as worker
+    model = load_hf_dir(setup[0], dtype=torch.float32)
+    first = engine_on_model(model, EngineConfig(kv_cache_tokens=256), setup[1])
+    run_all(first, workload(4, seed=5), greedy)
+    old = weakref.ref(first.executor.adapter_slots.buffer)
+    del first
+    alive_at_allocation = []
+
+    class Pool(worker.LoraPool):
+        def __init__(self, *args, **kwargs):
+            alive_at_allocation.append(old() is not None)
+            super().__init__(*args, **kwargs)
+
+    monkeypatch.setattr(worker, "LoraPool", Pool)
+    second = engine_on_model(model, EngineConfig(kv_cache_tokens=256), setup[1])
+    assert alive_at_allocation == [False]
+    assert [o.token_ids for o in run_all(second, workload(4, seed=5), greedy)]
+
+
 def test_the_server_and_the_cluster_worker_use_the_engines_methods_not_its_parts(setup, make_engine):
     """Nothing outside punica.engine reaches into an engine's adapter manager, executor, scheduler,
     allocator, core or output processor; what they need, Engine's methods give."""
