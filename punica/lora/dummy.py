@@ -25,7 +25,9 @@ def save_random_adapter(path: str | Path, config: ModelConfig, rank: int, seed: 
     module_of = {proj: module for module, proj in MODULES.items()}
     shapes = config.projection_shapes()
     tensors = {}
-    for proj in projections:
+    dense = [p for p in projections  # the MLP's projections exist only on a MoE model's dense layers
+             if p not in ("gate", "up", "down") or len(config.moe_layers) < config.num_layers]
+    for proj in dense:
         h_in, h_out = shapes[proj]
         for layer in range(config.num_layers):
             if config.is_moe(layer) and proj in ("gate", "up", "down"):
@@ -42,7 +44,7 @@ def save_random_adapter(path: str | Path, config: ModelConfig, rank: int, seed: 
     save_file(tensors, str(path / "adapter_model.safetensors"))
     (path / "adapter_config.json").write_text(json.dumps({
         "peft_type": "LORA", "r": rank, "lora_alpha": alpha or 2 * rank, "bias": "none", "use_dora": dora,
-        "target_modules": [module_of[p].split(".")[1] for p in projections],
+        "target_modules": [module_of[p].split(".")[1] for p in dense],
         "target_parameters": [f"mlp.experts.{p}_proj" for p in experts]}))
     return path
 

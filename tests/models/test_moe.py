@@ -3,6 +3,7 @@ engine's greedy tokens over mixed batches equal transformers' (+ PEFT's, one ada
 PEFT runs no mixed batches of adapters on experts)."""
 
 import copy
+import dataclasses
 import json
 import random
 
@@ -253,3 +254,15 @@ def test_random_adapters_of_a_moe_model_adapt_its_experts(tmp_path, tiny_moe_mod
     down_only = load_adapter(save_random_adapter(tmp_path / "down", config, rank=4, seed=0, projections=("down",)),
                              config)
     assert set(down_only.experts) == {("down", 1)} and down_only.experts["down", 1][0].shape == (4, 4, 32)
+
+
+def test_random_adapters_of_a_model_whose_every_layer_is_moe_name_no_dense_mlp_module(tmp_path):
+    """As qwen3-30b-a3b: no layer has a dense MLP, so the adapter targets gate/up/down only as experts
+    (target_modules naming gate_proj without its tensors is refused when read)."""
+    config = dataclasses.replace(preset_config("tiny-moe"), moe_layers=(0, 1))
+    path = save_random_adapter(tmp_path / "all", config, rank=4, seed=0)
+    assert json.loads((path / "adapter_config.json").read_text())["target_modules"] == [
+        "q_proj", "k_proj", "v_proj", "o_proj"]
+    adapter = load_adapter(path, config)
+    assert set(adapter.lora_a) == {"q", "k", "v", "o"}
+    assert set(adapter.experts) == {("gate_up", 0), ("down", 0), ("gate_up", 1), ("down", 1)}
