@@ -152,6 +152,28 @@ def test_two_gpus_match_one_on_a_7b_shape(tmp_path, quantization):
     check_dummy_two_ranks(expect, config, paths, "cuda", rank0_kv_heads=16, quantization=quantization)
 
 
+def test_a_moe_model_over_two_ranks_matches_one_process(tmp_path, tiny_moe_model, make_moe_adapter):
+    """Qwen3-MoE through the whole tensor-parallel engine (each rank every expert's half, adapters on
+    attention, on the experts or both, rewritten in 2 slots): one process's tokens."""
+    hf = tiny_moe_model("qwen3_moe", seed=5)
+    hf.save_pretrained(tmp_path / "base")
+    experts = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
+    specs = {"attn": (8, 16, False, ["q_proj", "o_proj"], None), "mlp": (4, 8, True, None, experts),
+             "mixed": (8, 32, False, ["v_proj"], ["mlp.experts.down_proj"]),
+             "all": (16, 16, False, ["q_proj", "k_proj", "v_proj", "o_proj"], experts)}
+    assert list(specs) == list(ADAPTERS)  # the names the workload asks for
+    paths = {name: str(make_moe_adapter(hf, tmp_path / name, *spec, seed=i + 1))
+             for i, (name, spec) in enumerate(specs.items())}
+    expect = run_workload(engine_on_model(load_hf_dir(tmp_path / "base", torch.float32), CONFIG, paths))
+    engine = tensor_parallel_engine(tmp_path / "base", paths, timeout_s=60)
+    try:
+        got = run_workload(engine)
+    finally:
+        engine.close()
+    assert got == expect
+    assert len({tuple(tokens) for tokens in expect[:len(specs) + 1]}) == len(specs) + 1, "each adapter matters"
+
+
 def test_killed_worker_fails_every_later_request_loudly(setup):
     base, paths = setup
     engine = tensor_parallel_engine(base, paths, timeout_s=600)
