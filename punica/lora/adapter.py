@@ -99,6 +99,9 @@ MAX_LORA_GAIN = 1e3
 # adapters use ~0.1-100, so a larger scale means a broken config (e.g. lora_alpha 1e300).
 MAX_LORA_SCALE = 1e6
 MAX_CONFIG_BYTES = 1 << 20  # adapter_config.json: PEFT writes about 1 kB
+# lora_gains converts a batch to float64 this many bytes at a time: small enough that the allocator
+# reuses that memory for the next chunk instead of mapping (and faulting in) fresh pages for each
+MAX_GAIN_CHUNK_BYTES = 8 << 20
 
 
 class AdapterError(ValueError):
@@ -242,16 +245,17 @@ def read_adapter(path: str | Path, config: ModelConfig, name: str | None = None,
         tensors = weights.tensors()
     experts = {}
     for (param, layer), sides in expert_names.items():
-        a = _converted(sides["A"], tensors[sides["A"]], dtype, fail)
-        b = _converted(sides["B"], tensors[sides["B"]], dtype, fail)
-        num_experts = config.num_experts
-        a = a.view(num_experts, rank, a.shape[-1])  # rows e*rank .. (e+1)*rank
-        b = b.view(b.shape[0], rank, num_experts).permute(2, 0, 1).contiguous()  # columns e, e + E, ...
-        for expert in range(num_experts):
-            gain = lora_gain(a[expert], b[expert], scale)
-            if not gain <= MAX_LORA_GAIN:
-                raise fail(f"layer {layer} expert {expert} {param} projection ({sides['A']}, {sides['B']}): the "
-                           f"delta's gain |scale| * ||B @ A||_2 is {gain:.3g}, over the limit of {MAX_LORA_GAIN:g}")
+        num_experts, a, b = config.num_experts, tensors[sides["A"]], tensors[sides["B"]]
+        a = _finite(sides["A"], a.to(dtype).view(num_experts, rank, a.shape[-1]), fail)  # rows e*rank .. (e+1)*rank
+        # columns e, e + E, ...: converted and permuted in one copy
+        b = _finite(sides["B"], torch.empty(num_experts, b.shape[0], rank, dtype=dtype).copy_(
+            b.view(b.shape[0], rank, num_experts).permute(2, 0, 1)), fail)
+        gains = lora_gains(a, b, scale)
+        over = (~(gains <= MAX_LORA_GAIN)).nonzero()  # NaN included
+        if len(over):
+            expert = int(over[0])
+            raise fail(f"layer {layer} expert {expert} {param} projection ({sides['A']}, {sides['B']}): the delta's "
+                       f"gain |scale| * ||B @ A||_2 is {float(gains[expert]):.3g}, over the limit of {MAX_LORA_GAIN:g}")
         experts[param, layer] = (a, b)
     checked, magnitude = {}, {}
     for proj, layer, parts, bounds, sides in layout:
@@ -391,17 +395,26 @@ def _config_of(path: str | Path, adapter_dirs: Iterable[str | Path]) -> tuple[di
 
 
 def lora_gain(a: torch.Tensor, b: torch.Tensor, scale: float) -> float:
-    """|scale| * ||B @ A||_2 (the largest singular value) of A [r, h_in], B [h_out, r], in float64
-    from r x r Gram matrices, never forming the [h_out, h_in] product: with G_A = A A^T = S^2 (S its
-    symmetric square root) and G_B = B^T B, ||B @ A||_2^2 is the largest eigenvalue of
-    A^T G_B A, whose nonzero eigenvalues are those of G_B G_A and so of S G_B S. O((h_in + h_out) r^2);
-    float64 keeps the largest eigenvalue to its relative precision, and finite float32 inputs
-    (< 3.4e38) cannot overflow it (the largest intermediate is below ~1e170)."""
+    """|scale| * ||B @ A||_2 of A [r, h_in], B [h_out, r] (`lora_gains` of one)."""
+    return float(lora_gains(a, b, scale))
+
+
+def lora_gains(a: torch.Tensor, b: torch.Tensor, scale: float) -> torch.Tensor:
+    """|scale| * ||B @ A||_2 (the largest singular value) of each A [..., r, h_in], B [..., h_out, r]
+    (batched: [...], float64), from r x r Gram matrices, never forming the [h_out, h_in] product:
+    with G_A = A A^T = S^2 (S its symmetric square root) and G_B = B^T B, ||B @ A||_2^2 is the
+    largest eigenvalue of A^T G_B A, whose nonzero eigenvalues are those of G_B G_A and so of
+    S G_B S. O((h_in + h_out) r^2); float64 keeps the largest eigenvalue to its relative precision,
+    and finite float32 inputs (< 3.4e38) cannot overflow it (the largest intermediate is below ~1e170)."""
+    per_item = (a[0].numel() + b[0].numel()) * 8 if a.dim() > 2 else 0
+    if per_item and a.shape[0] > 1 and a.shape[0] * per_item > MAX_GAIN_CHUNK_BYTES:
+        step = max(1, MAX_GAIN_CHUNK_BYTES // per_item)
+        return torch.cat([lora_gains(a[i:i + step], b[i:i + step], scale) for i in range(0, a.shape[0], step)])
     a64, b64 = a.to(torch.float64), b.to(torch.float64)
-    eigenvalues, vectors = torch.linalg.eigh(a64 @ a64.T)
-    root = (vectors * eigenvalues.clamp(min=0).sqrt()) @ vectors.T
-    largest = float(torch.linalg.eigvalsh(root @ (b64.T @ b64) @ root)[-1])
-    return abs(scale) * math.sqrt(max(largest, 0.0))
+    eigenvalues, vectors = torch.linalg.eigh(a64 @ a64.mT)
+    root = (vectors * eigenvalues.clamp(min=0).sqrt().unsqueeze(-2)) @ vectors.mT
+    largest = torch.linalg.eigvalsh(root @ (b64.mT @ b64) @ root)[..., -1]
+    return abs(scale) * largest.clamp(min=0).sqrt()
 
 
 def _pair_tensors(shapes: dict[str, Any], num_layers: int, layers_to_transform: int | list[int] | None,
@@ -525,12 +538,16 @@ def _check_shape(key: str, shape: tuple[int, ...], dtype: torch.dtype | str, exp
 
 def _converted(key: str, tensor: torch.Tensor, dtype: torch.dtype, fail: Fail) -> torch.Tensor:
     """The tensor in `dtype`, after checking that its values are finite there."""
-    converted = tensor.to(dtype)
-    # one reduction instead of a bool tensor: a NaN or inf anywhere makes the sum non-finite,
-    # and a float64 sum of float32 (or narrower) values cannot overflow
-    if not torch.isfinite(converted.sum(dtype=torch.float64)):
-        raise fail(f"tensor {key} has non-finite values (NaN or inf) in {dtype}")
-    return converted
+    return _finite(key, tensor.to(dtype), fail)
+
+
+def _finite(key: str, tensor: torch.Tensor, fail: Fail) -> torch.Tensor:
+    """`tensor`, after checking that its values are finite: one reduction in its own dtype, no
+    temporary tensor (the min and max are NaN where any value is, else +-inf where one is)."""
+    low, high = torch.aminmax(tensor)
+    if not (torch.isfinite(low) and torch.isfinite(high)):
+        raise fail(f"tensor {key} has non-finite values (NaN or inf) in {tensor.dtype}")
+    return tensor
 
 
 def _magnitude(key: str, tensor: torch.Tensor, dtype: torch.dtype, fail: Fail) -> torch.Tensor:

@@ -16,6 +16,7 @@ from punica.lora.adapter import (
     AdapterError,
     load_adapter,
     lora_gain,
+    lora_gains,
     read_adapter,
 )
 from punica.lora.dummy import save_random_adapter
@@ -365,3 +366,14 @@ def test_fused_phi3_modules_split_into_their_projections(tmp_path, tiny_family_m
         "model_type": "llama", "architectures": ["LlamaForCausalLM"], "sliding_window": None})
     with pytest.raises(AdapterError, match=r"targets the fused qkv_proj, which a llama model does not have"):
         load_adapter(path, llama_shaped)
+
+
+def test_batched_lora_gains_are_each_pairs_spectral_norm():
+    generator = torch.Generator().manual_seed(0)
+    a, b = torch.randn(40, 4, 24, generator=generator), torch.randn(40, 16, 4, generator=generator)
+    b[7] *= 1e30  # finite in float32, its gain far over float32's range
+    gains = lora_gains(a, b, -2.0)
+    assert gains.shape == (40,) and gains.dtype == torch.float64
+    expected = 2.0 * torch.linalg.matrix_norm(b.double() @ a.double(), ord=2)
+    torch.testing.assert_close(gains, expected, rtol=1e-9, atol=0)
+    assert [lora_gain(a[i], b[i], -2.0) for i in range(40)] == pytest.approx(expected.tolist(), rel=1e-9)

@@ -12,7 +12,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from punica.lora.adapter import MAX_LORA_GAIN, AdapterError, adapter_rank, read_adapter
-from punica.lora.adapter_files import open_confined
+from punica.lora.adapter_files import WeightsFile, open_confined
 from punica.lora.dummy import save_random_adapter
 
 Q_A = "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"
@@ -155,3 +155,51 @@ def test_a_dora_magnitude_that_would_overflow_is_refused_naming_the_tensor(tmp_p
     with pytest.raises(AdapterError, match=rf"tensor {MAGNITUDE}: a DoRA magnitude of 1e\+30, over the limit "
                                            "of 1000"):
         read_adapter(path, config)
+
+
+def safetensors_with_header(file: Path, edit) -> None:
+    """Rewrite the header of the safetensors `file` in place as edit(header) makes it, keeping its data."""
+    data = file.read_bytes()
+    length = int.from_bytes(data[:8], "little")
+    header = json.dumps(edit(json.loads(data[8:8 + length]))).encode()
+    with open(file, "r+b") as f:  # the same file, as a writer racing a read would change it
+        f.write(len(header).to_bytes(8, "little") + header + data[8 + length:])
+        f.truncate()
+
+
+def test_safetensors_tensors_are_read_as_safetensors_reads_them(tmp_path):
+    tensors = {"odd": torch.arange(3, dtype=torch.bfloat16), "f32": torch.randn(5, 3), "empty": torch.zeros(0, 4),
+               "f16": torch.randn(2, 7).half(), "i8": torch.tensor([1, -2, 3], dtype=torch.int8)}
+    save_file(tensors, str(tmp_path / "adapter_model.safetensors"))
+    with WeightsFile(tmp_path, (), 1 << 20, 1 << 16, AdapterError) as weights:
+        assert weights.shapes() == {k: (tuple(t.shape), t.dtype) for k, t in tensors.items()}
+        got = weights.tensors()
+    expected = load_file(str(tmp_path / "adapter_model.safetensors"))
+    assert got.keys() == expected.keys()
+    for key, tensor in expected.items():
+        assert got[key].dtype == tensor.dtype and torch.equal(got[key], tensor), key
+
+
+@pytest.mark.parametrize("edit,message", [
+    (lambda h: h | {"b": h["b"] | {"data_offsets": h["a"]["data_offsets"]}},
+     r"tensor 'b' begins at byte 0 of the data"),
+    (lambda h: h | {"a": h["a"] | {"shape": [2, 4]}},
+     r"tensor 'a' of shape \(2, 4\) and dtype torch.float32 has 12 bytes"),
+])
+def test_safetensors_whose_byte_ranges_do_not_tile_the_data_are_unreadable(tmp_path, edit, message):
+    save_file({"a": torch.randn(3), "b": torch.randn(3)}, str(tmp_path / "adapter_model.safetensors"))
+    safetensors_with_header(tmp_path / "adapter_model.safetensors", edit)
+    with WeightsFile(tmp_path, (), 1 << 20, 1 << 16, AdapterError) as weights:
+        weights.shapes()
+        with pytest.raises(AdapterError, match=f"adapter_model.safetensors is unreadable: {message}"):
+            weights.tensors()
+
+
+def test_a_safetensors_header_changed_after_it_was_checked_is_refused(tmp_path):
+    """The tensors are read at the offsets of the header that was checked, from a file still beginning with it."""
+    save_file({"a": torch.randn(2, 12)}, str(tmp_path / "adapter_model.safetensors"))
+    with WeightsFile(tmp_path, (), 1 << 20, 1 << 16, AdapterError) as weights:
+        assert weights.shapes() == {"a": ((2, 12), torch.float32)}
+        safetensors_with_header(tmp_path / "adapter_model.safetensors", lambda h: h | {"a": h["a"] | {"shape": [24]}})
+        with pytest.raises(AdapterError, match="adapter_model.safetensors is unreadable: its header changed while"):
+            weights.tensors()

@@ -6,6 +6,7 @@ import copy
 import dataclasses
 import json
 import random
+import re
 
 import pytest
 import torch
@@ -15,7 +16,7 @@ from safetensors.torch import load_file, save_file
 from punica.config import EngineConfig, ModelConfig, preset_config
 from punica.factory import engine_on_model
 from punica.families import UnsupportedModel
-from punica.lora.adapter import AdapterError, load_adapter
+from punica.lora.adapter import MAX_LORA_GAIN, AdapterError, load_adapter, lora_gain
 from punica.lora.dummy import save_random_adapter
 from punica.lora.pool import LoraPool
 from punica.models.loader import dummy_model, load_hf_dir
@@ -266,3 +267,29 @@ def test_random_adapters_of_a_model_whose_every_layer_is_moe_name_no_dense_mlp_m
     adapter = load_adapter(path, config)
     assert set(adapter.lora_a) == {"q", "k", "v", "o"}
     assert set(adapter.experts) == {("gate_up", 0), ("down", 0), ("gate_up", 1), ("down", 1)}
+
+
+def test_an_expert_whose_gain_is_over_the_limit_is_refused_by_name_among_fine_ones(tmp_path):
+    """The gains of a layer's experts are checked in one batch; the first expert over the limit is
+    named with its gain, as checking them one by one would."""
+    config = dataclasses.replace(preset_config("tiny-moe"), moe_layers=(0, 1))
+    path = save_random_adapter(tmp_path / "ad", config, rank=4, seed=0, dtype=torch.float32)
+    key = "base_model.model.model.layers.1.mlp.experts.lora_B.weight"  # down_proj: [H, E * r]
+    tensors = load_file(str(path / "adapter_model.safetensors"))
+    assert tensors[key].shape == (128, 8 * 4)
+    for expert in (5, 3):  # columns e, e + E, ...
+        tensors[key][:, expert::8] *= 1e6
+    save_file(tensors, str(path / "adapter_model.safetensors"))
+    a = tensors[key.replace("lora_B", "lora_A")].view(8, 4, -1)
+    b = tensors[key].view(128, 4, 8).permute(2, 0, 1)
+    scale = json.loads((path / "adapter_config.json").read_text())["lora_alpha"] / 4
+    gains = [lora_gain(a[e], b[e], scale) for e in range(8)]
+    assert [e for e in range(8) if gains[e] > MAX_LORA_GAIN] == [3, 5]
+    gain = re.escape(f"{gains[3]:.3g}")
+    with pytest.raises(AdapterError, match=rf"layer 1 expert 3 down projection \(.*\): the delta's gain \|scale\| "
+                                           rf"\* \|\|B @ A\|\|_2 is {gain}, over the limit of 1000$"):
+        load_adapter(path, config)
+    tensors[key][:, 3::8] /= 1e6
+    tensors[key][:, 5::8] /= 1e6
+    save_file(tensors, str(path / "adapter_model.safetensors"))
+    assert load_adapter(path, config).experts["down", 1][1].shape == (8, 128, 4)
