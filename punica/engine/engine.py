@@ -24,8 +24,7 @@ from functools import partial
 import xgrammar as xgr
 
 from punica.config import EngineConfig, ModelConfig
-from punica.engine.admission import (acquire_adapter, adapter_ready, check_lora_scale, checked_prompt,
-                                     release_adapter)
+from punica.engine.admission import acquire_adapter, adapter_ready, check_lora_scale, checked_prompt, release_adapter
 from punica.engine.core import EngineCore
 from punica.engine.executor import Executor
 from punica.engine.fair_share import FairQueue
