@@ -89,3 +89,19 @@ def format_table(rows: list[dict], columns: list[str]) -> str:
 
 def _fmt(value) -> str:
     return f"{value:.1f}" if isinstance(value, float) else str(value)
+
+
+def graph_us(calls) -> float:
+    """Microseconds per call (CUDA): every call captured in one graph, median replay / calls."""
+    import torch
+    import triton
+
+    calls[0]()  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for call in calls:
+            call()
+    us = triton.testing.do_bench(graph.replay, warmup=10, rep=30, return_mode="median") * 1e3 / len(calls)
+    del graph
+    return us

@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 import triton
 
-from benchmarks.common import copy_bandwidth, format_table, save_figure, style_axes, write_results
+from benchmarks.common import copy_bandwidth, format_table, graph_us, save_figure, style_axes, write_results
 from punica.config import preset_config
 from punica.ops.linear_tiles import Tile, skinny_tile
 from punica.ops.linear_triton import skinny_linear_triton
@@ -43,19 +43,6 @@ def shapes(preset: str) -> dict[str, tuple[int, int]]:
     return {"qkv": (c.q_size + 2 * c.kv_size, c.hidden_size), "o": (c.hidden_size, c.q_size),
             "gate_up": (2 * c.intermediate_size, c.hidden_size), "down": (c.hidden_size, c.intermediate_size),
             "lm_head": (c.vocab_size, c.hidden_size)}
-
-
-def graph_us(calls) -> float:
-    """Microseconds per call: every call captured in one graph, median replay / calls."""
-    calls[0]()  # compile outside the capture
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for call in calls:
-            call()
-    us = triton.testing.do_bench(graph.replay, warmup=10, rep=30, return_mode="median") * 1e3 / len(calls)
-    del graph
-    return us
 
 
 def plot(rows: list[dict], path: Path, title: str) -> None:

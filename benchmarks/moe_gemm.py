@@ -38,7 +38,7 @@ import torch
 import torch.nn.functional as F
 import triton
 
-from benchmarks.common import copy_bandwidth, format_table, save_figure, style_axes, write_results
+from benchmarks.common import copy_bandwidth, format_table, graph_us, save_figure, style_axes, write_results
 from punica.config import PRESETS, ModelConfig, preset_config
 from punica.lora.batch import LoraBatch
 from punica.lora.experts import LoraExperts
@@ -124,19 +124,6 @@ def reference(x: torch.Tensor, logits: torch.Tensor, c: ModelConfig, layer: Lora
 def rel_error(got: torch.Tensor, expect: torch.Tensor) -> float:
     expect = expect.float()
     return ((got.float() - expect).norm() / expect.norm()).item()
-
-
-def graph_us(calls) -> float:
-    """Microseconds per call: every call captured in one graph, median replay / calls."""
-    calls[0]()  # compile outside the capture
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for call in calls:
-            call()
-    us = triton.testing.do_bench(graph.replay, warmup=10, rep=30, return_mode="median") * 1e3 / len(calls)
-    del graph
-    return us
 
 
 def num_active(routing: ExpertRouting) -> int:
