@@ -21,6 +21,7 @@ The placement rules (`_candidates`) are punica.cluster.placement's.
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import heapq
 import itertools
 from collections.abc import Callable, Hashable, Iterator
@@ -115,6 +116,12 @@ class ClusterPolicy:
         self.num_loads = 0
 
     # ---- GPUs -------------------------------------------------------------------------
+    def limit_adapter_slots(self, num_slots: int) -> None:
+        """A GPU holds at most `num_slots` adapters (a worker's pool, which --max-lora-bytes may make
+        smaller than max_loras): max_loras is lowered to it, never raised."""
+        if num_slots < self.config.max_loras:
+            self.config = dataclasses.replace(self.config, max_loras=num_slots)
+
     def add_gpu(self, gpu_id: int, kv_capacity: int, now: float = 0.0) -> None:
         if gpu_id in self.gpus:
             raise ValueError(f"GPU {gpu_id} is already in the cluster")

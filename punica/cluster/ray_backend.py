@@ -335,6 +335,7 @@ class ClusterEngine:
         self.adapter_dirs = info.adapter_dirs
         self.workers[gpu_id] = actor  # no await since the lock: later changes of the set reach it
         self._wake[gpu_id] = asyncio.Event()
+        self.policy.limit_adapter_slots(info.num_adapter_slots)
         self.policy.add_gpu(gpu_id, info.kv_tokens, time.monotonic())
         self._spawn(self._drive(gpu_id, actor))
         self._place()

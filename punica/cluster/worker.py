@@ -40,6 +40,7 @@ class WorkerInfo:
     model_config: ModelConfig   # what an adapter must fit (the driver checks adapters against it)
     max_lora_rank: int          # the rank it must fit
     adapter_dirs: tuple[str, ...]  # an adapter inside one reads only files inside it
+    num_adapter_slots: int      # its adapter pool's (--max-loras, or fewer under --max-lora-bytes)
 
 
 @dataclass(frozen=True)
@@ -80,7 +81,8 @@ class EngineWorker:
         stats = self.engine.stats()
         config = self.engine.config
         return WorkerInfo(stats.num_kv_pages * config.page_size, config.max_batch_size, self.engine.max_model_len,
-                          self.engine.model_config, config.max_lora_rank, config.adapter_dirs)
+                          self.engine.model_config, config.max_lora_rank, config.adapter_dirs,
+                          stats.num_adapter_slots)
 
     def adapters(self) -> dict[str, str]:
         """The adapters this worker serves: name -> directory."""

@@ -47,6 +47,16 @@ def test_slots_evict_the_lru_unused_adapter_and_a_gpu_with_every_slot_pinned_is_
     assert policy.num_loads == 4
 
 
+def test_a_workers_smaller_adapter_pool_lowers_the_slots_the_policy_counts_never_raises_them():
+    policy = cluster(PunicaPolicy, num_gpus=2, max_batch_size=8, max_loras=3)
+    policy.limit_adapter_slots(8)
+    assert policy.config.max_loras == 3
+    policy.limit_adapter_slots(1)           # a pool of one slot by its bytes
+    assert policy.config.max_loras == 1
+    place(policy, "r0", "a")
+    assert place(policy, "r1", "b") == 1    # GPU 0's one slot is in use
+
+
 def test_adapter_aware_prefers_a_gpu_holding_the_adapter_even_if_less_busy():
     aware, punica = cluster(min_gpus=4), cluster(PunicaPolicy)  # four GPUs kept: none drains
     for policy in (aware, punica):

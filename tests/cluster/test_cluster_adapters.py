@@ -12,6 +12,7 @@ from punica.cluster.worker import EngineWorker
 from punica.config import EngineArgs, EngineConfig
 from punica.engine.sampling_params import SamplingParams
 from punica.factory import engine_on_model
+from punica.lora.pool import slot_bytes
 from punica.models.loader import load_hf_dir
 
 pytestmark = pytest.mark.slow
@@ -68,11 +69,14 @@ def test_run_time_adapters_reach_every_worker_late_ones_too_and_roll_back_on_ref
 
     async def main():
         classes = iter([ray.remote(num_cpus=1)(EngineWorker), ray.remote(num_cpus=1)(refusing_worker())])
-        args = EngineArgs(model=base, page_size=4, dtype="float32", device="cpu")
+        # a pool of 3 slots by its bytes (max_loras 8): the placement counts 3 adapters a GPU
+        one = slot_bytes(load_hf_dir(base, dtype=torch.float32).config, EngineConfig.max_lora_rank, torch.float32)
+        args = EngineArgs(model=base, page_size=4, dtype="float32", device="cpu", max_lora_bytes=3 * one)
         cluster = ClusterEngine(lambda: next(classes).remote(args, {"a": adapters["a"]}),
                                 min_workers=1, max_workers=2, adapters={"a": adapters["a"]})
         await cluster.start()
         try:
+            assert cluster.policy.config.max_loras == 3
             (tmp_path / "empty").mkdir()
             with pytest.raises(ValueError, match="adapter_config.json"):
                 await cluster.load_adapter("c", str(tmp_path / "empty"))
