@@ -15,8 +15,9 @@ work; each name still gets its own GPU slot and copy). The engines have one GPU 
 while those fit in --max-lora-bytes (48 GiB by default), and every adapter of the workload is
 loaded before the clock starts (on-demand loading is benchmarks/adapter_load.py's question). Where
 they do not fit (a MoE preset's adapters adapt every expert: ~1.3 GB each on qwen3-30b-a3b), the
-adapters beyond the slots load on demand during the run, as a server's would; `adapter_slots` in
-the meta says how many there were.
+first adapters the run uses are loaded before the clock starts, as many as the slots hold, and the
+others load on demand during the run, as a server's would; `adapter_slots` in the meta says how
+many slots there were.
 
 --quantizations: the engine's runs (every workload) once per format, on the same dummy weights:
 base weights none (the dtype's) or fp8 (e4m3, per-channel scales: punica.models.quantized), and
@@ -233,7 +234,10 @@ def engine_runs(engine_args: EngineArgs, config: ModelConfig, dtype: torch.dtype
                 adapters = [None] * num_requests
             else:
                 adapters = [f"{kind}{i}" for i in adapter_ids(workload, num_requests, random.Random(1))]
-            warm_up(engine, list(dict.fromkeys(adapters)) if workload != "backbone" else [None] * 32)
+            # the workload's adapters in first-use order, as many as the slots hold (the rest load
+            # during the run)
+            slots = engine.adapter_snapshot()["gpu_slots"]["total"]
+            warm_up(engine, list(dict.fromkeys(adapters))[:slots] if workload != "backbone" else [None] * 32)
             rows.append({"system": "punica", "workload": workload, "adapters": kind if adapters[0] else "none",
                          "quantization": quantization,
                          **run(engine, [(p, o, a) for p, (_, o), a in zip(prompts, lengths, adapters)])})
