@@ -270,7 +270,8 @@ def main() -> None:
     parser.add_argument("--dora", action="store_true", help="also run every adapter workload on DoRA adapters")
     parser.add_argument("--quantizations", nargs="+", choices=FORMATS, default=["none"],
                         help="run the engine once per format: base weights none|fp8, +fp8kv: an fp8 KV cache")
-    add_arguments(parser, EngineArgs, only=("enforce_eager", "overlap_steps", "tensor_parallel_size", "max_lora_bytes"))
+    add_arguments(parser, EngineArgs, only=("enforce_eager", "overlap_steps", "tensor_parallel_size", "max_lora_bytes",
+                                         "lora_host_bytes"))
     # one slot per request unless that passes 48 GiB: a MoE preset's adapters (~1.3 GB each on
     # qwen3-30b-a3b) would otherwise take the memory of the weights and the KV cache
     parser.set_defaults(max_lora_bytes=48 << 30)

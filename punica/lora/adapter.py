@@ -99,8 +99,7 @@ MAX_LORA_GAIN = 1e3
 # adapters use ~0.1-100, so a larger scale means a broken config (e.g. lora_alpha 1e300).
 MAX_LORA_SCALE = 1e6
 MAX_CONFIG_BYTES = 1 << 20  # adapter_config.json: PEFT writes about 1 kB
-# lora_gains converts a batch to float64 this many bytes at a time: small enough that the allocator
-# reuses that memory for the next chunk instead of mapping (and faulting in) fresh pages for each
+# lora_gains converts a batch to float64 this many bytes at a time (into one buffer it reuses)
 MAX_GAIN_CHUNK_BYTES = 8 << 20
 
 
@@ -406,15 +405,22 @@ def lora_gains(a: torch.Tensor, b: torch.Tensor, scale: float) -> torch.Tensor:
     largest eigenvalue of A^T G_B A, whose nonzero eigenvalues are those of G_B G_A and so of
     S G_B S. O((h_in + h_out) r^2); float64 keeps the largest eigenvalue to its relative precision,
     and finite float32 inputs (< 3.4e38) cannot overflow it (the largest intermediate is below ~1e170)."""
-    per_item = (a[0].numel() + b[0].numel()) * 8 if a.dim() > 2 else 0
-    if per_item and a.shape[0] > 1 and a.shape[0] * per_item > MAX_GAIN_CHUNK_BYTES:
-        step = max(1, MAX_GAIN_CHUNK_BYTES // per_item)
-        return torch.cat([lora_gains(a[i:i + step], b[i:i + step], scale) for i in range(0, a.shape[0], step)])
-    a64, b64 = a.to(torch.float64), b.to(torch.float64)
-    eigenvalues, vectors = torch.linalg.eigh(a64 @ a64.mT)
-    root = (vectors * eigenvalues.clamp(min=0).sqrt().unsqueeze(-2)) @ vectors.mT
-    largest = torch.linalg.eigvalsh(root @ (b64.mT @ b64) @ root)[..., -1]
-    return abs(scale) * largest.clamp(min=0).sqrt()
+    batch = a.shape[:-2]
+    a, b = a.reshape(-1, *a.shape[-2:]), b.reshape(-1, *b.shape[-2:])
+    num_items = a.shape[0]
+    step = max(1, min(num_items, MAX_GAIN_CHUNK_BYTES // ((a[0].numel() + b[0].numel()) * 8)))
+    # one float64 buffer reused by every chunk: a fresh allocation each time costs more in page
+    # faults than the conversion and the Gram matrices together
+    a64 = torch.empty((step, *a.shape[1:]), dtype=torch.float64, device=a.device)
+    b64 = torch.empty((step, *b.shape[1:]), dtype=torch.float64, device=b.device)
+    squares = torch.empty(num_items, dtype=torch.float64, device=a.device)
+    for start in range(0, num_items, step):
+        n = min(step, num_items - start)
+        a_n, b_n = a64[:n].copy_(a[start:start + n]), b64[:n].copy_(b[start:start + n])
+        eigenvalues, vectors = torch.linalg.eigh(a_n @ a_n.mT)
+        root = (vectors * eigenvalues.clamp(min=0).sqrt().unsqueeze(-2)) @ vectors.mT
+        squares[start:start + n] = torch.linalg.eigvalsh(root @ (b_n.mT @ b_n) @ root)[..., -1]
+    return abs(scale) * squares.clamp(min=0).sqrt().reshape(batch)
 
 
 def _pair_tensors(shapes: dict[str, Any], num_layers: int, layers_to_transform: int | list[int] | None,
