@@ -121,16 +121,19 @@ def plot(rows: list[dict], path: Path, title: str) -> None:
 
 
 @contextlib.contextmanager
-def decodes_engine(preset: str, decodes: int, longest_prompt: int, budget: int, dtype: torch.dtype, device: str):
-    """An engine of --preset's shapes with dummy weights for `decodes` requests decoding beside one
-    prompt of up to `longest_prompt` tokens: a rank-16 adapter per request (`lora0` ... in a
-    temporary directory), KV room for the prompt and 1,024 tokens per decode, the step budget
-    `budget`, warmed up (graphs captured, every adapter resident). Yields (engine, model config)."""
+def decodes_engine(preset: str, decodes: int, longest_prompt: int, budget: int, dtype: torch.dtype, device: str,
+                   quantization: str = "none", kv_cache_dtype: str = "auto"):
+    """An engine of --preset's shapes with dummy weights (`quantization` of the base weights, a
+    `kv_cache_dtype` KV cache) for `decodes` requests decoding beside one prompt of up to
+    `longest_prompt` tokens: a rank-16 adapter per request (`lora0` ... in a temporary directory),
+    KV room for the prompt and 1,024 tokens per decode, the step budget `budget`, warmed up (graphs
+    captured, every adapter resident). Yields (engine, model config)."""
     longest = longest_prompt + 2048
     config = dataclasses.replace(preset_config(preset), max_position_embeddings=longest)
-    model = dummy_model(config, dtype, device)
+    model = dummy_model(config, dtype, device, quantization=quantization)
     engine_config = EngineConfig(max_batch_size=decodes + 1, max_loras=decodes + 1, max_model_len=longest,
-                                 kv_cache_tokens=longest_prompt + decodes * 1024, max_num_batched_tokens=budget)
+                                 kv_cache_tokens=longest_prompt + decodes * 1024, max_num_batched_tokens=budget,
+                                 kv_cache_dtype=kv_cache_dtype)
     with tempfile.TemporaryDirectory() as tmp:
         names = {f"lora{i}": str(save_random_adapter(Path(tmp) / f"a{i}", config, 16, seed=i))
                  for i in range(decodes + 1)}

@@ -5,6 +5,7 @@ steps that also run a chunk of a long prompt.
     python -m benchmarks.step_profile [--preset llama-2-7b] [--decodes 31] [--prompt 16384]
         [--budgets 158 512] [--at 0 2048 15000] [--steps 10] [--out results/step_profile]
     python -m benchmarks.step_profile --decode-only --batches 1 32 --context 512 [--steps 10]
+    either with [--quantization fp8] [--kv-cache-dtype fp8]
 
 One engine (random weights, CUDA graphs, overlapped steps, rank-16 adapters on all 7 projections,
 request i on its own adapter) serves --decodes requests that decode from 64-token prompts. Per
@@ -39,6 +40,7 @@ import torch
 
 from benchmarks.common import format_table, save_figure, write_results
 from benchmarks.long_prompt import decodes_engine
+from punica.config import KV_CACHE_DTYPES, QUANTIZATIONS
 from punica.engine.sampling_params import SamplingParams
 
 GROUPS = (  # first match wins
@@ -49,6 +51,7 @@ GROUPS = (  # first match wins
     ("rope + kv append", r"rope|write_kv"),
     ("rms norm", r"rms_norm"),
     ("activation", r"silu|gelu"),
+    ("gemm, fp8", r"fp8|e4m3"),
     ("gemm", r"gemm|gemv|cutlass|nvjet|xmma|sm90|splitK|cublas"),
 )
 
@@ -177,13 +180,16 @@ def main() -> None:
     parser.add_argument("--decode-only", action="store_true")
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 32])
     parser.add_argument("--context", type=int, default=512)
+    parser.add_argument("--quantization", choices=QUANTIZATIONS, default="none", help="of the base weights")
+    parser.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto")
     parser.add_argument("--out", type=Path, default=Path("results/step_profile"))
     args = parser.parse_args()
     if args.decode_only and args.context > 1024:
         parser.error("--context: at most 1024 (the KV room per decode)")
     rng = random.Random(0)
     decodes = max(args.batches) if args.decode_only else args.decodes
-    setup = decodes_engine(args.preset, decodes, args.prompt, args.budgets[0], torch.bfloat16, "cuda")
+    setup = decodes_engine(args.preset, decodes, args.prompt, args.budgets[0], torch.bfloat16, "cuda",
+                           args.quantization, args.kv_cache_dtype)
     with setup as (engine, config), tempfile.TemporaryDirectory() as tmp:
         trace_dir = Path(tmp)
         if args.decode_only:
@@ -206,6 +212,7 @@ def main() -> None:
     shape = ({"batches": args.batches, "context": args.context} if args.decode_only
              else {"decodes": args.decodes, "prompt": args.prompt})
     meta = {"device": torch.cuda.get_device_name(), "preset": args.preset, **shape,
+            "quantization": args.quantization, "kv_cache_dtype": args.kv_cache_dtype,
             "date": time.strftime("%Y-%m-%d"), "torch": torch.__version__}
     path = write_results(args.out, "step_profile", rows, meta)
     if args.decode_only:

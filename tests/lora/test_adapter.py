@@ -14,6 +14,7 @@ from punica.lora.adapter import (
     PROJECTIONS,
     UNSUPPORTED_OPTIONS,
     AdapterError,
+    first_gain_over_limit,
     load_adapter,
     lora_gain,
     lora_gains,
@@ -377,3 +378,29 @@ def test_batched_lora_gains_are_each_pairs_spectral_norm():
     expected = 2.0 * torch.linalg.matrix_norm(b.double() @ a.double(), ord=2)
     torch.testing.assert_close(gains, expected, rtol=1e-9, atol=0)
     assert [lora_gain(a[i], b[i], -2.0) for i in range(40)] == pytest.approx(expected.tolist(), rel=1e-9)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_first_gain_over_the_limit_is_exact_where_the_frobenius_bound_passes_it(dtype):
+    """Items whose ||A||_F ||B||_F is over the limit but whose gain is under it pass; the first item
+    over it is found with its exact gain, as lora_gains finds it."""
+    r, n = 4, 6
+    a, b = torch.zeros(n, r, 32), torch.zeros(n, 24, r)
+    for i in range(r):  # B @ A is c * d on r diagonal entries: gain c * d, the bound r * c * d
+        a[:, i, i], b[:, i, i] = 2.0, 1.0
+    gains = torch.tensor([0.5, 0.9, 0.5, 3.0, 0.5, 1.5]) * MAX_LORA_GAIN
+    b *= (gains / 2.0).view(n, 1, 1)
+    a, b = a.to(dtype), b.to(dtype)
+    bounds = torch.linalg.vector_norm(a.flatten(1).double(), dim=-1) * torch.linalg.vector_norm(b.flatten(1).double(),
+                                                                                                 dim=-1)
+    assert (bounds > MAX_LORA_GAIN).all()
+    expert, gain = first_gain_over_limit(a, b, 1.0)
+    assert expert == 3 and gain == pytest.approx(float(lora_gains(a[3], b[3], 1.0)), rel=1e-12)
+    assert first_gain_over_limit(a[:3], b[:3], 1.0) is None
+    assert first_gain_over_limit(a[:3], b[:3], 2.0)[0] == 1  # 1.8 x the limit
+    a[0] *= 1e30  # the norms overflow (bf16: both, to inf and 0): the exact gain decides
+    b[0] *= 1e-30
+    assert first_gain_over_limit(a[:3], b[:3], 1.0) is None
+    b[0] *= 4
+    expert, gain = first_gain_over_limit(a, b, 1.0)
+    assert expert == 0 and gain == pytest.approx(2 * MAX_LORA_GAIN, rel=1e-2)
