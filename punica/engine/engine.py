@@ -38,9 +38,16 @@ from punica.engine.scheduler_output import RequestUpdate
 from punica.engine.stats import EngineStats, StepShape
 from punica.engine.structured import GrammarCompiler
 from punica.engine.tenancy import TenantShare, checked_shares, tenant_key
-from punica.engine.waiting import FcfsQueue
+from punica.engine.waiting import FcfsQueue, WaitingQueue
 from punica.engine.worker import context_limit
 from punica.lora.manager import AdapterManager
+
+
+def waiting_queue(config: EngineConfig) -> WaitingQueue:
+    """The scheduler's queue for `config.scheduling`; the fair share's margin is one step's tokens."""
+    if config.scheduling == "fair":
+        return FairQueue(margin=config.max_num_batched_tokens)
+    return FcfsQueue()
 
 
 class Engine:
@@ -65,7 +72,7 @@ class Engine:
                                    acquire=partial(acquire_adapter, self.adapters),
                                    release=partial(release_adapter, self.adapters),
                                    ready=partial(adapter_ready, self.adapters),
-                                   waiting=FairQueue() if config.scheduling == "fair" else FcfsQueue(),
+                                   waiting=waiting_queue(config),
                                    eos_token_ids=frozenset(eos), max_model_len=self.max_model_len)
         self.core = EngineCore(executor, self.scheduler, self.adapters, config, tokenizer, frozenset(eos))
         self.outputs = OutputProcessor(tokenizer, self.scheduler.stop)

@@ -37,13 +37,16 @@ a running request that would take its tenant over the cap preempts its tenant's 
 charged to its tenant (the queue's service).
 
 A request whose adapter is not yet on the GPU (`acquire` says False) waits where it is while
-requests behind it go ahead; otherwise admission never skips the request the queue gives, so
-nothing starves. `release` is called when an admitted request leaves the batch.
+requests behind it go ahead, and so does one preempted while a launched step samples its next token
+(PENDING): it is recomputed from its tokens, so it waits for their values, which the next plan has;
+otherwise admission never skips the request the queue gives, so nothing starves. `release` is
+called when an admitted request leaves the batch.
 
-When the batch is full, a waiting request whose adapter is on the GPU (`ready`) may take a running
-request's place, if the queue says so (`displaced`: the fair share's tenant under its share of the
-batch's places, FCFS never): that request is preempted before the step's decodes are planned, and
-the waiting one admitted first.
+When the batch is full, waiting requests whose adapters are on the GPU (`ready`) may take running
+requests' places, if the queue says so (`displaced`: for the fair share, a tenant under its share of
+the batch's places or served less than the running request's tenant; FCFS never): those requests are
+preempted before the step's decodes are planned, and the waiting ones admitted first, as many as the
+step's budget holds.
 """
 
 from __future__ import annotations
@@ -198,29 +201,36 @@ class Scheduler:
                 return False
         return self.can_grow_running()
 
-    def _displace(self, preempted: list[Request]) -> Request | None:
-        """In a full batch, the first waiting request, in the queue's order, that takes a running
-        request's place (`displaced`), its adapter on the GPU (`ready`) and its tenant under its
-        max_kv_tokens: that running request is preempted, and the waiting one returned, to be
-        admitted first in this step. None if none does."""
-        if len(self.running) < self.max_batch_size:
-            return None
+    def _displace(self, preempted: list[Request]) -> list[Request]:
+        """In a full batch, the waiting requests, in the queue's order, that take running requests'
+        places (`displaced`), each with its adapter on the GPU (`ready`) and its tenant under its
+        max_kv_tokens: those running requests are preempted, and the waiting ones returned, to be
+        admitted first in this step. Places are taken while the waiting ones' tokens fit in the
+        step's budget (the first always), so that no request is preempted for a place that stays
+        empty."""
+        displacing: list[Request] = []
+        num_tokens = 0
         passed: set[Request] = set()
         blocked: set[str | None] = set()  # tenants whose requests take no place
-        while (candidate := self.waiting.next_candidate(passed, blocked)) is not None:
-            if not self.ready(candidate):
-                passed.add(candidate)
+        while (len(self.running) + len(displacing) >= self.max_batch_size
+               and (candidate := self.waiting.next_candidate(passed, blocked)) is not None):
+            passed.add(candidate)
+            if candidate.num_pending or not self.ready(candidate):
                 continue
+            if displacing and num_tokens + candidate.num_tokens > self.max_num_batched_tokens:
+                break
             max_pages = self._max_pages(candidate)
             at_cap = max_pages is not None and self._held.get(key_of(candidate), 0) + ceil_div(
                 candidate.num_tokens, self.allocator.page_size) > max_pages
             victim = None if at_cap else self.waiting.displaced(candidate, self._ranked, self.max_batch_size)
-            if victim is not None:
-                self._preempt(victim)
-                preempted.append(victim)
-                return candidate
-            blocked.add(key_of(candidate))
-        return None
+            if victim is None:
+                blocked.add(key_of(candidate))
+                continue
+            self._preempt(victim)
+            preempted.append(victim)
+            displacing.append(candidate)
+            num_tokens += candidate.num_tokens
+        return displacing
 
     def _make_room(self, request: Request, preempted: list[Request]) -> None:
         """Grow a decode by its next token, preempting the last ranked running requests (perhaps
@@ -292,17 +302,20 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.preempted(request)
 
-    def _admit(self, budget: int, first: Request | None = None) -> list[tuple[Request, int]]:
-        """Admit waiting requests in the queue's order (`first` before all) while the batch has room,
+    def _admit(self, budget: int, first: list[Request]) -> list[tuple[Request, int]]:
+        """Admit waiting requests in the queue's order (those of `first` before all) while the batch has room,
         pages suffice and the budget lasts: (request, its first chunk) of each."""
         admitted: list[tuple[Request, int]] = []
         page_size = self.allocator.page_size
         passed: set[Request] = set()        # waiting for their adapter: those behind them go ahead
         blocked: set[str | None] = set()    # tenants at their max_kv_tokens: others go ahead
         while len(self.running) < self.max_batch_size and budget > 0:
-            request, first = first or self.waiting.next_candidate(passed, blocked), None
+            request = first.pop(0) if first else self.waiting.next_candidate(passed, blocked)
             if request is None:
                 break
+            if request.num_pending:  # preempted in this plan: its last token is not on the host yet
+                passed.add(request)
+                continue
             # cached tokens have no logits: a request still owed prompt logprobs computes its prompt
             hit = [] if request.needs_prompt_logprobs else self.allocator.match(request)
             computed = len(hit) * page_size
