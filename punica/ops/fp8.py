@@ -18,9 +18,9 @@ scale is a per-channel one repeated over the rows it covers, which the loader do
     Triton GEMM (punica.ops.fp8_triton), which streams the 1-byte weight, widens it to x's dtype
     in registers, and applies the scales to the fp32 accumulator (per K tile for block scales);
   * more tokens with per-channel scales (bf16 activations; N and K multiples of 16): the fp8
-    tensor cores through torch._scaled_mm, x quantized per token on the fly
-    (`quantize_per_token`: scale_t = amax(|x[t]|) / 448) and the weight's per-channel scales
-    applied to the output (rowwise scaling).
+    tensor cores through torch._scaled_mm, x quantized per token on the fly by one Triton kernel
+    (punica.ops.fp8_quant_triton; `quantize_per_token`: scale_t = amax(|x[t]|) / 448) and the
+    weight's per-channel scales applied to the output (rowwise scaling).
 
 Every path allocates only its outputs, never syncs, and picks its kernel and launch grid from
 shapes alone, so a captured CUDA graph replays the same choice.
@@ -31,13 +31,13 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-FP8_DTYPE = torch.float8_e4m3fn
-FP8_MAX = 448.0  # the largest finite e4m3fn value
+from punica.ops.fp8_format import FP8_DTYPE, FP8_MAX, MIN_ACTIVATION_AMAX
+
 # The crossover from the weight-only GEMM to the fp8 tensor-core GEMM, in tokens: measured on the
-# H200 by benchmarks.fp8_gemm (docs/benchmarks.md), the weight-only GEMMs of a 7B layer take less
-# time in all than _scaled_mm's up to 256 tokens (490 against 505 us), and more from 512.
-WEIGHT_ONLY_MAX_TOKENS = 256
-MIN_ACTIVATION_AMAX = 1e-12  # a row of zeros gets this amax, so its scale is not 0
+# H200 by benchmarks.fp8_gemm (docs/benchmarks.md), a 7B layer's weight-only GEMMs take less time
+# in all than _scaled_mm's with the activation quantization kernel at 48 tokens (232 against 252
+# us), and more from 64 (233 against 158 us).
+WEIGHT_ONLY_MAX_TOKENS = 48
 
 
 def quantize_per_channel(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -80,7 +80,8 @@ def fp8_linear_scaled_mm(x: torch.Tensor, weight: torch.Tensor, scales: torch.Te
                          bias: torch.Tensor | None = None) -> torch.Tensor:
     """x @ W^T (+ bias) on the fp8 tensor cores: per-token activation scales times per-channel
     weight scales, applied by torch._scaled_mm to its fp32 accumulator; output in bf16 (x's dtype)."""
-    x8, x_scales = quantize_per_token(x)
+    from punica.ops.fp8_quant_triton import quantize_per_token_triton
+    x8, x_scales = quantize_per_token_triton(x.contiguous())
     out = torch._scaled_mm(x8, weight.t(), scale_a=x_scales, scale_b=scales[None, :], out_dtype=x.dtype)
     return out if bias is None else out.add_(bias)
 
