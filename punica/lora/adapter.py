@@ -26,7 +26,8 @@ split exactly: one lora_A shared by q, k and v (gate and up), lora_B split by ou
 each part is a LoRA of the same rank and scale on its projection. Anything the
 canonical layout cannot express exactly is rejected with an AdapterError, never dropped; so is
 an adapter that could overflow the activations of its requests (a non-finite value, a scale
-over MAX_LORA_SCALE, a layer's delta with a gain over MAX_LORA_GAIN, a DoRA magnitude over it).
+over MAX_LORA_SCALE, a layer's delta with a gain over punica.lora.gains.MAX_LORA_GAIN, a DoRA
+magnitude over it).
 What can be refused from adapter_config.json and the safetensors header is refused before any
 tensor is read (punica.lora.adapter_files, which also keeps the reads inside --adapter-dir).
 """
@@ -44,6 +45,7 @@ import torch
 
 from punica.config import ModelConfig
 from punica.lora.adapter_files import WeightsFile, confining_dirs, read_json
+from punica.lora.gains import MAX_LORA_GAIN, first_gain_over_limit, lora_gain
 
 PROJECTIONS = ("q", "k", "v", "o", "gate", "up", "down")
 
@@ -83,26 +85,10 @@ UNSUPPORTED_OPTIONS = {
 }
 
 
-# Bounds on what one adapter may do to the activations, checked when it is read. A layer's LoRA
-# delta adds scale * B @ A @ x to a projection's output, x being the projection's RMS-normalised
-# input (||x||_2 = sqrt(hidden) times the norm weights), so each delta scales its input by at most
-# its gain |scale| * ||B @ A||_2. Within one decoder layer at most ~gain^3 reaches the residual
-# stream (v then o on the attention path; gate times up, then down, on the MLP path, whose product
-# is quadratic in ||x||). With gains <= 1e3 a layer adds at most ~1e9 * hidden (~1e13 for hidden
-# 8192) to the residual, 100 layers ~1e15: far below bf16's and float32's max (~3.4e38), and below
-# the ~1.8e19 whose square RMSNorm's float32 sum of squares still holds, with four orders of
-# magnitude left for the base weights' own norms. The demo adapters' gains are 0.5-3.5 and the
-# random test and benchmark adapters' at most ~20, a margin of 50x; weights of 1e30 (finite in
-# bf16) give gains of ~1e60 and are refused instead of making inf/NaN of every request on them.
-MAX_LORA_GAIN = 1e3
-# first_gain_over_limit computes the exact gain where the Frobenius bound is over this fraction of the limit
-BOUND_MARGIN = 0.98
 # |lora_alpha / r| (or / sqrt(r)): float32 (the pool's scales) holds it with room to spare; real
 # adapters use ~0.1-100, so a larger scale means a broken config (e.g. lora_alpha 1e300).
 MAX_LORA_SCALE = 1e6
 MAX_CONFIG_BYTES = 1 << 20  # adapter_config.json: PEFT writes about 1 kB
-# lora_gains converts a batch to float64 this many bytes at a time (into one buffer it reuses)
-MAX_GAIN_CHUNK_BYTES = 8 << 20
 
 
 class AdapterError(ValueError):
@@ -392,55 +378,6 @@ def _config_of(path: str | Path, adapter_dirs: Iterable[str | Path]) -> tuple[di
         return AdapterError(f"LoRA adapter {path}: {problem}")
 
     return _read_config(path, fail, confining_dirs(path, adapter_dirs)), fail
-
-
-def lora_gain(a: torch.Tensor, b: torch.Tensor, scale: float) -> float:
-    """|scale| * ||B @ A||_2 of A [r, h_in], B [h_out, r] (`lora_gains` of one)."""
-    return float(lora_gains(a, b, scale))
-
-
-def lora_gains(a: torch.Tensor, b: torch.Tensor, scale: float) -> torch.Tensor:
-    """|scale| * ||B @ A||_2 (the largest singular value) of each A [..., r, h_in], B [..., h_out, r]
-    (batched: [...], float64), from r x r Gram matrices, never forming the [h_out, h_in] product:
-    with G_A = A A^T = S^2 (S its symmetric square root) and G_B = B^T B, ||B @ A||_2^2 is the
-    largest eigenvalue of A^T G_B A, whose nonzero eigenvalues are those of G_B G_A and so of
-    S G_B S. O((h_in + h_out) r^2); float64 keeps the largest eigenvalue to its relative precision,
-    and finite float32 inputs (< 3.4e38) cannot overflow it (the largest intermediate is below ~1e170)."""
-    batch = a.shape[:-2]
-    a, b = a.reshape(-1, *a.shape[-2:]), b.reshape(-1, *b.shape[-2:])
-    num_items = a.shape[0]
-    step = max(1, min(num_items, MAX_GAIN_CHUNK_BYTES // ((a[0].numel() + b[0].numel()) * 8)))
-    # one float64 buffer reused by every chunk: a fresh allocation each time costs more in page
-    # faults than the conversion and the Gram matrices together
-    a64 = torch.empty((step, *a.shape[1:]), dtype=torch.float64, device=a.device)
-    b64 = torch.empty((step, *b.shape[1:]), dtype=torch.float64, device=b.device)
-    squares = torch.empty(num_items, dtype=torch.float64, device=a.device)
-    for start in range(0, num_items, step):
-        n = min(step, num_items - start)
-        a_n, b_n = a64[:n].copy_(a[start:start + n]), b64[:n].copy_(b[start:start + n])
-        eigenvalues, vectors = torch.linalg.eigh(a_n @ a_n.mT)
-        root = (vectors * eigenvalues.clamp(min=0).sqrt().unsqueeze(-2)) @ vectors.mT
-        squares[start:start + n] = torch.linalg.eigvalsh(root @ (b_n.mT @ b_n) @ root)[..., -1]
-    return abs(scale) * squares.clamp(min=0).sqrt().reshape(batch)
-
-
-def first_gain_over_limit(a: torch.Tensor, b: torch.Tensor, scale: float) -> tuple[int, float] | None:
-    """The first item of A [n, r, h_in], B [n, h_out, r] whose `lora_gains` is over MAX_LORA_GAIN (or
-    NaN), with that gain; None if there is none. Screened by ||B @ A||_2 <= ||A||_F ||B||_F: the
-    Frobenius norms (one pass over the weights, in their dtype) clear the items far under the limit,
-    and only the others get the exact gain. The bounds of the demo adapters' projections are
-    2.3-6.7x their gains (at most ~23), random adapters' ~14x, far under the limit, so the exact
-    gains, whose float64 copies and eigenvalues took most of the time of reading a
-    mixture-of-experts adapter, are rarely computed."""
-    bound = (abs(scale) * torch.linalg.vector_norm(a.flatten(1), dim=-1).double()
-             * torch.linalg.vector_norm(b.flatten(1), dim=-1).double())
-    # the norms are rounded to their dtype (bf16: 2^-9 each); an overflow (inf) goes to the exact gains
-    suspects = (~(bound <= MAX_LORA_GAIN * BOUND_MARGIN)).nonzero().flatten()
-    if not len(suspects):
-        return None
-    gains = lora_gains(a[suspects], b[suspects], scale)
-    over = (~(gains <= MAX_LORA_GAIN)).nonzero()  # NaN included
-    return (int(suspects[int(over[0])]), float(gains[int(over[0])])) if len(over) else None
 
 
 def _pair_tensors(shapes: dict[str, Any], num_layers: int, layers_to_transform: int | list[int] | None,

@@ -9,18 +9,9 @@ from safetensors.torch import load_file, save_file
 
 from punica.config import ModelConfig
 from punica.demo import demo_adapters
-from punica.lora.adapter import (
-    MAX_LORA_GAIN,
-    PROJECTIONS,
-    UNSUPPORTED_OPTIONS,
-    AdapterError,
-    first_gain_over_limit,
-    load_adapter,
-    lora_gain,
-    lora_gains,
-    read_adapter,
-)
+from punica.lora.adapter import PROJECTIONS, UNSUPPORTED_OPTIONS, AdapterError, load_adapter, read_adapter
 from punica.lora.dummy import save_random_adapter
+from punica.lora.gains import MAX_LORA_GAIN, first_gain_over_limit, lora_gain, lora_gains
 from punica.lora.names import check_adapter_name
 from punica.models.loader import resolve_model_dir
 

@@ -11,9 +11,10 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from punica.lora.adapter import MAX_LORA_GAIN, AdapterError, adapter_rank, read_adapter
+from punica.lora.adapter import AdapterError, adapter_rank, read_adapter
 from punica.lora.adapter_files import WeightsFile, open_confined
 from punica.lora.dummy import save_random_adapter
+from punica.lora.gains import MAX_LORA_GAIN
 
 Q_A = "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"
 MAGNITUDE = "base_model.model.model.layers.1.mlp.down_proj.lora_magnitude_vector"
