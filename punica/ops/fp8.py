@@ -81,7 +81,7 @@ def fp8_linear_scaled_mm(x: torch.Tensor, weight: torch.Tensor, scales: torch.Te
     """x @ W^T (+ bias) on the fp8 tensor cores: per-token activation scales times per-channel
     weight scales, applied by torch._scaled_mm to its fp32 accumulator; output in bf16 (x's dtype)."""
     from punica.ops.fp8_quant_triton import quantize_per_token_triton
-    x8, x_scales = quantize_per_token_triton(x.contiguous())
+    x8, x_scales = quantize_per_token_triton(x if x.stride(1) == 1 else x.contiguous())  # any row stride
     out = torch._scaled_mm(x8, weight.t(), scale_a=x_scales, scale_b=scales[None, :], out_dtype=x.dtype)
     return out if bias is None else out.add_(bias)
 
