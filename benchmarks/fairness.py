@@ -85,6 +85,40 @@ def arrivals(rates: dict[str, float], duration: float, lengths: Lengths, seed: i
     return sorted(out, key=lambda a: a.time)
 
 
+@dataclass(frozen=True)
+class Traffic:
+    """The benchmark's tenants and what they send: each steady tenant `steady_rate` requests/s, the
+    flood `flood_factor` times that, for `duration` seconds."""
+    steady_tenants: int
+    flood_factor: float
+    duration: float
+    lengths: Lengths
+    steady_rate: float = 0.0
+
+    @property
+    def tenants(self) -> list[str]:
+        return [FLOOD] + [f"steady-{i}" for i in range(self.steady_tenants)]
+
+    def full_queue(self, max_batch_size: int) -> list[Arrival]:
+        """The capacity run's requests: three batches' worth at time 0, the tenants in turn."""
+        rng = random.Random(99)
+        return [Arrival(0.0, self.tenants[i % len(self.tenants)], *self.lengths.draw(rng))
+                for i in range(3 * max_batch_size)]
+
+    def at_load(self, load: float, requests_per_s: float) -> Traffic:
+        """This traffic sending `load` times a capacity of `requests_per_s` in all."""
+        return dataclasses.replace(self, steady_rate=load * requests_per_s / (self.steady_tenants + self.flood_factor))
+
+    def schedule(self, flood: bool, seed: int) -> list[Arrival]:
+        """One run's arrivals: the steady tenants', and the flood's if `flood`."""
+        rates = {t: self.steady_rate for t in self.tenants[1:]}
+        return arrivals(({FLOOD: self.flood_factor * self.steady_rate} if flood else {}) | rates, self.duration,
+                        self.lengths, seed)
+
+
+RUNS = (("no flood", "fair", False), ("flood", "fair", True), ("flood", "fcfs", True))  # run, scheduling, flood
+
+
 def step_clock() -> float:
     """The clock a step's time is read from (seconds)."""
     return time.perf_counter() if torch.cuda.is_available() else time.process_time()
@@ -132,10 +166,9 @@ def row(name: str, scheduling: str, result: dict) -> dict:
             "steady_ttft_s": sorted(steady)}
 
 
-def capacity(make_engine, tenants: list[str], lengths: Lengths, max_batch_size: int) -> float:
+def capacity(make_engine, traffic: Traffic, max_batch_size: int) -> float:
     """Requests/s the engine serves from a full queue of this benchmark's requests."""
-    rng = random.Random(99)
-    schedule = [Arrival(0.0, tenants[i % len(tenants)], *lengths.draw(rng)) for i in range(3 * max_batch_size)]
+    schedule = traffic.full_queue(max_batch_size)
     return len(schedule) / run_on(make_engine("fcfs"), schedule, "adapter")["busy_s"]
 
 
@@ -194,7 +227,8 @@ def main() -> None:
     cpu = device == "cpu"
     lengths = Lengths(config.vocab_size, tuple(args.prompt_len or ((8, 32) if cpu else (32, 512))),
                       tuple(args.output_len or ((4, 24) if cpu else (16, 256))))
-    tenants = [FLOOD] + [f"steady-{i}" for i in range(args.steady_tenants)]
+    traffic = Traffic(args.steady_tenants, args.flood_factor, args.duration, lengths)
+    tenants = traffic.tenants
     with tempfile.TemporaryDirectory() as tmp:
         adapters = {t: str(save_random_adapter(Path(tmp) / t, config, RANK, seed=i)) for i, t in enumerate(tenants)}
         engine_config = EngineConfig(max_batch_size=args.max_batch_size, max_loras=len(tenants), max_lora_rank=RANK)
@@ -204,15 +238,13 @@ def main() -> None:
             warm_up(engine, tenants)
             return engine
 
-        requests_per_s = capacity(make_engine, tenants, lengths, args.max_batch_size)
-        steady_rate = args.load * requests_per_s / (args.steady_tenants + args.flood_factor)
-        rates = {t: steady_rate for t in tenants[1:]}
-        print(f"capacity {requests_per_s:.2f} requests/s: steady tenants {steady_rate:.3f} requests/s each, "
-              f"the flood {args.flood_factor * steady_rate:.3f}", flush=True)
+        requests_per_s = capacity(make_engine, traffic, args.max_batch_size)
+        traffic = traffic.at_load(args.load, requests_per_s)
+        print(f"capacity {requests_per_s:.2f} requests/s: steady tenants {traffic.steady_rate:.3f} requests/s "
+              f"each, the flood {args.flood_factor * traffic.steady_rate:.3f}", flush=True)
         rows = []
-        for name, scheduling, flood in (("no flood", "fair", False), ("flood", "fair", True), ("flood", "fcfs", True)):
-            schedule = arrivals(({FLOOD: args.flood_factor * steady_rate} if flood else {}) | rates, args.duration,
-                                lengths, seed=1)
+        for name, scheduling, flood in RUNS:
+            schedule = traffic.schedule(flood, seed=1)
             rows.append(row(name, scheduling, run_on(make_engine(scheduling), schedule, args.keys)))
             print(f"{name} ({scheduling}): steady TTFT p99 {rows[-1]['steady_ttft_p99_ms']:.0f} ms, "
                   f"{rows[-1]['tokens_per_s']:.0f} tokens/s", flush=True)

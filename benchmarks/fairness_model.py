@@ -19,13 +19,12 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import random
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 from benchmarks.common import format_table, percentile, write_results
-from benchmarks.fairness import FLOOD, Arrival, Lengths, arrivals
+from benchmarks.fairness import FLOOD, RUNS, Arrival, Lengths, Traffic
 from punica.engine.fair_share import FairQueue
 from punica.engine.kv_cache import PageAllocator
 from punica.engine.request import Request
@@ -114,23 +113,20 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path("results/fairness_model"))
     args = parser.parse_args()
     costs = Costs(args.step_ms / 1e3, args.decode_row_ms / 1e3, args.prompt_token_ms / 1e3)
-    lengths = Lengths(32_000, (32, 512), (16, 256))  # benchmarks.fairness on CUDA
-    tenants = [FLOOD] + [f"steady-{i}" for i in range(args.steady_tenants)]
+    traffic = Traffic(args.steady_tenants, args.flood_factor, args.duration,
+                      Lengths(32_000, (32, 512), (16, 256)))  # benchmarks.fairness on CUDA
 
     def run(schedule: list[Arrival], scheduling: str) -> dict:
         return simulate(schedule, scheduling, costs, args.margin, args.max_batch_size, args.max_num_batched_tokens)
 
-    rng = random.Random(99)
-    full = [Arrival(0.0, tenants[i % len(tenants)], *lengths.draw(rng)) for i in range(3 * args.max_batch_size)]
+    full = traffic.full_queue(args.max_batch_size)
     requests_per_s = len(full) / run(full, "fcfs")["busy_s"]
-    steady_rate = args.load * requests_per_s / (args.steady_tenants + args.flood_factor)
-    rates = {t: steady_rate for t in tenants[1:]}
+    traffic = traffic.at_load(args.load, requests_per_s)
     rows = []
     for seed in args.seeds:
         results = {}
-        for name, scheduling, flood in (("no flood", "fair", False), ("flood", "fair", True), ("flood", "fcfs", True)):
-            schedule = arrivals(({FLOOD: args.flood_factor * steady_rate} if flood else {}) | rates, args.duration,
-                                lengths, seed=seed)
+        for name, scheduling, flood in RUNS:
+            schedule = traffic.schedule(flood, seed)
             results[name, scheduling] = run(schedule, scheduling)
             rows.append({"seed": seed, "run": name} | results[name, scheduling])
         baseline = results["no flood", "fair"]["steady_ttft_p99_ms"]

@@ -4,14 +4,11 @@ rate of seven steady ones, at 1.7x the capacity, leaves the steady tenants' TTFT
 their p99 without the flood under fair share, where FCFS makes it many times longer, at the same
 throughput."""
 
-import random
-
-from benchmarks.fairness import FLOOD, Arrival, Lengths, arrivals
+from benchmarks.fairness import Lengths, Traffic
 from benchmarks.fairness_model import Costs, simulate
 
 COSTS = Costs(5e-3, 0.08e-3, 0.025e-3)
-LENGTHS = Lengths(32_000, (32, 512), (16, 256))
-TENANTS = [FLOOD] + [f"steady-{i}" for i in range(7)]
+TRAFFIC = Traffic(steady_tenants=7, flood_factor=10.0, duration=20.0, lengths=Lengths(32_000, (32, 512), (16, 256)))
 
 
 def run(schedule, scheduling):
@@ -19,12 +16,10 @@ def run(schedule, scheduling):
 
 
 def test_fair_share_keeps_the_steady_tenants_first_tokens_under_a_flood():
-    rng = random.Random(99)
-    full = [Arrival(0.0, TENANTS[i % 8], *LENGTHS.draw(rng)) for i in range(96)]
-    steady_rate = 1.7 * len(full) / run(full, "fcfs")["busy_s"] / 17
-    rates = {t: steady_rate for t in TENANTS[1:]}
-    alone = run(arrivals(rates, 20.0, LENGTHS, seed=1), "fair")
-    flooded = arrivals({FLOOD: 10 * steady_rate} | rates, 20.0, LENGTHS, seed=1)
+    full = TRAFFIC.full_queue(32)
+    traffic = TRAFFIC.at_load(1.7, len(full) / run(full, "fcfs")["busy_s"])
+    alone = run(traffic.schedule(flood=False, seed=1), "fair")
+    flooded = traffic.schedule(flood=True, seed=1)
     fair, fcfs = run(flooded, "fair"), run(flooded, "fcfs")
     assert fair["preemptions"] > 0
     assert fair["steady_ttft_p99_ms"] < 1.5 * alone["steady_ttft_p99_ms"]
