@@ -68,15 +68,18 @@ def _skinny_gemm_kernel(x, w, bias, out, partial, M, N, K, k_per_split, stride_x
 
 
 @triton.jit
-def _split_k_sum_kernel(partial, bias, out, M, N, stride_om,
-                        HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK: tl.constexpr):
-    """out = sum over the K slices of partial [SPLIT_K, M, N] (+ bias), in slice order."""
+def _split_k_sum_kernel(partial, scales, bias, out, M, N, stride_om,
+                        HAS_SCALES: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK: tl.constexpr):
+    """out = sum over the K slices of partial [SPLIT_K, M, N] (times the column's scale) (+ bias), in
+    slice order."""
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     ok = offs < M * N
     acc = tl.load(partial + offs, mask=ok, other=0.0)
     for s in tl.static_range(1, SPLIT_K):
         acc += tl.load(partial + s * M * N + offs, mask=ok, other=0.0)
     row, col = offs // N, offs % N
+    if HAS_SCALES:
+        acc *= tl.load(scales + col, mask=ok, other=0.0)
     if HAS_BIAS:
         acc += tl.load(bias + col, mask=ok, other=0.0).to(tl.float32)
     tl.store(out + row.to(tl.int64) * stride_om + col, acc.to(out.dtype.element_ty), mask=ok)
@@ -106,8 +109,17 @@ def skinny_linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
         PRECISION="ieee" if x.dtype == torch.float32 else "tf32", BLOCK_M=block_m_for(m), BLOCK_N=tile.block_n,
         BLOCK_K=tile.block_k, SPLIT_K=split_k, num_warps=tile.num_warps, num_stages=tile.num_stages)
     if split_k > 1:
-        block = 1024
-        _split_k_sum_kernel[(triton.cdiv(m * n, block),)](
-            partial, bias if has_bias else out, out, m, n, out.stride(0), HAS_BIAS=has_bias, SPLIT_K=split_k,
-            BLOCK=block, num_warps=4)
+        split_k_sum(partial, out, None, bias)
     return out
+
+
+def split_k_sum(partial: torch.Tensor, out: torch.Tensor, scales: torch.Tensor | None,
+                bias: torch.Tensor | None) -> None:
+    """out [M, N] = sum of partial [S, M, N] over S in order, times scales [N] fp32 (if given), plus bias
+    [N] (if given), rounded once to out's dtype."""
+    _, m, n = partial.shape
+    block = 1024
+    _split_k_sum_kernel[(triton.cdiv(m * n, block),)](
+        partial, scales if scales is not None else partial, bias if bias is not None else out, out, m, n,
+        out.stride(0), HAS_SCALES=scales is not None, HAS_BIAS=bias is not None, SPLIT_K=partial.shape[0],
+        BLOCK=block, num_warps=4)

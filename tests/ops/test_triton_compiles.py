@@ -84,7 +84,7 @@ from punica.ops import linear_triton as k
 def types(name, consts):
     if name in ("x", "w", "bias", "out"):
         return "*bf16"
-    if name == "partial":
+    if name in ("partial", "scales"):
         return "*fp32"
     return "i32"
 
@@ -92,7 +92,8 @@ def types(name, consts):
 for split_k, even_k in ((1, True), (1, False), (4, True), (4, False)):
     compile_ttir(k._skinny_gemm_kernel, dict(HAS_BIAS=True, UPCAST=False, PRECISION="tf32", EVEN_K=even_k,
                                              BLOCK_M=16, BLOCK_N=32, BLOCK_K=256, SPLIT_K=split_k), types)
-compile_ttir(k._split_k_sum_kernel, dict(HAS_BIAS=True, SPLIT_K=4, BLOCK=1024), types)
+for has_scales in (False, True):
+    compile_ttir(k._split_k_sum_kernel, dict(HAS_SCALES=has_scales, HAS_BIAS=True, SPLIT_K=4, BLOCK=1024), types)
 """
 
 
