@@ -1,6 +1,6 @@
-"""FP8 weights (punica.ops.fp8): quantization and dequantization semantics, and both CUDA GEMM paths
-(the weight-only Triton kernel, torch._scaled_mm with per-token activation scales) against the
-reference on fresh random inputs.
+"""FP8 weights (punica.ops.fp8): quantization and dequantization semantics, and the weight-only
+Triton kernel and torch._scaled_mm (per-token activation scales) against the reference on fresh
+random inputs (the W8A8 Triton GEMM: test_fp8_w8a8_triton.py).
 
 Without a GPU the Triton kernel runs under the interpreter (tests/conftest.py) at tiny fp32 shapes;
 tests marked `cuda` run bf16 at real shapes on the GPU, through the public function.
@@ -61,13 +61,15 @@ def test_quantize_per_token():
 @pytest.mark.parametrize("block_size", [None, (16, 32), (32, 16), (8, 48)], ids=str)
 @pytest.mark.parametrize("num_tokens,n,k", [(1, 40, 72), (5, 33, 48), (17, 70, 100)])
 @pytest.mark.parametrize("with_bias", [False, True])
-def test_weight_only_kernel_matches_reference(block_size, num_tokens, n, k, with_bias):
-    """fp32 activations, a strided x, ragged N and K tails; K steps inside scale blocks of 16, 32 and 48."""
+@pytest.mark.parametrize("tile", [None, kernels.Fp8Tile(16, 16, 16, 3, 4, 3)], ids=["default", "split_k"])
+def test_weight_only_kernel_matches_reference(block_size, num_tokens, n, k, with_bias, tile):
+    """fp32 activations, a strided x, ragged N and K tails; K steps inside scale blocks of 16, 32 and 48;
+    the default tile and a split over K into three slices (the last one ragged)."""
     gen = torch.Generator().manual_seed(num_tokens * n + k)
     weight, scales = random_fp8(n, k, block_size, gen)
     x = torch.randn(num_tokens, k + 5, generator=gen)[:, :k]
     bias = torch.randn(n, generator=gen) if with_bias else None
-    got = kernels.fp8_linear_triton(x, weight, scales, block_size, bias)
+    got = kernels.fp8_linear_triton(x, weight, scales, block_size, bias, tile)
     torch.testing.assert_close(got, fp8.fp8_linear_ref(x, weight, scales, block_size, bias), rtol=1e-5, atol=1e-5)
 
 
