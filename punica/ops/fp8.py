@@ -18,9 +18,10 @@ scale is a per-channel one repeated over the rows it covers, which the loader do
     Triton GEMM (punica.ops.fp8_triton), which streams the 1-byte weight, widens it to x's dtype
     in registers, and applies the scales to the fp32 accumulator (per K tile for block scales);
   * more tokens with per-channel scales (bf16 activations; N and K multiples of 16): the fp8
-    tensor cores through torch._scaled_mm, x quantized per token on the fly by one Triton kernel
-    (punica.ops.fp8_quant_triton; `quantize_per_token`: scale_t = amax(|x[t]|) / 448) and the
-    weight's per-channel scales applied to the output (rowwise scaling).
+    tensor cores, x quantized per token on the fly by one Triton kernel (punica.ops.fp8_quant_triton;
+    `quantize_per_token`: scale_t = amax(|x[t]|) / 448) and the token's and the weight's
+    per-channel scales applied to the fp32 accumulator: up to W8A8_MAX_TOKENS by a Triton GEMM
+    (punica.ops.fp8_w8a8_triton), more by torch._scaled_mm (rowwise scaling).
 
 Every path allocates only its outputs, never syncs, and picks its kernel and launch grid from
 shapes alone, so a captured CUDA graph replays the same choice.
@@ -33,11 +34,13 @@ import torch.nn.functional as F
 
 from punica.ops.fp8_format import FP8_DTYPE, FP8_MAX, MIN_ACTIVATION_AMAX
 
-# The crossover from the weight-only GEMM to the fp8 tensor-core GEMM, in tokens: measured on the
-# H200 by benchmarks.fp8_gemm (docs/benchmarks.md), a 7B layer's weight-only GEMMs take less time
-# in all than _scaled_mm's with the activation quantization kernel at 48 tokens (232 against 252
-# us), and more from 64 (233 against 158 us).
-WEIGHT_ONLY_MAX_TOKENS = 48
+# The paths by token count (per-channel scales, bf16 activations), from benchmarks.decode_gemm
+# --weights fp8 on the H200 (docs/benchmarks.md; CUDA graphs, weights read from memory), summed
+# over a 7B layer's four projections: at 16 tokens the weight-only GEMM takes 93.1 us against the
+# W8A8 Triton GEMM's 98.5; at 32-128 tokens the W8A8 GEMM takes 99.7-116.9 us, against 115.4 for
+# the weight-only GEMM at 32 and 125.9-135.7 for torch._scaled_mm.
+WEIGHT_ONLY_MAX_TOKENS = 16
+W8A8_MAX_TOKENS = 128
 
 
 def quantize_per_channel(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -86,11 +89,21 @@ def fp8_linear_scaled_mm(x: torch.Tensor, weight: torch.Tensor, scales: torch.Te
     return out if bias is None else out.add_(bias)
 
 
-def uses_scaled_mm(x: torch.Tensor, weight: torch.Tensor, block_size: tuple[int, int] | None) -> bool:
-    """Whether fp8_linear runs x through torch._scaled_mm (module docstring); shapes and dtypes only."""
+def gemm_path(x: torch.Tensor, weight: torch.Tensor, block_size: tuple[int, int] | None) -> str:
+    """Which GEMM fp8_linear runs (module docstring), from shapes and dtypes only: "reference",
+    "weight_only", "w8a8" or "scaled_mm"."""
+    from punica.ops.fp8_triton import block_k_for
+    if not x.is_cuda:
+        return "reference"
     n, k = weight.shape
-    return (x.is_cuda and block_size is None and x.dtype == torch.bfloat16 and x.shape[0] > WEIGHT_ONLY_MAX_TOKENS
-            and n % 16 == 0 and k % 16 == 0)
+    tensor_cores = block_size is None and x.dtype == torch.bfloat16 and n % 16 == 0 and k % 16 == 0
+    if tensor_cores and x.shape[0] > W8A8_MAX_TOKENS:
+        return "scaled_mm"
+    if tensor_cores and x.shape[0] > WEIGHT_ONLY_MAX_TOKENS:
+        return "w8a8"
+    if block_k_for(block_size) is None:  # scale blocks of no power-of-two width: dequantized (slow, exact)
+        return "reference"
+    return "weight_only"
 
 
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, block_size: tuple[int, int] | None,
@@ -102,11 +115,13 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, bloc
         out[t, n] = sum_k x[t, k] * W[n, k] + bias[n]   in x's dtype, W as in the module docstring
     """
     assert weight.dtype == FP8_DTYPE and x.shape[-1] == weight.shape[1], (x.shape, weight.shape, weight.dtype)
-    if not x.is_cuda:
-        return fp8_linear_ref(x, weight, scales, block_size, bias)
-    if uses_scaled_mm(x, weight, block_size):
+    path = gemm_path(x, weight, block_size)
+    if path == "scaled_mm":
         return fp8_linear_scaled_mm(x, weight, scales, bias)
-    from punica.ops.fp8_triton import block_k_for, fp8_linear_triton
-    if block_k_for(block_size) is None:  # scale blocks of no power-of-two width: dequantized (slow, exact)
-        return fp8_linear_ref(x, weight, scales, block_size, bias)
-    return fp8_linear_triton(x, weight, scales, block_size, bias)
+    if path == "w8a8":
+        from punica.ops.fp8_w8a8_triton import fp8_linear_w8a8_triton
+        return fp8_linear_w8a8_triton(x if x.stride(1) == 1 else x.contiguous(), weight, scales, bias)
+    if path == "weight_only":
+        from punica.ops.fp8_triton import fp8_linear_triton
+        return fp8_linear_triton(x, weight, scales, block_size, bias)
+    return fp8_linear_ref(x, weight, scales, block_size, bias)

@@ -84,10 +84,10 @@ import itertools
 from punica.ops.fp8_triton import DECODE_BLOCK_K, MAX_BLOCK_K
 from punica.ops.fp8_triton import _fp8_gemm_kernel as fn
 
-POINTERS = {"x": "*bf16", "out": "*bf16", "bias": "*bf16", "w": "*fp8e4nv", "scales": "*fp32"}
-for per_channel, has_bias in itertools.product((False, True), repeat=2):
+POINTERS = {"x": "*bf16", "out": "*bf16", "bias": "*bf16", "w": "*fp8e4nv", "scales": "*fp32", "partial": "*fp32"}
+for per_channel, has_bias, split_k in itertools.product((False, True), (False, True), (1, 4)):
     consts = dict(PER_CHANNEL=per_channel, HAS_BIAS=has_bias, UPCAST=False, PRECISION="tf32", BLOCK_M=16,
-                  BLOCK_N=32, BLOCK_K=DECODE_BLOCK_K if per_channel else MAX_BLOCK_K)
+                  BLOCK_N=32, BLOCK_K=DECODE_BLOCK_K if per_channel else MAX_BLOCK_K, SPLIT_K=split_k)
     compile_ttir(fn, consts, lambda name, consts: POINTERS.get(name, "i32"))
 """
 
@@ -123,7 +123,7 @@ def test_weight_only_kernel_real_shapes(block_size, num_tokens, n, k):
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("num_tokens", [fp8.WEIGHT_ONLY_MAX_TOKENS + 1, 1000])
+@pytest.mark.parametrize("num_tokens", [fp8.W8A8_MAX_TOKENS + 1, 1000])
 @pytest.mark.parametrize("n,k", CUDA_SHAPES)
 def test_scaled_mm_path_real_shapes(num_tokens, n, k):
     """Per-token fp8 activations: the error of rounding x to e4m3 (~2^-5 relative per element) averages
@@ -132,7 +132,7 @@ def test_scaled_mm_path_real_shapes(num_tokens, n, k):
     w = torch.randn(n, k, generator=gen).to("cuda") * 0.02
     weight, scales = fp8.quantize_per_channel(w)
     x = torch.randn(num_tokens, k, generator=gen).to("cuda", torch.bfloat16)
-    assert fp8.uses_scaled_mm(x, weight, None)
+    assert fp8.gemm_path(x, weight, None) == "scaled_mm"
     bias = torch.randn(n, generator=gen).to("cuda", torch.bfloat16)
     bf16_close(fp8.fp8_linear(x, weight, scales, None, bias), fp8.fp8_linear_ref(x, weight, scales, None, bias), 4e-2)
 
