@@ -9,8 +9,9 @@ every tile of TILES (block_n, block_k, split_k, num_warps, num_stages); with --w
 weights quantized per channel, punica.ops.fp8_triton.fp8_linear_triton (the weight-only kernel)
 with every tile of fp8_tiles(tokens), the W8A8 Triton GEMM (`w8a8_us`) and torch._scaled_mm
 (`scaled_mm_us`), both with the activation quantization kernel, and punica.ops.fp8.fp8_linear,
-the path the model runs (`path`, `path_us`; a last table sums it over the layer per token count). Each Triton output is checked
-against the reference's (F.linear over the bf16 or dequantized weight; relative Frobenius error).
+the path the model runs (`path`, `path_us`; a last table sums it over the layer per token count).
+Each Triton output is checked against the reference's (F.linear over the bf16 or dequantized
+weight; relative Frobenius error).
 Each point is timed as the model runs it: K calls on their own weights and inputs (together over
 ROTATE_L2 times the L2 size, so every call reads its weight from memory) captured in one CUDA
 graph, median replay (triton.testing.do_bench) / K. floor_us = the Triton kernels' weight bytes
@@ -32,8 +33,8 @@ import triton
 from benchmarks.common import copy_bandwidth, format_table, graph_us, save_figure, style_axes, write_results
 from punica.config import preset_config
 from punica.ops.fp8 import dequantize, fp8_linear, fp8_linear_scaled_mm, gemm_path, quantize_per_channel
-from punica.ops.fp8_w8a8_triton import fp8_linear_w8a8_triton
 from punica.ops.fp8_triton import Fp8Tile, fp8_linear_triton, fp8_tile
+from punica.ops.fp8_w8a8_triton import fp8_linear_w8a8_triton
 from punica.ops.linear_tiles import Tile, skinny_tile
 from punica.ops.linear_triton import skinny_linear_triton
 

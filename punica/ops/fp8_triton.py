@@ -11,8 +11,9 @@ grids too small to fill the SMs), each program covers one K slice and writes its
 a second kernel sums the slices in order (no atomics: the same result on every run), then
 applies the per-channel scales, the bias and the rounding.
 
-The tile depends only on shapes, and so does the grid: no syncs, safe under CUDA-graph capture. Under the interpreter the operands are upcast to fp32 before tl.dot
-(it multiplies bf16 operands as raw bits).
+The tile depends only on shapes, and so does the grid: no syncs, safe under CUDA-graph capture.
+Under the interpreter the operands are upcast to fp32 before tl.dot (it multiplies bf16 operands
+as raw bits).
 """
 
 from __future__ import annotations
