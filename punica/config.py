@@ -244,6 +244,10 @@ class EngineConfig:
         512, "tokens a step computes at most: running decodes first, then prompt chunks (without chunked "
              "prefill: prompt tokens admitted per step, one longer prompt runs alone)")
     chunked_prefill: bool = described(True, "prefill a long prompt over several steps, beside the running decodes")
+    max_itl_ratio: float = described(
+        2.0, "with chunked prefill and decodes running, a step's prompt chunk is sized so that the step's predicted "
+             "time stays within this many times a decode-only step's (a cost model fitted to the steps the engine "
+             "runs; --max-num-batched-tokens still caps it; 0: off, chunks fill the token budget)")
     prefix_caching: bool = described(True, "reuse the KV pages of prompt prefixes computed before under the "
                                            "same adapter (or base model)")
     scheduling: str = described(
@@ -291,6 +295,8 @@ class EngineConfig:
             raise ValueError(f"with chunked prefill, max_num_batched_tokens ({self.max_num_batched_tokens}) must "
                              f"exceed max_batch_size ({self.max_batch_size}): a full batch of decodes leaves "
                              f"prompts no tokens otherwise")
+        if not (self.max_itl_ratio == 0 or self.max_itl_ratio > 1):
+            raise ValueError(f"max_itl_ratio must be 0 (off) or over 1, got {self.max_itl_ratio}")
         if self.scheduling not in SCHEDULINGS:
             raise ValueError(f"scheduling must be one of {', '.join(SCHEDULINGS)}, got {self.scheduling!r}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:

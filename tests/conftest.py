@@ -8,6 +8,7 @@ import this file.
 from __future__ import annotations
 
 import copy
+import itertools
 import os
 import threading
 from pathlib import Path
@@ -202,6 +203,16 @@ def load_peft_model(base_model: LlamaForCausalLM, paths: dict[str, str | Path]) 
     for name, path in rest:
         model.load_adapter(str(path), adapter_name=name)
     return model.eval()
+
+
+@pytest.fixture(autouse=True)
+def step_counter_clock(monkeypatch):
+    """Every step the engine times takes one tick: the latency budget's cost model (punica.engine.
+    step_cost) sees steps of equal time, so where a prompt's chunks end never depends on how fast the
+    machine ran (chunk boundaries change fp32 rounding, and so could change greedy tokens). Its own
+    tests give it step times."""
+    ticks = itertools.count()
+    monkeypatch.setattr("punica.engine.core.step_clock", lambda: float(next(ticks)))
 
 
 @pytest.fixture(scope="session", name="tiny_llama_config")

@@ -29,6 +29,7 @@ to load or was unloaded.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 
@@ -51,6 +52,7 @@ from punica.lora.manager import AdapterManager
 from punica.ops.transfer import to_device
 
 log = logging.getLogger(__name__)
+step_clock = time.perf_counter  # times steps for the scheduler's latency budget (tests make it a counter)
 STALLED_WAIT_S = 0.001  # a step that can run nothing (every queued request waits for an adapter) sleeps this long
 
 
@@ -65,6 +67,7 @@ class EngineCore:
         self._in_flight: LaunchedStep | None = None    # launched, its tokens not yet read
         self.last_step: StepShape | None = None  # of the last `step` call, None if it launched nothing
         self._errors_seen, self._preemptions_seen, self._queued_unloadable = 0, 0, False  # see _poll_adapters
+        self._last_read = 0.0  # step_clock() when the last step's tokens reached the host
 
     @property
     def grammars(self) -> GrammarCompiler:
@@ -118,13 +121,14 @@ class EngineCore:
         """Launch the step's forward pass and sample it on the device; None if that raised (the
         step's requests fail). When a constrained request samples in it, the step in flight is
         updated between the two (into `updates`): its matchers must take those tokens first."""
+        started = step_clock()
         requests = list(self.scheduler.requests_of(output))
         try:
             logits, prompt = self._forward(output, requests)
             sampling = [requests[row] for row in output.sampling_rows]
             if any(r.matcher is not None for r in sampling):
                 updates += self._update()  # while the device runs the forward pass
-            launched = self._sample(output, sampling, logits, prompt)
+            launched = dataclasses.replace(self._sample(output, sampling, logits, prompt), started=started)
         except Exception as e:  # noqa: BLE001 - this step's requests fail; the engine serves on
             log.exception("running a step failed")
             updates += self.scheduler.fail(output, f"internal error while running this request: {e}")
@@ -189,6 +193,10 @@ class EngineCore:
         except Exception as e:  # noqa: BLE001 - the step failed on the device: its requests fail
             log.exception("reading a step's tokens failed")
             return self.scheduler.fail(launched.output, f"internal error while running this request: {e}")
+        # the step ran from its launch, or from the step before it ending if that came later (overlap)
+        now = step_clock()
+        self.scheduler.observe(launched.output, now - max(launched.started, self._last_read))
+        self._last_read = now
         return self.scheduler.update_from_output(launched.output, sampled)
 
     def _poll_adapters(self) -> list[RequestUpdate]:

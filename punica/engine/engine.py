@@ -36,6 +36,7 @@ from punica.engine.sampling_params import SamplingParams
 from punica.engine.scheduler import Scheduler
 from punica.engine.scheduler_output import RequestUpdate
 from punica.engine.stats import EngineStats, StepShape
+from punica.engine.step_cost import LatencyBudget
 from punica.engine.structured import GrammarCompiler
 from punica.engine.tenancy import TenantShare, checked_shares, tenant_key
 from punica.engine.waiting import FcfsQueue, WaitingQueue
@@ -73,7 +74,8 @@ class Engine:
                                    release=partial(release_adapter, self.adapters),
                                    ready=partial(adapter_ready, self.adapters),
                                    waiting=waiting_queue(config),
-                                   eos_token_ids=frozenset(eos), max_model_len=self.max_model_len)
+                                   eos_token_ids=frozenset(eos), max_model_len=self.max_model_len,
+                                   latency=LatencyBudget(config.max_itl_ratio) if config.max_itl_ratio else None)
         self.core = EngineCore(executor, self.scheduler, self.adapters, config, tokenizer, frozenset(eos))
         self.outputs = OutputProcessor(tokenizer, self.scheduler.stop)
         self._ids = itertools.count()

@@ -19,6 +19,7 @@ class LaunchedStep:
     logprobs: torch.Tensor | None      # [N, 1 + K] float32 (sampler.Sampled)
     prompt_logprobs: dict[int, tuple]  # per row computing some: its part (punica.engine.prompt_logprobs.launch)
     copied: torch.cuda.Event | None    # set when both are on the host; None when the step ran on the CPU
+    started: float = 0.0               # core.step_clock() when its launch began
 
     def read(self) -> SampledTokens:
         """Wait for the tokens (and logprobs) of the sampling rows to be on the host."""

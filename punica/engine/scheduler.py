@@ -60,6 +60,7 @@ from punica.config import ceil_div
 from punica.engine.kv_cache import PageAllocator
 from punica.engine.request import PENDING, Request, Status
 from punica.engine.scheduler_output import RequestUpdate, SampledTokens, SchedulerOutput
+from punica.engine.step_cost import LatencyBudget, StepFeatures
 from punica.engine.tenancy import TenantStats
 from punica.engine.waiting import FcfsQueue, WaitingQueue, key_of
 
@@ -89,12 +90,14 @@ class Scheduler:
                  release: Callable[[Request], None] = lambda request: None,
                  ready: Callable[[Request], bool] = lambda request: True,
                  waiting: WaitingQueue | None = None,
-                 eos_token_ids: frozenset[int] = frozenset(), max_model_len: int | None = None):
+                 eos_token_ids: frozenset[int] = frozenset(), max_model_len: int | None = None,
+                 latency: LatencyBudget | None = None):
         self.allocator = allocator
         self.acquire, self.release, self.ready = acquire, release, ready
         self.max_batch_size = max_batch_size
         self.max_num_batched_tokens = max_num_batched_tokens
         self.chunked_prefill = chunked_prefill
+        self.latency = latency  # with chunked prefill, sizes the prompt tokens beside decodes (step_cost)
         self.eos_token_ids = eos_token_ids  # end a request (unless it ignores EOS)
         self.max_model_len = max_model_len  # prompt + output tokens of a request at most (None: max_tokens only)
         self.waiting = waiting if waiting is not None else FcfsQueue()
@@ -133,9 +136,10 @@ class Scheduler:
         decodes = [r for r in decodes if r.status is Status.RUNNING]
         for request in decodes:
             self.waiting.charge(request, 1)
-        budget = self._prompt_budget(len(decodes))
+        prompts = [r for r in self._ranked if not is_decode(r)]
+        budget = self._prompt_budget(decodes, prompts)
         prefills: list[tuple[Request, int]] = []
-        for request in [r for r in self._ranked if not is_decode(r)]:
+        for request in prompts:
             if budget == 0:
                 break
             if request.status is Status.RUNNING and (chunk := self._grow_prompt(request, budget, preempted)):
@@ -147,11 +151,23 @@ class Scheduler:
         self._ranked, self._held = [], {}
         return self._output(sorted(prefills, key=by_slot), sorted(((r, 1) for r in decodes), key=by_slot), preempted)
 
-    def _prompt_budget(self, num_decodes: int) -> int:
-        """The prompt tokens the step may compute beside its `num_decodes` decodes."""
-        if self.chunked_prefill:
-            return max(0, self.max_num_batched_tokens - num_decodes)
-        return self.max_num_batched_tokens
+    def _prompt_budget(self, decodes: list[Request], prompts: list[Request]) -> int:
+        """The prompt tokens the step may compute beside its decodes: what they leave of the step's
+        tokens, and with a latency budget and decodes running, no more than it allows for the first
+        running prompt's next chunk (or a new prompt's first)."""
+        if not self.chunked_prefill:
+            return self.max_num_batched_tokens
+        budget = max(0, self.max_num_batched_tokens - len(decodes))
+        if self.latency is not None and decodes:
+            position = next((r.num_cached for r in prompts if r.status is Status.RUNNING), 0)
+            budget = min(budget, self.latency.prompt_tokens([r.num_cached for r in decodes], position))
+        return budget
+
+    def observe(self, output: SchedulerOutput, seconds: float) -> None:
+        """A launched step took `seconds` (from its launch, or the step before it ending, to its tokens
+        on the host): the latency budget's cost model learns from it."""
+        if self.latency is not None:
+            self.latency.observe(StepFeatures.of(output), seconds)
 
     def _output(self, prefills: list[tuple[Request, int]], decodes: list[tuple[Request, int]],
                 preempted: list[Request]) -> SchedulerOutput:

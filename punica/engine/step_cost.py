@@ -1,0 +1,144 @@
+"""How long a step takes, learned from the steps the engine runs, and the prompt tokens a step may
+compute beside running decodes so that their inter-token latency stays within a target (torch-free).
+
+A step's time is modelled as linear in what it computes (`StepFeatures`):
+
+    seconds = c0 + c_rows * rows + c_tokens * prompt_tokens + c_attention * attention
+
+where `attention` counts the (query, key) pairs of the step's rows: a decode at context n attends
+n keys, a prompt chunk of C tokens after n cached ones C * (n + (C + 1) / 2). The coefficients are
+fitted to the engine's own steps (seconds measured on the hardware it runs on) by least squares,
+weighting each past step by FORGETTING per step since, so the model follows what the hardware does
+now (a compile, a warm cache, another process on the CPU); coefficients stay non-negative. A small
+ridge pulls every coefficient but c0 toward 0: what the steps seen so far cannot tell apart (before
+two prompt sizes, a chunk's fixed cost from its per-token cost) is put on the features that did
+vary, and steps that all take the same time give c0 alone (no limit).
+
+`LatencyBudget` sizes a step's prompt chunk: with decodes running, the most prompt tokens C (at
+the position where the first prompt's chunk starts) for which the predicted step stays within
+`max_itl_ratio` times the predicted decode-only step of the same decodes; never fewer than
+MIN_CHUNK, so a prompt always advances.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from punica.engine.scheduler_output import SchedulerOutput
+
+FORGETTING = 0.995          # a step's weight in the fit shrinks by this factor per later step
+RIDGE = 1e-6                # on the scaled features but c0: solvable before every feature has varied
+MIN_CHUNK = 32              # prompt tokens a step beside decodes may always compute
+NUM_FEATURES = 4
+
+
+@dataclass(frozen=True)
+class StepFeatures:
+    rows: int           # requests in the step
+    prompt_tokens: int  # tokens of prompt chunks (rows that compute more than one token, or start a prompt)
+    attention: float    # (query, key) pairs over the step's rows
+
+    @classmethod
+    def of(cls, output: SchedulerOutput) -> StepFeatures:
+        prompt = sum(output.num_scheduled[:output.num_prefills])
+        attention = sum(scheduled * (computed + (scheduled + 1) / 2)
+                        for computed, scheduled in zip(output.num_computed, output.num_scheduled))
+        return cls(len(output.request_ids), prompt, attention)
+
+    def vector(self) -> list[float]:
+        return [1.0, float(self.rows), float(self.prompt_tokens), self.attention]
+
+
+def solve(gram: list[list[float]], rhs: list[float], active: list[int]) -> list[float]:
+    """The least-squares coefficients over the features in `active` (the others 0), by Gaussian
+    elimination with partial pivoting on the normal equations."""
+    n = len(active)
+    a = [[gram[i][j] for j in active] + [rhs[i]] for i in active]
+    for col in range(n):
+        pivot = max(range(col, n), key=lambda r: abs(a[r][col]))
+        a[col], a[pivot] = a[pivot], a[col]
+        if a[col][col] == 0.0:
+            continue
+        for r in range(n):
+            if r != col and a[r][col] != 0.0:
+                f = a[r][col] / a[col][col]
+                a[r] = [x - f * y for x, y in zip(a[r], a[col])]
+    coef = [0.0] * NUM_FEATURES
+    for k, i in enumerate(active):
+        coef[i] = a[k][n] / a[k][k] if a[k][k] != 0.0 else 0.0
+    return coef
+
+
+class StepCostModel:
+    """Predicted seconds of a step from its StepFeatures, fitted online (module docstring)."""
+
+    def __init__(self):
+        self._gram = [[0.0] * NUM_FEATURES for _ in range(NUM_FEATURES)]
+        self._rhs = [0.0] * NUM_FEATURES
+        self._scale = [1.0] * NUM_FEATURES   # the largest |feature| seen: conditions the equations
+        self._coef: list[float] | None = None
+        self.num_observed = 0
+
+    def observe(self, features: StepFeatures, seconds: float) -> None:
+        x = features.vector()
+        for i, v in enumerate(x):
+            self._scale[i] = max(self._scale[i], abs(v))
+        for i in range(NUM_FEATURES):
+            self._rhs[i] = FORGETTING * self._rhs[i] + x[i] * seconds
+            for j in range(NUM_FEATURES):
+                self._gram[i][j] = FORGETTING * self._gram[i][j] + x[i] * x[j]
+        self.num_observed += 1
+        self._coef = None
+
+    @property
+    def coefficients(self) -> list[float]:
+        """(c0, c_rows, c_tokens, c_attention): the non-negative least-squares fit (a feature whose
+        coefficient comes out negative is dropped, and the others refitted)."""
+        if self._coef is None:
+            s = self._scale
+            gram = [[self._gram[i][j] / (s[i] * s[j]) + (RIDGE if i == j > 0 else 0.0) for j in range(NUM_FEATURES)]
+                    for i in range(NUM_FEATURES)]
+            rhs = [self._rhs[i] / s[i] for i in range(NUM_FEATURES)]
+            active = list(range(NUM_FEATURES))
+            while True:
+                coef = solve(gram, rhs, active)
+                negative = [i for i in active if coef[i] < 0.0]
+                if not negative:
+                    break
+                active.remove(min(negative, key=lambda i: coef[i]))
+            self._coef = [c / s[i] for i, c in enumerate(coef)]
+        return self._coef
+
+    def predict(self, features: StepFeatures) -> float:
+        return sum(c * x for c, x in zip(self.coefficients, features.vector()))
+
+
+class LatencyBudget:
+    """The prompt tokens of a step beside running decodes (module docstring)."""
+
+    def __init__(self, max_itl_ratio: float, min_chunk: int = MIN_CHUNK):
+        assert max_itl_ratio > 1.0, max_itl_ratio
+        self.max_itl_ratio, self.min_chunk = max_itl_ratio, min_chunk
+        self.model = StepCostModel()
+
+    def observe(self, features: StepFeatures, seconds: float) -> None:
+        self.model.observe(features, seconds)
+
+    def prompt_tokens(self, decode_contexts: list[int], position: int) -> int:
+        """The most prompt tokens a step may compute beside decodes at these contexts (tokens cached
+        before the step), its first chunk starting after `position` cached tokens."""
+        model = self.model
+        decode_only = model.predict(StepFeatures(len(decode_contexts), 0,
+                                                 float(sum(decode_contexts)) + len(decode_contexts)))
+        _, c_rows, c_tokens, c_attention = model.coefficients
+        # c_rows + c_tokens * C + c_attention * C * (position + (C + 1) / 2) <= (ratio - 1) * decode_only
+        room = (self.max_itl_ratio - 1.0) * decode_only - c_rows
+        a, b = c_attention / 2, c_tokens + c_attention * (position + 0.5)
+        if room <= 0.0:
+            chunk = 0.0
+        elif a > 0.0:
+            chunk = (-b + math.sqrt(b * b + 4 * a * room)) / (2 * a)
+        else:
+            chunk = room / b if b > 0.0 else math.inf
+        return max(self.min_chunk, int(min(chunk, 1 << 30)))

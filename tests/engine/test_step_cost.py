@@ -1,0 +1,104 @@
+"""The step-time model and the latency budget (punica.engine.step_cost): the fit against known
+costs, and the prompt chunk it allows beside decodes. Synthetic step times: no clock."""
+
+import random
+
+import pytest
+
+from punica.config import EngineConfig
+from punica.engine.scheduler_output import SchedulerOutput
+from punica.engine.step_cost import MIN_CHUNK, LatencyBudget, StepCostModel, StepFeatures
+
+TRUE = (0.1, 0.02, 0.002, 1e-6)  # c0, per row, per prompt token, per (query, key) pair
+
+
+def cost(features, coefficients=TRUE):
+    return sum(c * x for c, x in zip(coefficients, features.vector()))
+
+
+def random_steps(n, seed):
+    """Decode-only steps and steps with a chunk beside decodes, of varied sizes and contexts."""
+    rng = random.Random(seed)
+    steps = []
+    for _ in range(n):
+        contexts = [rng.randint(10, 2000) for _ in range(rng.randint(1, 16))]
+        chunk, position = rng.choice([0, 0, 32, 100, 256, 512]), rng.randint(0, 4000)
+        attention = sum(contexts) + len(contexts) + chunk * (position + (chunk + 1) / 2)
+        steps.append(StepFeatures(len(contexts) + (chunk > 0), chunk, attention))
+    return steps
+
+
+def test_features_of_a_plan_count_rows_prompt_tokens_and_attention_pairs():
+    output = SchedulerOutput(step=1, request_ids=("p", "d1", "d2"), num_computed=(100, 7, 30),
+                             num_scheduled=(10, 1, 1), num_prefills=1, sampling_rows=(1, 2), preempted_ids=())
+    features = StepFeatures.of(output)
+    assert features == StepFeatures(3, 10, 10 * (100 + 5.5) + 8 + 31)
+
+
+def test_the_fit_recovers_the_cost_of_each_feature():
+    model = StepCostModel()
+    for features in random_steps(300, seed=0):
+        model.observe(features, cost(features))
+    for got, want in zip(model.coefficients, TRUE):
+        assert got == pytest.approx(want, rel=1e-3)
+
+
+def test_steps_of_equal_time_leave_the_prompt_unlimited():
+    """What tests/conftest.py's counter clock gives: no chunk limit, whatever the steps were."""
+    budget = LatencyBudget(2.0)
+    for features in random_steps(50, seed=1):
+        budget.observe(features, 1.0)
+    coefficients = budget.model.coefficients
+    assert coefficients[0] == pytest.approx(1.0) and max(coefficients[1:]) < 1e-9
+    assert budget.prompt_tokens([100, 200], 0) >= 1 << 20
+
+
+def test_a_feature_that_would_cost_negative_time_is_dropped():
+    model = StepCostModel()
+    for features in random_steps(200, seed=2):  # longer chunks slightly faster: noise, not physics
+        model.observe(features, cost(features, (0.1, 0.02, -1e-5, 1e-6)))
+    assert model.coefficients[2] == 0.0 and all(c >= 0 for c in model.coefficients)
+
+
+def test_old_steps_are_forgotten_when_the_hardware_slows_down():
+    model = StepCostModel()
+    for features in random_steps(300, seed=3):
+        model.observe(features, cost(features))
+    slower = tuple(2 * c for c in TRUE)
+    for features in random_steps(1500, seed=4):
+        model.observe(features, cost(features, slower))
+    probe = StepFeatures(8, 256, 5e5)
+    assert model.predict(probe) == pytest.approx(cost(probe, slower), rel=0.02)
+
+
+@pytest.mark.parametrize("position", [0, 3000])
+def test_the_chunk_is_the_largest_within_the_ratio(position):
+    budget = LatencyBudget(2.0)
+    for features in random_steps(300, seed=5):
+        budget.observe(features, cost(features))
+    contexts = [500] * 8
+    chunk = budget.prompt_tokens(contexts, position)
+
+    def step(c):
+        attention = sum(contexts) + len(contexts) + c * (position + (c + 1) / 2)
+        return cost(StepFeatures(len(contexts) + (c > 0), c, attention))
+
+    decode_only = step(0)
+    assert step(chunk) <= 2.0 * decode_only * (1 + 1e-3) and step(chunk + 2) > 2.0 * decode_only
+    assert chunk > MIN_CHUNK
+    assert budget.prompt_tokens(contexts, position + 20_000) < chunk  # longer context, dearer tokens
+
+
+def test_a_chunk_never_falls_below_the_floor():
+    budget = LatencyBudget(1.5)
+    assert budget.prompt_tokens([10], 0) == MIN_CHUNK  # nothing seen yet
+    for features in random_steps(300, seed=6):
+        budget.observe(features, cost(features, (0.001, 0.0, 1.0, 0.0)))  # a prompt token costs a whole second
+    assert budget.prompt_tokens([10], 0) == MIN_CHUNK
+
+
+def test_the_ratio_is_off_or_over_one():
+    with pytest.raises(ValueError, match="max_itl_ratio"):
+        EngineConfig(max_itl_ratio=1.0)
+    assert EngineConfig(max_itl_ratio=0).max_itl_ratio == 0
+
