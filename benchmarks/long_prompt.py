@@ -1,12 +1,14 @@
 """Long-prompt interference: --decodes requests decode, each on its own adapter, while prompts of
 --prompts tokens arrive one at a time (on one more adapter); the running decodes' inter-token
-latency with chunked prefill (each of --budgets as max_num_batched_tokens) and without it.
+latency with chunked prefill (each of --budgets as max_num_batched_tokens, under each of --ratios
+as max_itl_ratio: 0 is off) and without it.
 
     python -m benchmarks.long_prompt [--preset llama-2-7b] [--decodes 31] [--prompts 2048 4096 8192 16384]
-        [--budgets 256 512 1024 2048] [--out results/long_prompt]
+        [--budgets 256 512 1024 2048] [--ratios 0] [--out results/long_prompt]
 
 One engine (random weights, CUDA graphs, overlapped steps, rank-16 adapters on all 7 projections)
-runs every mode in turn; a mode sets the scheduler's budget and chunking, which change no graph.
+runs every mode in turn; a mode sets the scheduler's budget, latency budget (a fresh cost model)
+and chunking, which change no graph.
 Per mode: the decodes start on 64-token prompts and run until every one has a token; then, for
 each long prompt in turn, 20 steps measure the steady inter-token latency (ITL), the prompt is
 added, and steps run until it has its first token and 3 steps more. Reported per prompt: the
@@ -35,6 +37,7 @@ import torch
 from benchmarks.common import format_table, percentile, save_figure, style_axes, warm_up, write_results
 from punica.config import EngineConfig, preset_config
 from punica.engine.sampling_params import SamplingParams
+from punica.engine.step_cost import LatencyBudget
 from punica.factory import engine_on_model
 from punica.lora.dummy import save_random_adapter
 from punica.models.loader import dummy_model
@@ -148,6 +151,7 @@ def main() -> None:
     parser.add_argument("--decodes", type=int, default=31)
     parser.add_argument("--prompts", type=int, nargs="+", default=[2048, 4096, 8192, 16384])
     parser.add_argument("--budgets", type=int, nargs="+", default=[256, 512, 1024, 2048])
+    parser.add_argument("--ratios", type=float, nargs="+", default=[0.0])
     parser.add_argument("--out", type=Path, default=Path("results/long_prompt"))
     args = parser.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -158,9 +162,11 @@ def main() -> None:
     with decodes_engine(args.preset, args.decodes, max(args.prompts), args.budgets[0], dtype, device) as setup:
         engine, config = setup
         print(f"start-up (weights, graphs, adapters) {time.perf_counter() - start:.1f} s", flush=True)
-        modes = [(f"chunked {b}", True, b) for b in args.budgets] + [("unchunked", False, max(args.prompts))]
-        for name, chunked, budget in modes:
+        modes = [(f"chunked {b}" + (f", max_itl_ratio {r}" if r else ""), True, b, r)
+                 for r in args.ratios for b in args.budgets] + [("unchunked", False, max(args.prompts), 0)]
+        for name, chunked, budget, ratio in modes:
             engine.scheduler.chunked_prefill, engine.scheduler.max_num_batched_tokens = chunked, budget
+            engine.scheduler.latency = LatencyBudget(ratio) if ratio else None
             rows += run_mode(engine, name, args.prompts, args.decodes, config.vocab_size, rng)
     columns = ["mode", "prompt_tokens", "steady_itl_p50_ms", "itl_p50_ms", "itl_p99_ms", "itl_max_ms",
                "p99_over_steady", "ttft_ms", "steps"]
