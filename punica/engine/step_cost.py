@@ -14,15 +14,21 @@ ridge pulls every coefficient but c0 toward 0: what the steps seen so far cannot
 two prompt sizes, a chunk's fixed cost from its per-token cost) is put on the features that did
 vary, and steps that all take the same time give c0 alone (no limit).
 
+What a linear model misses (a chunk padded to the CUDA-graph bucket that runs it, a slow step now
+and then) shows in how far steps with prompt tokens run over their prediction, made before each
+was fitted: `overrun` is the OVERRUN_QUANTILE of the last OVERRUN_WINDOW such ratios.
+
 `LatencyBudget` sizes a step's prompt chunk: with decodes running, the most prompt tokens C (at
-the position where the first prompt's chunk starts) for which the predicted step stays within
-`max_itl_ratio` times the predicted decode-only step of the same decodes; never fewer than
-MIN_CHUNK, so a prompt always advances.
+the position where the first prompt's chunk starts) for which the predicted step, times the
+overrun, stays within `max_itl_ratio` times the decode-only step of the same decodes, as predicted
+by a second model fitted to decode-only steps alone (what the decodes' steady gaps were: the steps
+with chunks cannot pull it up); never fewer than MIN_CHUNK, so a prompt always advances.
 """
 
 from __future__ import annotations
 
 import math
+from collections import deque
 from dataclasses import dataclass
 
 from punica.engine.scheduler_output import SchedulerOutput
@@ -31,6 +37,9 @@ FORGETTING = 0.995          # a step's weight in the fit shrinks by this factor 
 RIDGE = 1e-6                # on the scaled features but c0: solvable before every feature has varied
 MIN_CHUNK = 32              # prompt tokens a step beside decodes may always compute
 NUM_FEATURES = 4
+OVERRUN_WINDOW = 32         # steps with prompt tokens whose overrun is kept
+OVERRUN_QUANTILE = 0.9
+MIN_OVERRUNS = 4            # fewer kept: no correction (1.0)
 
 
 @dataclass(frozen=True)
@@ -78,9 +87,12 @@ class StepCostModel:
         self._rhs = [0.0] * NUM_FEATURES
         self._scale = [1.0] * NUM_FEATURES   # the largest |feature| seen: conditions the equations
         self._coef: list[float] | None = None
+        self._overruns: deque[float] = deque(maxlen=OVERRUN_WINDOW)
         self.num_observed = 0
 
     def observe(self, features: StepFeatures, seconds: float) -> None:
+        if features.prompt_tokens and (predicted := self.predict(features)) > 0.0:
+            self._overruns.append(seconds / predicted)
         x = features.vector()
         for i, v in enumerate(x):
             self._scale[i] = max(self._scale[i], abs(v))
@@ -113,6 +125,15 @@ class StepCostModel:
     def predict(self, features: StepFeatures) -> float:
         return sum(c * x for c, x in zip(self.coefficients, features.vector()))
 
+    @property
+    def overrun(self) -> float:
+        """How far steps with prompt tokens ran over their prediction (module docstring); 1.0 before
+        MIN_OVERRUNS of them."""
+        if len(self._overruns) < MIN_OVERRUNS:
+            return 1.0
+        ranked = sorted(self._overruns)
+        return ranked[min(len(ranked) - 1, int(OVERRUN_QUANTILE * len(ranked)))]
+
 
 class LatencyBudget:
     """The prompt tokens of a step beside running decodes (module docstring)."""
@@ -120,20 +141,24 @@ class LatencyBudget:
     def __init__(self, max_itl_ratio: float, min_chunk: int = MIN_CHUNK):
         assert max_itl_ratio > 1.0, max_itl_ratio
         self.max_itl_ratio, self.min_chunk = max_itl_ratio, min_chunk
-        self.model = StepCostModel()
+        self.model = StepCostModel()          # every step
+        self.decode_model = StepCostModel()   # decode-only steps
 
     def observe(self, features: StepFeatures, seconds: float) -> None:
         self.model.observe(features, seconds)
+        if not features.prompt_tokens:
+            self.decode_model.observe(features, seconds)
 
     def prompt_tokens(self, decode_contexts: list[int], position: int) -> int:
         """The most prompt tokens a step may compute beside decodes at these contexts (tokens cached
         before the step), its first chunk starting after `position` cached tokens."""
         model = self.model
-        decode_only = model.predict(StepFeatures(len(decode_contexts), 0,
-                                                 float(sum(decode_contexts)) + len(decode_contexts)))
+        decodes = StepFeatures(len(decode_contexts), 0, float(sum(decode_contexts)) + len(decode_contexts))
+        steady = (self.decode_model if self.decode_model.num_observed else model).predict(decodes)
         _, c_rows, c_tokens, c_attention = model.coefficients
-        # c_rows + c_tokens * C + c_attention * C * (position + (C + 1) / 2) <= (ratio - 1) * decode_only
-        room = (self.max_itl_ratio - 1.0) * decode_only - c_rows
+        # overrun * (model's decodes + c_rows + c_tokens * C + c_attention * C * (position + (C + 1) / 2))
+        #   <= ratio * steady
+        room = self.max_itl_ratio * steady / model.overrun - model.predict(decodes) - c_rows
         a, b = c_attention / 2, c_tokens + c_attention * (position + 0.5)
         if room <= 0.0:
             chunk = 0.0

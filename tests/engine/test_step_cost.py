@@ -102,3 +102,24 @@ def test_the_ratio_is_off_or_over_one():
         EngineConfig(max_itl_ratio=1.0)
     assert EngineConfig(max_itl_ratio=0).max_itl_ratio == 0
 
+
+def test_chunks_leave_room_for_how_far_steps_run_over_their_prediction():
+    """Steps with a chunk take 0.85-1.25x what the features say (a bucket's padding, noise the model
+    cannot see): after the first steps, about 1 chunk step in 10 goes over the ratio of the
+    decode-only step (the overrun's quantile; sized by the prediction alone, about half would)."""
+    rng = random.Random(7)
+    budget = LatencyBudget(2.0)
+    for features in random_steps(100, seed=8):
+        budget.observe(features, cost(features))
+    contexts = [800] * 8
+    decode_only = cost(StepFeatures(8, 0, sum(contexts) + 8))
+    over = []
+    for step in range(200):
+        position = (step * 97) % 3000
+        chunk = budget.prompt_tokens(contexts, position)
+        features = StepFeatures(9, chunk, sum(contexts) + 8 + chunk * (position + (chunk + 1) / 2))
+        seconds = cost(features) * rng.uniform(0.85, 1.25)
+        budget.observe(features, seconds)
+        over.append(seconds > 2.0 * decode_only)
+    assert budget.model.overrun > 1.1
+    assert sum(over[20:]) <= 0.15 * len(over[20:]), sum(over[20:])
