@@ -35,7 +35,7 @@ from punica.engine.scheduler_output import SchedulerOutput
 
 FORGETTING = 0.995          # a step's weight in the fit shrinks by this factor per later step
 RIDGE = 1e-6                # on the scaled features but c0: solvable before every feature has varied
-MIN_CHUNK = 32              # prompt tokens a step beside decodes may always compute
+MIN_CHUNK = 8               # prompt tokens a step beside decodes may always compute
 NUM_FEATURES = 4
 OVERRUN_WINDOW = 32         # steps with prompt tokens whose overrun is kept
 OVERRUN_QUANTILE = 0.9
