@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from punica.ops.linear_triton import split_k_sum
+from punica.ops.linear_triton import split_k_sum, split_k_tile
 from punica.ops.triton_env import interpreting
 
 MAX_BLOCK_K = 128
@@ -41,13 +41,8 @@ def _fp8_gemm_kernel(x, w, scales, bias, out, partial, M, N, K, k_per_split, str
     """out's (BLOCK_M, BLOCK_N) tile over K, or with SPLIT_K > 1 the fp32 partial of K slice
     program_id(2) (columns k_per_split * slice ..) into partial[slice]: block-scaled, but without
     the per-channel scales and the bias, which the sum applies."""
-    pid_m, pid_n, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_k = tl.arange(0, BLOCK_K)
-    m_mask, n_mask = offs_m < M, offs_n < N
-    k_lo = pid_k * k_per_split
-    k_hi = tl.minimum(k_lo + k_per_split, K)
+    offs_m, offs_n, offs_k, m_mask, n_mask, k_lo, k_hi = split_k_tile(M, N, K, k_per_split, BLOCK_M, BLOCK_N, BLOCK_K)
+    pid_k = tl.program_id(2)
     x_ptrs = x + offs_m[:, None].to(tl.int64) * stride_xm + (k_lo + offs_k)[None, :] * stride_xk
     w_ptrs = w + offs_n[None, :].to(tl.int64) * stride_wn + (k_lo + offs_k)[:, None]
     s_ptrs = scales + (offs_n // scale_rows) * stride_sn

@@ -22,7 +22,7 @@ import triton
 import triton.language as tl
 
 from punica.ops.fp8_quant_triton import quantize_per_token_triton
-from punica.ops.linear_triton import split_k_sum
+from punica.ops.linear_triton import split_k_sum, split_k_tile
 from punica.ops.triton_env import interpreting, num_sms
 
 BLOCK_M, BLOCK_N, BLOCK_K = 64, 64, 128
@@ -37,13 +37,8 @@ def _w8a8_gemm_kernel(x8, x_scales, w, w_scales, bias, out, partial, M, N, K, k_
                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr):
     """out's (BLOCK_M, BLOCK_N) tile, or with SPLIT_K > 1 the scaled fp32 partial of K slice
     program_id(2) (columns k_per_split * slice ..) into partial[slice]."""
-    pid_m, pid_n, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_k = tl.arange(0, BLOCK_K)
-    m_ok, n_ok = offs_m < M, offs_n < N
-    k_lo = pid_k * k_per_split
-    k_hi = tl.minimum(k_lo + k_per_split, K)
+    offs_m, offs_n, offs_k, m_ok, n_ok, k_lo, k_hi = split_k_tile(M, N, K, k_per_split, BLOCK_M, BLOCK_N, BLOCK_K)
+    pid_k = tl.program_id(2)
     a_ptrs = x8 + offs_m[:, None].to(tl.int64) * stride_xm + (k_lo + offs_k)[None, :]
     b_ptrs = w + offs_n[None, :].to(tl.int64) * stride_wn + (k_lo + offs_k)[:, None]
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)

@@ -68,6 +68,17 @@ def _skinny_gemm_kernel(x, w, bias, out, partial, M, N, K, k_per_split, stride_x
 
 
 @triton.jit
+def split_k_tile(M, N, K, k_per_split, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """The tile of a program of a (M tiles, N tiles, K slices) grid: its rows, columns and K step
+    offsets, which rows and columns are inside M and N, and its K range [k_lo, k_hi)."""
+    pid_m, pid_n, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    k_lo = pid_k * k_per_split
+    return offs_m, offs_n, tl.arange(0, BLOCK_K), offs_m < M, offs_n < N, k_lo, tl.minimum(k_lo + k_per_split, K)
+
+
+@triton.jit
 def _split_k_sum_kernel(partial, scales, bias, out, M, N, stride_om,
                         HAS_SCALES: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK: tl.constexpr):
     """out = sum over the K slices of partial [SPLIT_K, M, N] (times the column's scale) (+ bias), in
