@@ -22,6 +22,10 @@ budget lasts. A prompt chunk makes room by preempting prompts ranked after it, n
 shrinks to the pages that are left: so only decodes ever preempt a decode. A request is only ever
 preempted by one ranked before it, so nothing already scheduled in a step is preempted in it.
 
+With a latency budget (punica.engine.step_cost) and decodes running, the prompts' tokens are also
+capped at what keeps the step's predicted time within `max_itl_ratio` of a decode-only step; the
+engine reports each step's time (`observe`) to the model behind the prediction.
+
 Without chunked prefill a prompt runs whole in the step that admits it, and the budget counts
 prompt tokens only (one longer prompt runs alone).
 
