@@ -7,13 +7,13 @@ import itertools
 import random
 
 import pytest
+from scheduler_steps import finish_step, run_step, schedule
 
 from punica.engine.fair_share import FairQueue
 from punica.engine.kv_cache import PageAllocator, namespace
 from punica.engine.request import Request, Status
 from punica.engine.sampling_params import SamplingParams
 from punica.engine.scheduler import Scheduler, is_decode
-from punica.engine.scheduler_output import SampledTokens
 from punica.engine.tenancy import TenantLimitError, TenantShare
 from punica.engine.waiting import FcfsQueue
 
@@ -23,39 +23,6 @@ NAMES = itertools.count()
 def request(tenant, prompt_len=8, max_tokens=8, tokens=None):
     prompt = list(tokens) if tokens is not None else list(range(1, prompt_len + 1))
     return Request(f"{tenant}-{next(NAMES)}", prompt, SamplingParams(max_tokens=max_tokens), tenant=tenant)
-
-
-class Step:
-    """A planned step's rows as requests: prefills, decodes, all, those it preempted, and the tokens
-    each runs."""
-
-    def __init__(self, sched, output):
-        rows = list(sched.requests_of(output))
-        self.output = output
-        self.prefills, self.decodes, self.requests = rows[:output.num_prefills], rows[output.num_prefills:], rows
-        self.preempted = [sched.requests[i] for i in output.preempted_ids]
-        self.num_scheduled = dict(zip(rows, output.num_scheduled))
-
-
-def schedule(sched):
-    return Step(sched, sched.schedule())
-
-
-def finish_step(sched, batch, tokens=None):
-    """What the engine does once the step ran: its tokens are cached, and each request at the end of
-    its tokens gets a token (7, or the next of `tokens`), those at max_tokens finish."""
-    sched.launched(batch.output)
-    n = len(batch.output.sampling_rows)
-    values = [next(tokens) for _ in range(n)] if tokens is not None else [7] * n
-    sched.update_from_output(batch.output, SampledTokens(values, [True] * n, [None] * n, [[]] * n))
-
-
-def run_step(sched):
-    """One engine step: schedule, compute the scheduled tokens, sample a token for each request at
-    the end of its tokens, finish those at max_tokens. Returns the batch."""
-    batch = schedule(sched)
-    finish_step(sched, batch)
-    return batch
 
 
 def backlogged(sched, depths, num_steps):
@@ -263,7 +230,7 @@ def test_fair_scheduling_soak_every_attended_token_holds_its_own_kv_caps_hold_an
                 assert kv[r.pages[pos // page_size], pos % page_size] == (namespace(r), r.token_ids[pos])
             for pos in range(r.num_cached, r.num_cached + batch.num_scheduled[r]):
                 kv[r.pages[pos // page_size], pos % page_size] = (namespace(r), r.token_ids[pos])
-        finish_step(sched, batch, iter(lambda: rng.randrange(50), None))
+        finish_step(sched, batch, lambda: rng.randrange(50))
         for r in list(live):
             if r.status is Status.RUNNING and rng.random() < 0.003:
                 sched.finish(r, "abort")

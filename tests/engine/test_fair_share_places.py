@@ -5,7 +5,8 @@ a request whose adapter is not on the GPU, whose tenant is at its max_kv_tokens,
 token is not on the host yet."""
 
 import pytest
-from test_fair_share import finish_step, request, run_step, schedule
+from scheduler_steps import finish_step, run_step, schedule
+from test_fair_share import request
 
 from punica.engine.fair_share import FairQueue
 from punica.engine.kv_cache import PageAllocator

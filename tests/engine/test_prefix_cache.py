@@ -6,11 +6,12 @@ import functools
 import random
 from pathlib import Path
 
+from scheduler_steps import finish_step, schedule
+
 from punica.engine.kv_cache import PageAllocator
 from punica.engine.request import Request, Status
 from punica.engine.sampling_params import SamplingParams
 from punica.engine.scheduler import Scheduler, is_decode
-from punica.engine.scheduler_output import SampledTokens
 from punica.lora.manager import Registration
 
 
@@ -23,29 +24,6 @@ def registration(adapter, version):
 def request(name, tokens, adapter=None, version=0):
     return Request(name, list(tokens), SamplingParams(), adapter=adapter,
                    registration=registration(adapter, version) if adapter else None)
-
-
-class Step:
-    """A planned step's rows as requests: prefills, decodes, all, and the tokens each runs."""
-
-    def __init__(self, sched, output):
-        rows = list(sched.requests_of(output))
-        self.output = output
-        self.prefills, self.decodes, self.requests = rows[:output.num_prefills], rows[output.num_prefills:], rows
-        self.num_scheduled = dict(zip(rows, output.num_scheduled))
-
-
-def schedule(sched):
-    return Step(sched, sched.schedule())
-
-
-def run_step(sched, batch, token=lambda: 1):
-    """What the engine does once the step ran: its tokens are cached, and each request at the end of
-    its tokens gets a token (`token()`), those at max_tokens finish."""
-    sched.launched(batch.output)
-    n = len(batch.output.sampling_rows)
-    sched.update_from_output(batch.output, SampledTokens([token() for _ in range(n)], [True] * n, [None] * n,
-                                                         [[]] * n))
 
 
 def computed(alloc, r):
@@ -153,7 +131,7 @@ def test_chunked_prefill_runs_decodes_first_and_prompts_in_budgeted_chunks():
     sched = Scheduler(PageAllocator(64, 4), max_batch_size=4, max_num_batched_tokens=10)
     short = request("short", range(3))
     sched.add(short)
-    run_step(sched, schedule(sched))                                 # it decodes from now on
+    finish_step(sched, schedule(sched))                              # it decodes from now on
     long = request("long", range(30))
     sched.add(long)
     chunks = []
@@ -161,7 +139,7 @@ def test_chunked_prefill_runs_decodes_first_and_prompts_in_budgeted_chunks():
         batch = schedule(sched)
         assert batch.decodes == [short] and batch.prefills == [long]
         chunks.append(batch.num_scheduled[long])
-        run_step(sched, batch)
+        finish_step(sched, batch)
     assert chunks == [9, 9, 9, 3] and sched.num_chunked_steps == 3
 
 
@@ -205,7 +183,7 @@ def test_scheduler_soak_every_attended_token_holds_its_own_kv_and_no_page_leaks(
                 assert kv[r.pages[pos // page_size], pos % page_size] == (r.kv_owner, tokens[pos]), r.request_id
             for pos in range(r.num_cached, r.num_cached + batch.num_scheduled[r]):
                 kv[r.pages[pos // page_size], pos % page_size] = (r.kv_owner, tokens[pos])
-        run_step(sched, batch, lambda: rng.randrange(50))
+        finish_step(sched, batch, lambda: rng.randrange(50))
         for r in list(live):
             if r.status is Status.RUNNING and rng.random() < 0.005:
                 sched.finish(r, "abort")

@@ -1,6 +1,7 @@
 import dataclasses
 
 import pytest
+from scheduler_steps import finish_step, schedule
 
 from punica.engine.kv_cache import PageAllocator
 from punica.engine.request import PENDING, Request, Status
@@ -13,28 +14,6 @@ def request(i, prompt_len=4):
     return Request(f"r{i}", list(range(1, prompt_len + 1)), SamplingParams())
 
 
-class Step:
-    """A planned step's rows as requests: prefills, decodes, those it preempted."""
-
-    def __init__(self, sched, output):
-        rows = list(sched.requests_of(output))
-        self.output = output
-        self.prefills, self.decodes = rows[:output.num_prefills], rows[output.num_prefills:]
-        self.preempted = [sched.requests[i] for i in output.preempted_ids]
-
-
-def schedule(sched):
-    return Step(sched, sched.schedule())
-
-
-def run_step(sched, batch):
-    """What the engine does once the step ran: its tokens are cached, and each request at the end
-    of its tokens gets a token (7)."""
-    sched.launched(batch.output)
-    n = len(batch.output.sampling_rows)
-    sched.update_from_output(batch.output, SampledTokens([7] * n, [True] * n, [None] * n, [[]] * n))
-
-
 def test_fcfs_admission_and_batch_limit():
     sched = Scheduler(PageAllocator(100, 4), max_batch_size=3, max_num_batched_tokens=1000)
     reqs = [request(i) for i in range(5)]
@@ -42,11 +21,11 @@ def test_fcfs_admission_and_batch_limit():
         sched.add(r)
     batch = schedule(sched)
     assert batch.prefills == reqs[:3] and batch.decodes == []
-    run_step(sched, batch)
+    finish_step(sched, batch)
     batch = schedule(sched)
     assert batch.prefills == [] and batch.decodes == reqs[:3]  # full: nobody else admitted
     sched.finish(reqs[1], "stop")
-    run_step(sched, batch)
+    finish_step(sched, batch)
     batch = schedule(sched)
     assert batch.prefills == [reqs[3]] and batch.decodes == [reqs[0], reqs[2]]
 
@@ -70,13 +49,13 @@ def test_newest_request_is_preempted_first_and_requeued_at_head():
     old, new, waiting = request(0, 4), request(1, 4), request(2, 4)
     for r in (old, new):
         sched.add(r)
-    run_step(sched, schedule(sched))          # both hold 1 page, 5 tokens now
+    finish_step(sched, schedule(sched))          # both hold 1 page, 5 tokens now
     sched.add(waiting)
     batch = schedule(sched)                   # each grows to 2 pages: cache full, waiting stays
     assert batch.decodes == [old, new] and batch.prefills == [] and alloc.num_free == 0
-    run_step(sched, batch)
+    finish_step(sched, batch)
     for _ in range(3):
-        run_step(sched, schedule(sched))      # up to 9 tokens each: 2 pages still hold 8 cached
+        finish_step(sched, schedule(sched))      # up to 9 tokens each: 2 pages still hold 8 cached
     batch = schedule(sched)                   # 9 tokens need 3 pages each, only 4 exist
     assert batch.decodes == [old] and batch.preempted == [new]
     assert new.status is Status.WAITING and new.num_preemptions == 1
@@ -89,7 +68,7 @@ def test_no_starvation_head_of_queue_is_never_skipped():
     sched = Scheduler(alloc, max_batch_size=8, max_num_batched_tokens=1000)
     small = request(0, 4)
     sched.add(small)
-    run_step(sched, schedule(sched))
+    finish_step(sched, schedule(sched))
     big, later_small = request(1, 20), request(2, 2)   # big needs 5 pages, only 4 free
     sched.add(big)
     sched.add(later_small)
