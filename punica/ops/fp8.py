@@ -84,7 +84,7 @@ def fp8_linear_scaled_mm(x: torch.Tensor, weight: torch.Tensor, scales: torch.Te
     """x @ W^T (+ bias) on the fp8 tensor cores: per-token activation scales times per-channel
     weight scales, applied by torch._scaled_mm to its fp32 accumulator; output in bf16 (x's dtype)."""
     from punica.ops.fp8_quant_triton import quantize_per_token_triton
-    x8, x_scales = quantize_per_token_triton(x if x.stride(1) == 1 else x.contiguous())  # any row stride
+    x8, x_scales = quantize_per_token_triton(x)
     out = torch._scaled_mm(x8, weight.t(), scale_a=x_scales, scale_b=scales[None, :], out_dtype=x.dtype)
     return out if bias is None else out.add_(bias)
 
@@ -120,7 +120,7 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, bloc
         return fp8_linear_scaled_mm(x, weight, scales, bias)
     if path == "w8a8":
         from punica.ops.fp8_w8a8_triton import fp8_linear_w8a8_triton
-        return fp8_linear_w8a8_triton(x if x.stride(1) == 1 else x.contiguous(), weight, scales, bias)
+        return fp8_linear_w8a8_triton(x, weight, scales, bias)
     if path == "weight_only":
         from punica.ops.fp8_triton import fp8_linear_triton
         return fp8_linear_triton(x, weight, scales, block_size, bias)

@@ -40,8 +40,11 @@ def _quantize_rows_kernel(x, out, scales, K, stride_xm, stride_om,
 
 
 def quantize_per_token_triton(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(x [T, K] e4m3fn, scales [T, 1] float32) of activations x [T, K] (unit stride along K)."""
-    assert x.dim() == 2 and x.stride(1) == 1, (x.shape, x.stride())
+    """(x [T, K] e4m3fn, scales [T, 1] float32) of activations x [T, K]: any row stride; copied first
+    where K's stride is not 1."""
+    assert x.dim() == 2, x.shape
+    if x.stride(1) != 1:
+        x = x.contiguous()
     t, k = x.shape
     out = torch.empty(t, k, dtype=FP8_DTYPE, device=x.device)
     scales = torch.empty(t, 1, dtype=torch.float32, device=x.device)

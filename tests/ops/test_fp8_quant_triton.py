@@ -68,3 +68,10 @@ def test_kernel_matches_quantize_per_token_byte_for_byte_on_cuda(num_tokens, k):
     got8, got_scales = quantize_per_token_triton(x)
     assert torch.equal(got_scales, want_scales)
     assert torch.equal(got8.view(torch.uint8), want8.view(torch.uint8))
+
+
+def test_a_view_strided_along_k_is_quantized_as_its_copy():
+    x = torch.randn(16, 5, generator=torch.Generator().manual_seed(2)).T  # [5, 16], K's stride 5
+    got8, got_scales = quantize_per_token_triton(x)
+    want8, want_scales = quantize_per_token_triton(x.contiguous())
+    assert torch.equal(got_scales, want_scales) and torch.equal(got8.float(), want8.float())
