@@ -162,7 +162,7 @@ class Scheduler:
         if not self.chunked_prefill:
             return self.max_num_batched_tokens
         budget = max(0, self.max_num_batched_tokens - len(decodes))
-        if self.latency is not None and decodes:
+        if self.latency is not None and decodes and (prompts or self.waiting):  # else no prompt can run
             position = next((r.num_cached for r in prompts if r.status is Status.RUNNING), 0)
             budget = min(budget, self.latency.prompt_tokens([r.num_cached for r in decodes], position))
         return budget
