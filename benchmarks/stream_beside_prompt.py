@@ -32,13 +32,19 @@ def random_prompt(length: int, vocab: int, rng: random.Random) -> list[int]:
     return [rng.randrange(100, vocab) for _ in range(length)]
 
 
+def stream_stamps(engine, stream: str) -> list[float]:
+    """One step: the time it returned, once per new token of `stream`."""
+    outputs = engine.step()
+    now = time.perf_counter()
+    return [now for out in outputs if out.request_id == stream for _ in out.new_token_ids]
+
+
 def beside_a_stream(engine, prompt_len: int, vocab: int, rng: random.Random) -> dict:
     stream = engine.add_request(random_prompt(STREAM_PROMPT, vocab, rng),
                                 SamplingParams(max_tokens=100_000, temperature=0, ignore_eos=True))
     stamps: list[float] = []
     while len(stamps) < STEADY_TOKENS + 2:
-        stamps += [time.perf_counter() for out in engine.step() if out.request_id == stream
-                   for _ in out.new_token_ids]
+        stamps += stream_stamps(engine, stream)
     steady = statistics.median(b - a for a, b in zip(stamps[1:], stamps[2:]))  # the first gap holds the prompt
     arrival = time.perf_counter()
     prompt = engine.add_request(random_prompt(prompt_len, vocab, rng),
@@ -54,8 +60,7 @@ def beside_a_stream(engine, prompt_len: int, vocab: int, rng: random.Random) -> 
             elif out.request_id == prompt and out.new_token_ids:
                 first = now
     for _ in range(2):  # the gap that ends after the prompt's last chunk
-        stamps += [time.perf_counter() for out in engine.step() if out.request_id == stream
-                   for _ in out.new_token_ids]
+        stamps += stream_stamps(engine, stream)
     during = [b - a for a, b in zip(stamps, stamps[1:]) if b > arrival and a < first]
     engine.abort(stream)
     while engine.has_unfinished():
