@@ -64,12 +64,18 @@ def _w8a8_gemm_kernel(x8, x_scales, w, w_scales, bias, out, partial, M, N, K, k_
 
 
 def split_for(m: int, n: int, k: int, device: torch.device) -> int:
-    """K slices: SPLIT_K where the unsplit grid has fewer tiles than the device has SMs and K keeps
-    MIN_SPLIT_COLUMNS a slice, else 1. From benchmarks.decode_gemm --weights fp8 on the H200
-    (docs/benchmarks.md): at 64 tokens o (4096 x 4096, 64 tiles) and down (4096 x 11008) take
-    15.0 and 29.5 us split in four; qkv and gate_up (192 and 344 tiles) are fastest unsplit."""
+    """K slices: SPLIT_K where the unsplit grid has fewer tiles than the device has SMs and each slice
+    keeps MIN_SPLIT_COLUMNS of K (twice that where the grid already fills half the SMs), else 1.
+    From benchmarks.decode_gemm --weights fp8 on the H200 (docs/benchmarks.md): at 64 tokens o
+    (4096 x 4096, 64 tiles) and down (4096 x 11008) take 15.0 and 29.5 us split in four; at 96-128
+    tokens (128 tiles) o takes 17.8 us unsplit against 19.5 split, down 38.5 split against 42.6
+    unsplit; qkv and gate_up (192 and 344 tiles) are fastest unsplit."""
     tiles = triton.cdiv(m, BLOCK_M) * triton.cdiv(n, BLOCK_N)
-    return SPLIT_K if tiles < num_sms(device) and k >= SPLIT_K * MIN_SPLIT_COLUMNS else 1
+    sms = num_sms(device)
+    if tiles >= sms:
+        return 1
+    min_columns = MIN_SPLIT_COLUMNS if 2 * tiles <= sms else 2 * MIN_SPLIT_COLUMNS
+    return SPLIT_K if k >= SPLIT_K * min_columns else 1
 
 
 def fp8_linear_w8a8_triton(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor,

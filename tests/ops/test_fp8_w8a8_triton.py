@@ -40,11 +40,15 @@ def test_kernel_matches_spec(num_tokens, n, k, with_bias, split_k):
     torch.testing.assert_close(got, spec(x, weight, scales, bias), rtol=1e-5, atol=1e-5)
 
 
-def test_split_only_where_the_grid_leaves_sms_idle():
-    cpu = torch.device("cpu")  # the interpreter counts 2 SMs
-    assert kernels.split_for(64, 64, 4096, cpu) == kernels.SPLIT_K  # one tile
-    assert kernels.split_for(64, 256, 4096, cpu) == 1  # four tiles
-    assert kernels.split_for(64, 64, 2048, cpu) == 1  # slices of 512 columns
+def test_split_only_where_the_grid_leaves_sms_idle_and_slices_stay_long(monkeypatch):
+    monkeypatch.setattr(kernels, "num_sms", lambda device: 132)  # the H200's
+    cpu = torch.device("cpu")
+    split = kernels.SPLIT_K
+    assert kernels.split_for(64, 4096, 4096, cpu) == split  # 64 tiles: slices of 1024 columns
+    assert kernels.split_for(64, 4096, 2048, cpu) == 1  # slices of 512 columns
+    assert kernels.split_for(128, 4096, 4096, cpu) == 1  # 128 tiles want slices of 2048 columns
+    assert kernels.split_for(128, 4096, 11008, cpu) == split
+    assert kernels.split_for(64, 12288, 4096, cpu) == 1  # 192 tiles fill the SMs
 
 
 def test_no_tokens():
