@@ -3,10 +3,14 @@ compute beside running decodes so that their inter-token latency stays within a 
 
 A step's time is modelled as linear in what it computes (`StepFeatures`):
 
-    seconds = c0 + c_rows * rows + c_tokens * prompt_tokens + c_attention * attention
+    seconds = c0 + c_rows * rows + c_tokens * prompt_tokens + c_attention * attention + c_keys * keys
 
 where `attention` counts the (query, key) pairs of the step's rows: a decode at context n attends
-n keys, a prompt chunk of C tokens after n cached ones C * (n + (C + 1) / 2). The coefficients are
+n keys, a prompt chunk of C tokens after n cached ones C * (n + (C + 1) / 2); `keys` counts the
+keys each row attends, n + C (a decode's n + 1): the KV a step reads at least, whatever its chunk's
+size. A short chunk after a long context costs what reading that context costs, which the pairs
+alone put at C times too little. In decode-only steps the two are equal; steps with chunks tell
+them apart. The coefficients are
 fitted to the engine's own steps (seconds measured on the hardware it runs on) by least squares,
 weighting each past step by FORGETTING per step since, so the model follows what the hardware does
 now (a compile, a warm cache, another process on the CPU); coefficients stay non-negative. A small
@@ -36,7 +40,7 @@ from punica.engine.scheduler_output import SchedulerOutput
 FORGETTING = 0.995          # a step's weight in the fit shrinks by this factor per later step
 RIDGE = 1e-6                # on the scaled features but c0: solvable before every feature has varied
 MIN_CHUNK = 8               # prompt tokens a step beside decodes may always compute
-NUM_FEATURES = 4
+NUM_FEATURES = 5
 OVERRUN_WINDOW = 32         # steps with prompt tokens whose overrun is kept
 OVERRUN_QUANTILE = 0.9
 MIN_OVERRUNS = 4            # fewer kept: no correction (1.0)
@@ -47,16 +51,23 @@ class StepFeatures:
     rows: int           # requests in the step
     prompt_tokens: int  # tokens of prompt chunks (rows that compute more than one token, or start a prompt)
     attention: float    # (query, key) pairs over the step's rows
+    keys: int           # keys attended over the step's rows (each row's context, its own tokens included)
 
     @classmethod
     def of(cls, output: SchedulerOutput) -> StepFeatures:
         prompt = sum(output.num_scheduled[:output.num_prefills])
         attention = sum(scheduled * (computed + (scheduled + 1) / 2)
                         for computed, scheduled in zip(output.num_computed, output.num_scheduled))
-        return cls(len(output.request_ids), prompt, attention)
+        return cls(len(output.request_ids), prompt, attention, sum(output.num_computed) + sum(output.num_scheduled))
+
+    @classmethod
+    def decodes(cls, contexts: list[int]) -> StepFeatures:
+        """A decode-only step of requests with these contexts (tokens cached before the step)."""
+        keys = sum(contexts) + len(contexts)
+        return cls(len(contexts), 0, float(keys), keys)
 
     def vector(self) -> list[float]:
-        return [1.0, float(self.rows), float(self.prompt_tokens), self.attention]
+        return [1.0, float(self.rows), float(self.prompt_tokens), self.attention, float(self.keys)]
 
 
 def solve(gram: list[list[float]], rhs: list[float], active: list[int]) -> list[float]:
@@ -105,7 +116,7 @@ class StepCostModel:
 
     @property
     def coefficients(self) -> list[float]:
-        """(c0, c_rows, c_tokens, c_attention): the non-negative least-squares fit (a feature whose
+        """(c0, c_rows, c_tokens, c_attention, c_keys): the non-negative least-squares fit (a feature whose
         coefficient comes out negative is dropped, and the others refitted)."""
         if self._coef is None:
             s = self._scale
@@ -153,13 +164,13 @@ class LatencyBudget:
         """The most prompt tokens a step may compute beside decodes at these contexts (tokens cached
         before the step), its first chunk starting after `position` cached tokens."""
         model = self.model
-        decodes = StepFeatures(len(decode_contexts), 0, float(sum(decode_contexts)) + len(decode_contexts))
+        decodes = StepFeatures.decodes(decode_contexts)
         steady = (self.decode_model if self.decode_model.num_observed else model).predict(decodes)
-        _, c_rows, c_tokens, c_attention = model.coefficients
-        # overrun * (model's decodes + c_rows + c_tokens * C + c_attention * C * (position + (C + 1) / 2))
-        #   <= ratio * steady
-        room = self.max_itl_ratio * steady / model.overrun - model.predict(decodes) - c_rows
-        a, b = c_attention / 2, c_tokens + c_attention * (position + 0.5)
+        _, c_rows, c_tokens, c_attention, c_keys = model.coefficients
+        # overrun * (model's decodes + c_rows + c_tokens * C + c_attention * C * (position + (C + 1) / 2)
+        #   + c_keys * (position + C)) <= ratio * steady
+        room = self.max_itl_ratio * steady / model.overrun - model.predict(decodes) - c_rows - c_keys * position
+        a, b = c_attention / 2, c_tokens + c_attention * (position + 0.5) + c_keys
         if room <= 0.0:
             chunk = 0.0
         elif a > 0.0:

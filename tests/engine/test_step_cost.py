@@ -9,11 +9,20 @@ from punica.config import EngineConfig
 from punica.engine.scheduler_output import SchedulerOutput
 from punica.engine.step_cost import MIN_CHUNK, LatencyBudget, StepCostModel, StepFeatures
 
-TRUE = (0.1, 0.02, 0.002, 1e-6)  # c0, per row, per prompt token, per (query, key) pair
+TRUE = (0.1, 0.02, 0.002, 1e-6, 2e-5)  # c0, per row, per prompt token, per (query, key) pair, per key read
 
 
 def cost(features, coefficients=TRUE):
     return sum(c * x for c, x in zip(coefficients, features.vector()))
+
+
+def step_features(contexts, chunk, position):
+    """Decodes at these contexts, and a chunk of `chunk` prompt tokens after `position` cached ones."""
+    decodes = StepFeatures.decodes(contexts)
+    if not chunk:
+        return decodes
+    return StepFeatures(decodes.rows + 1, chunk, decodes.attention + chunk * (position + (chunk + 1) / 2),
+                        decodes.keys + position + chunk)
 
 
 def random_steps(n, seed):
@@ -23,16 +32,16 @@ def random_steps(n, seed):
     for _ in range(n):
         contexts = [rng.randint(10, 2000) for _ in range(rng.randint(1, 16))]
         chunk, position = rng.choice([0, 0, 32, 100, 256, 512]), rng.randint(0, 4000)
-        attention = sum(contexts) + len(contexts) + chunk * (position + (chunk + 1) / 2)
-        steps.append(StepFeatures(len(contexts) + (chunk > 0), chunk, attention))
+        steps.append(step_features(contexts, chunk, position))
     return steps
 
 
-def test_features_of_a_plan_count_rows_prompt_tokens_and_attention_pairs():
+def test_features_of_a_plan_count_rows_prompt_tokens_attention_pairs_and_keys():
     output = SchedulerOutput(step=1, request_ids=("p", "d1", "d2"), num_computed=(100, 7, 30),
                              num_scheduled=(10, 1, 1), num_prefills=1, sampling_rows=(1, 2), preempted_ids=())
     features = StepFeatures.of(output)
-    assert features == StepFeatures(3, 10, 10 * (100 + 5.5) + 8 + 31)
+    assert features == StepFeatures(3, 10, 10 * (100 + 5.5) + 8 + 31, 110 + 8 + 31)
+    assert StepFeatures.decodes([7, 30]) == StepFeatures(2, 0, 8 + 31, 8 + 31)
 
 
 def test_the_fit_recovers_the_cost_of_each_feature():
@@ -56,7 +65,7 @@ def test_steps_of_equal_time_leave_the_prompt_unlimited():
 def test_a_feature_that_would_cost_negative_time_is_dropped():
     model = StepCostModel()
     for features in random_steps(200, seed=2):  # longer chunks slightly faster: noise, not physics
-        model.observe(features, cost(features, (0.1, 0.02, -1e-5, 1e-6)))
+        model.observe(features, cost(features, (0.1, 0.02, -1e-5, 1e-6, 2e-5)))
     assert model.coefficients[2] == 0.0 and all(c >= 0 for c in model.coefficients)
 
 
@@ -67,7 +76,7 @@ def test_old_steps_are_forgotten_when_the_hardware_slows_down():
     slower = tuple(2 * c for c in TRUE)
     for features in random_steps(1500, seed=4):
         model.observe(features, cost(features, slower))
-    probe = StepFeatures(8, 256, 5e5)
+    probe = step_features([1000] * 7, 256, 1500)
     assert model.predict(probe) == pytest.approx(cost(probe, slower), rel=0.02)
 
 
@@ -80,8 +89,7 @@ def test_the_chunk_is_the_largest_within_the_ratio(position):
     chunk = budget.prompt_tokens(contexts, position)
 
     def step(c):
-        attention = sum(contexts) + len(contexts) + c * (position + (c + 1) / 2)
-        return cost(StepFeatures(len(contexts) + (c > 0), c, attention))
+        return cost(step_features(contexts, c, position))
 
     decode_only = step(0)
     assert step(chunk) <= 2.0 * decode_only * (1 + 1e-3) and step(chunk + 2) > 2.0 * decode_only
@@ -93,7 +101,7 @@ def test_a_chunk_never_falls_below_the_floor():
     budget = LatencyBudget(1.5)
     assert budget.prompt_tokens([10], 0) == MIN_CHUNK  # nothing seen yet
     for features in random_steps(300, seed=6):
-        budget.observe(features, cost(features, (0.001, 0.0, 1.0, 0.0)))  # a prompt token costs a whole second
+        budget.observe(features, cost(features, (0.001, 0.0, 1.0, 0.0, 0.0)))  # a prompt token costs a whole second
     assert budget.prompt_tokens([10], 0) == MIN_CHUNK
 
 
@@ -112,14 +120,30 @@ def test_chunks_leave_room_for_how_far_steps_run_over_their_prediction():
     for features in random_steps(100, seed=8):
         budget.observe(features, cost(features))
     contexts = [800] * 8
-    decode_only = cost(StepFeatures(8, 0, sum(contexts) + 8))
+    decode_only = cost(StepFeatures.decodes(contexts))
     over = []
     for step in range(200):
         position = (step * 97) % 3000
         chunk = budget.prompt_tokens(contexts, position)
-        features = StepFeatures(9, chunk, sum(contexts) + 8 + chunk * (position + (chunk + 1) / 2))
+        features = step_features(contexts, chunk, position)
         seconds = cost(features) * rng.uniform(0.85, 1.25)
         budget.observe(features, seconds)
         over.append(seconds > 2.0 * decode_only)
     assert budget.model.overrun > 1.1
     assert sum(over[20:]) <= 0.15 * len(over[20:]), sum(over[20:])
+
+
+def test_a_short_chunk_after_a_long_context_pays_for_reading_it():
+    """Reading the cached context costs the same for any chunk after it: far into a long prompt the
+    chunk shrinks to what the room left after that read allows, and the step stays within the ratio."""
+    budget = LatencyBudget(2.0)
+    reads = (0.1, 0.02, 0.002, 0.0, 4e-5)  # the keys read, not the pairs, cost the attention
+    for features in random_steps(300, seed=9):
+        budget.observe(features, cost(features, reads))
+    contexts = [500] * 8
+    decode_only = cost(StepFeatures.decodes(contexts), reads)
+    near, far = budget.prompt_tokens(contexts, 0), budget.prompt_tokens(contexts, 6000)
+    assert MIN_CHUNK < far < near
+    for position, chunk in ((0, near), (6000, far)):
+        assert cost(step_features(contexts, chunk, position), reads) <= 2.0 * decode_only * (1 + 1e-3)
+        assert cost(step_features(contexts, chunk + 2, position), reads) > 2.0 * decode_only
