@@ -80,14 +80,17 @@ def style_axes(ax, title: str, xlabel: str, ylabel: str | None = None, log_y: bo
 
 
 def format_table(rows: list[dict], columns: list[str]) -> str:
-    widths = [max(len(c), *(len(_fmt(r[c])) for r in rows)) for c in columns]
+    """Rows as a text table; a row without a column shows "-" there."""
+    widths = [max(len(c), *(len(_fmt(r.get(c))) for r in rows)) for c in columns]
     lines = [" | ".join(c.ljust(w) for c, w in zip(columns, widths)),
              "-|-".join("-" * w for w in widths)]
-    lines += [" | ".join(_fmt(r[c]).ljust(w) for c, w in zip(columns, widths)) for r in rows]
+    lines += [" | ".join(_fmt(r.get(c)).ljust(w) for c, w in zip(columns, widths)) for r in rows]
     return "\n".join(lines)
 
 
 def _fmt(value) -> str:
+    if value is None:
+        return "-"
     return f"{value:.1f}" if isinstance(value, float) else str(value)
 
 

@@ -3,8 +3,10 @@
 latency with chunked prefill (each of --budgets as max_num_batched_tokens, under each of --ratios
 as max_itl_ratio: 0 is off) and without it.
 
-    python -m benchmarks.long_prompt [--preset llama-2-7b] [--decodes 31] [--prompts 2048 4096 8192 16384]
-        [--budgets 256 512 1024 2048] [--ratios 0] [--out results/long_prompt]
+    python -m benchmarks.long_prompt [--preset llama-2-7b] [--decodes 31] [--prompts 2048 4096 8192 16384 32768]
+        [--budgets 512] [--ratios 2.0] [--out results/long_prompt]
+
+The defaults are the engine's (a 512-token budget under a 2.0 latency ratio).
 
 One engine (random weights, CUDA graphs, overlapped steps, rank-16 adapters on all 7 projections)
 runs every mode in turn; a mode sets the scheduler's budget, latency budget (a fresh cost model)
@@ -13,7 +15,10 @@ Per mode: the decodes start on 64-token prompts and run until every one has a to
 each long prompt in turn, 20 steps measure the steady inter-token latency (ITL), the prompt is
 added, and steps run until it has its first token and 3 steps more. Reported per prompt: the
 running decodes' ITL p50/p99/max over their tokens between the prompt's arrival and its first
-token, the steady ITL p50 before it, their ratio, and the prompt's time to first token.
+token, the steady ITL p50 before it, their ratio, the prompt's time to first token, the Triton
+kernels compiled meanwhile (`compiles`: 0 on a warmed engine), and with a latency budget, how its
+steps with prompt tokens ran against the cost model's prediction (`over_predicted_p50`/`_p90`: step
+time over prediction, made before the step was fitted) and their chunks (`chunk_p50`).
 
 The first mode is the first long-prompt traffic after start-up (graph capture, then one short
 request per adapter to make the adapters resident): run the command with TRITON_CACHE_DIR set
@@ -26,6 +31,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import math
 import random
 import statistics
 import tempfile
@@ -33,11 +39,12 @@ import time
 from pathlib import Path
 
 import torch
+import triton
 
 from benchmarks.common import format_table, percentile, save_figure, style_axes, warm_up, write_results
 from punica.config import EngineConfig, preset_config
 from punica.engine.sampling_params import SamplingParams
-from punica.engine.step_cost import LatencyBudget
+from punica.engine.step_cost import LatencyBudget, StepFeatures
 from punica.factory import engine_on_model
 from punica.lora.dummy import save_random_adapter
 from punica.models.loader import dummy_model
@@ -47,11 +54,27 @@ AFTER_STEPS = 3
 
 
 class Clock:
-    """Steps the engine, stamping every new token of every request with the time its step returned."""
+    """Steps the engine, stamping every new token of every request with the time its step returned;
+    counts the Triton kernels compiled, and logs each step with prompt tokens that the scheduler's
+    latency budget observes as (chunk tokens, step seconds / predicted seconds)."""
 
     def __init__(self, engine):
         self.engine = engine
         self.stamps: dict[str, list[float]] = {}
+        self.compiled: list[str] = []
+        self.chunk_steps: list[tuple[int, float]] = []
+        scheduler = engine.scheduler
+        observe = scheduler.observe
+
+        def logged_observe(output, seconds):
+            features = StepFeatures.of(output)
+            if scheduler.latency is not None and features.prompt_tokens:
+                predicted = scheduler.latency.model.predict(features)
+                self.chunk_steps.append((features.prompt_tokens, seconds / predicted if predicted > 0 else math.inf))
+            observe(output, seconds)
+
+        scheduler.observe = logged_observe
+        triton.knobs.runtime.jit_post_compile_hook = lambda **kwargs: self.compiled.append(kwargs["fn"].name)
 
     def step(self) -> None:
         outputs = self.engine.step()
@@ -84,7 +107,7 @@ def run_mode(engine, name: str, prompt_lens: list[int], decodes: int, vocab: int
         long_id = engine.add_request([rng.randrange(3, vocab) for _ in range(length)],
                                      SamplingParams(max_tokens=AFTER_STEPS + 2, temperature=0, ignore_eos=True),
                                      f"lora{decodes}")
-        steps = 0
+        steps, compiled, logged = 0, len(clock.compiled), len(clock.chunk_steps)
         while not clock.stamps.get(long_id):
             clock.step()
             steps += 1
@@ -94,11 +117,19 @@ def run_mode(engine, name: str, prompt_lens: list[int], decodes: int, vocab: int
         during = clock.gaps(ids, arrival, first)
         row = {"mode": name, "prompt_tokens": length, "steady_itl_p50_ms": statistics.median(steady),
                "itl_p50_ms": statistics.median(during), "itl_p99_ms": percentile(during, 0.99),
-               "itl_max_ms": max(during), "ttft_ms": 1e3 * (first - arrival), "steps": steps}
+               "itl_max_ms": max(during), "ttft_ms": 1e3 * (first - arrival), "steps": steps,
+               "compiles": len(clock.compiled) - compiled}
         row["p99_over_steady"] = row["itl_p99_ms"] / row["steady_itl_p50_ms"]
+        if chunk_steps := clock.chunk_steps[logged:]:
+            chunks, over = zip(*chunk_steps)
+            row |= {"chunk_p50": statistics.median(chunks), "over_predicted_p50": statistics.median(over),
+                    "over_predicted_p90": percentile(list(over), 0.9)}
         rows.append(row)
         print(f"{name} {length}: ITL p99 {row['itl_p99_ms']:.1f} ms ({row['p99_over_steady']:.2f}x steady "
-              f"{row['steady_itl_p50_ms']:.1f}), max {row['itl_max_ms']:.1f}, TTFT {row['ttft_ms']:.0f} ms", flush=True)
+              f"{row['steady_itl_p50_ms']:.1f}), max {row['itl_max_ms']:.1f}, TTFT {row['ttft_ms']:.0f} ms, "
+              f"{row['compiles']} kernels compiled {sorted(set(clock.compiled[compiled:]))}"
+              + (f", chunk p50 {row['chunk_p50']:.0f}, step / predicted p50 {row['over_predicted_p50']:.2f} "
+                 f"p90 {row['over_predicted_p90']:.2f}" if chunk_steps else ""), flush=True)
     for rid in ids:
         engine.abort(rid)
     while engine.has_unfinished():
@@ -149,9 +180,9 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--preset", default="llama-2-7b")
     parser.add_argument("--decodes", type=int, default=31)
-    parser.add_argument("--prompts", type=int, nargs="+", default=[2048, 4096, 8192, 16384])
-    parser.add_argument("--budgets", type=int, nargs="+", default=[256, 512, 1024, 2048])
-    parser.add_argument("--ratios", type=float, nargs="+", default=[0.0])
+    parser.add_argument("--prompts", type=int, nargs="+", default=[2048, 4096, 8192, 16384, 32768])
+    parser.add_argument("--budgets", type=int, nargs="+", default=[512])
+    parser.add_argument("--ratios", type=float, nargs="+", default=[2.0])
     parser.add_argument("--out", type=Path, default=Path("results/long_prompt"))
     args = parser.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -169,7 +200,7 @@ def main() -> None:
             engine.scheduler.latency = LatencyBudget(ratio) if ratio else None
             rows += run_mode(engine, name, args.prompts, args.decodes, config.vocab_size, rng)
     columns = ["mode", "prompt_tokens", "steady_itl_p50_ms", "itl_p50_ms", "itl_p99_ms", "itl_max_ms",
-               "p99_over_steady", "ttft_ms", "steps"]
+               "p99_over_steady", "ttft_ms", "steps", "compiles", "chunk_p50", "over_predicted_p50"]
     print(format_table(rows, columns))
     device_name = torch.cuda.get_device_name() if device == "cuda" else "cpu"
     meta = {"device": device_name, "preset": args.preset, "decodes": args.decodes, "date": time.strftime("%Y-%m-%d"),
