@@ -27,6 +27,12 @@ the position where the first prompt's chunk starts) for which the predicted step
 overrun, stays within `max_itl_ratio` times the decode-only step of the same decodes, as predicted
 by a second model fitted to decode-only steps alone (what the decodes' steady gaps were: the steps
 with chunks cannot pull it up); never fewer than MIN_CHUNK, so a prompt always advances.
+
+A decode-only step that takes over STALL_RATIO times that model's prediction stalled (the host
+paused between steps: a long prompt added, a garbage collection) and neither model learns from it:
+decode-only steps differ in little but their growing contexts, so one such step would read as a
+steep cost per key and inflate every later prediction. MAX_STALLS of them in a row are no stall but
+the hardware slowing down, and the models learn from them again.
 """
 
 from __future__ import annotations
@@ -44,6 +50,9 @@ NUM_FEATURES = 5
 OVERRUN_WINDOW = 32         # steps with prompt tokens whose overrun is kept
 OVERRUN_QUANTILE = 0.9
 MIN_OVERRUNS = 4            # fewer kept: no correction (1.0)
+STALL_RATIO = 2.0           # a decode-only step this far over its prediction stalled (module docstring)
+MIN_DECODE_STEPS = 8        # decode-only steps seen before any counts as stalled
+MAX_STALLS = 4              # stalls in a row that are the hardware slowing instead
 
 
 @dataclass(frozen=True)
@@ -154,11 +163,18 @@ class LatencyBudget:
         self.max_itl_ratio, self.min_chunk = max_itl_ratio, min_chunk
         self.model = StepCostModel()          # every step
         self.decode_model = StepCostModel()   # decode-only steps
+        self.num_stalls = 0                   # decode-only steps not learned from as stalls, in a row
 
     def observe(self, features: StepFeatures, seconds: float) -> None:
-        self.model.observe(features, seconds)
         if not features.prompt_tokens:
-            self.decode_model.observe(features, seconds)
+            decodes = self.decode_model
+            if (decodes.num_observed >= MIN_DECODE_STEPS and seconds > STALL_RATIO * decodes.predict(features)
+                    and self.num_stalls < MAX_STALLS):
+                self.num_stalls += 1
+                return
+            self.num_stalls = 0
+            decodes.observe(features, seconds)
+        self.model.observe(features, seconds)
 
     def prompt_tokens(self, decode_contexts: list[int], position: int) -> int:
         """The most prompt tokens a step may compute beside decodes at these contexts (tokens cached

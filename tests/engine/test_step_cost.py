@@ -147,3 +147,21 @@ def test_a_short_chunk_after_a_long_context_pays_for_reading_it():
     for position, chunk in ((0, near), (6000, far)):
         assert cost(step_features(contexts, chunk, position), reads) <= 2.0 * decode_only * (1 + 1e-3)
         assert cost(step_features(contexts, chunk + 2, position), reads) > 2.0 * decode_only
+
+
+def test_a_stalled_decode_step_does_not_inflate_the_steady_step():
+    """Decode-only steps whose contexts grow by one a step, one of them 3x its time (the host paused):
+    the steady prediction stays where the others put it; a run of slow steps moves it."""
+    budget = LatencyBudget(2.0)
+    contexts = [500] * 8
+    for step in range(60):
+        features = StepFeatures.decodes([c + step for c in contexts])
+        budget.observe(features, cost(features) * (3.0 if step == 59 else 1.0))
+    probe = StepFeatures.decodes([c + 100 for c in contexts])
+    assert budget.decode_model.predict(probe) == pytest.approx(cost(probe), rel=0.01)
+    assert budget.model.predict(probe) == pytest.approx(cost(probe), rel=0.01)
+    for step in range(60, 260):
+        features = StepFeatures.decodes([c + step for c in contexts])
+        budget.observe(features, 3.0 * cost(features))
+    probe = StepFeatures.decodes([c + 300 for c in contexts])
+    assert budget.decode_model.predict(probe) == pytest.approx(3.0 * cost(probe), rel=0.1)
