@@ -138,8 +138,9 @@ class PageAllocator:
             tokens = request.token_ids[len(digests) * size:num_pages * size]
             assert PENDING not in tokens
             parent = digests[-1] if digests else namespace(request)
+            data, page_bytes = array("q", tokens).tobytes(), size * array("q").itemsize
             for i in range(len(tokens) // size):
-                parent = hashlib.sha256(parent + array("q", tokens[i * size:(i + 1) * size]).tobytes()).digest()
+                parent = hashlib.sha256(parent + data[i * page_bytes:(i + 1) * page_bytes]).digest()
                 digests.append(parent)
         return digests[:num_pages]
 
