@@ -5,12 +5,19 @@ FP8 (an e4m3 cache with one scale per key row, punica.ops.kv_cache): a K tile is
 q's dtype for Q K^T and each score column multiplied by its key's scale; a V tile likewise, its
 scales folded into P's columns before P @ V (the softmax sum takes P unscaled). So each tile
 reads 1-byte elements plus one 4-byte scale per key for K and for V.
+
+Integer arguments that change from step to step (the step's prefill count, the page table's width,
+strides that hold a split count) are not specialized: Triton would compile a variant of a kernel
+the first time one of them is 1 or not a multiple of 16, and an eager step of a new shape (a prompt
+past the CUDA graphs' buckets) would compile while others wait on it.
 """
 
 from __future__ import annotations
 
 import triton
 import triton.language as tl
+
+STEP_VARYING = ["num_prefills", "partition_size", "stride_table"]  # do_not_specialize (module docstring)
 
 
 @triton.jit
@@ -98,7 +105,7 @@ def _prefill_tile(query_start, num_prefills, tile, BLOCK_M: tl.constexpr, MAX_PR
     return request, end - 1 - tile
 
 
-@triton.jit
+@triton.jit(do_not_specialize=STEP_VARYING + ["stride_pm_token", "stride_pm_head"])
 def prefill_kernel(
     q, kv, kv_scales, out, part_acc, part_max, part_sum, page_table, context_lens, query_start, num_prefills, group,
     qk_scale, partition_size, window, softcap,
@@ -178,7 +185,7 @@ def prefill_kernel(
              o.to(out.dtype.element_ty), mask=row_ok[:, None])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits", "stride_pm_token", "stride_pm_head"])
 def prefill_merge_kernel(
     out, part_acc, part_max, part_sum, num_splits,
     stride_o_token, stride_o_head, stride_o_dim,
@@ -202,7 +209,7 @@ def prefill_merge_kernel(
     tl.store(out + token * stride_o_token + head * stride_o_head + dims * stride_o_dim, o.to(out.dtype.element_ty))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=STEP_VARYING + ["stride_pm_request", "stride_pm_head"])
 def decode_partition_kernel(
     q, kv, kv_scales, out, part_acc, part_max, part_sum, page_table, context_lens, query_start, num_prefills,
     group, qk_scale, partition_size, window, softcap,
@@ -265,7 +272,7 @@ def decode_partition_kernel(
              + split * stride_pa_split + dims[None, :] * stride_pa_dim, acc, mask=g_ok[:, None])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_prefills", "partition_size", "stride_pm_request", "stride_pm_head"])
 def decode_merge_kernel(
     out, part_acc, part_max, part_sum, context_lens, query_start, num_prefills, partition_size, window,
     stride_o_token, stride_o_head, stride_o_dim,

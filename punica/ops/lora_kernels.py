@@ -1,5 +1,9 @@
 """The @triton.jit code of the LoRA operators: segment search helpers and the row-wise and tiled
-shrink/expand kernels. Schedules, launch rules and the PDL contract: punica.ops.lora_triton."""
+shrink/expand kernels. Schedules, launch rules and the PDL contract: punica.ops.lora_triton.
+
+The kernels' token and segment counts (and the shrink's K per split) are not specialized: Triton
+would compile a variant the first time one of them is 1 or not a multiple of 16, and an eager step
+of a new shape (one prompt past the CUDA graphs' buckets) would compile while others wait on it."""
 
 import triton
 import triton.language as tl
@@ -77,7 +81,7 @@ def _previous_kernel_done(PDL: tl.constexpr):
         tl.extra.cuda.gdc_launch_dependents()
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_segments", "num_steps"])
 def shrink_rowwise_kernel(
     x, lora_a, v, token_slots, seg_indptr, seg_slots, num_segments, num_steps, h_in, max_rank,
     stride_xt, stride_xk, stride_as, stride_ar, stride_ak, stride_vt, stride_vr,
@@ -117,7 +121,7 @@ def _dora_out_scales(out_scales, dora_slots, slot, cols, h_out, stride_os, strid
     return tl.load(out_scales + slot.to(tl.int64) * stride_os + cols * stride_on, mask=cols < m_end, other=1.0)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_segments", "num_steps"])
 def expand_rowwise_kernel(
     y, v, lora_b, scales, token_scales, out_scales, dora_slots, token_slots, seg_indptr, seg_slots, num_segments,
     num_steps, h_out, max_rank, slice1_start, slice2_start, stride_yt, stride_yn, stride_vt, stride_vr, stride_bs,
@@ -186,7 +190,7 @@ def add_delta_rowwise_kernel(
     tl.store(y_row, out.to(y.dtype.element_ty), mask=col_ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_tokens", "num_segments", "num_steps", "k_per_split"])
 def sgmv_shrink_tile_kernel(
     x, lora_a, v, seg_indptr, seg_slots, num_tokens, num_segments, num_steps, h_in, max_rank,
     k_per_split, stride_xt, stride_xk, stride_as, stride_ar, stride_ak, stride_vt, stride_vr,
@@ -236,7 +240,7 @@ def _expand_tile_slice(delta, v, lora_b, slot, rows, cols, ranks, in_seg, rank_o
     return tl.dot(vt.to(tl.float32), b.to(tl.float32), delta, input_precision=PRECISION)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_tokens", "num_segments", "num_steps"])
 def sgmv_expand_tile_kernel(
     y, v, lora_b, scales, token_scales, out_scales, dora_slots, seg_indptr, seg_slots, num_tokens, num_segments,
     num_steps, h_out, max_rank, slice1_start, slice2_start, stride_yt, stride_yn, stride_vt, stride_vr, stride_bs,
