@@ -24,9 +24,15 @@ was fitted: `overrun` is the OVERRUN_QUANTILE of the last OVERRUN_WINDOW such ra
 
 `LatencyBudget` sizes a step's prompt chunk: with decodes running, the most prompt tokens C (at
 the position where the first prompt's chunk starts) for which the predicted step, times the
-overrun, stays within `max_itl_ratio` times the decode-only step of the same decodes, as predicted
-by a second model fitted to decode-only steps alone (what the decodes' steady gaps were: the steps
-with chunks cannot pull it up); never fewer than MIN_CHUNK, so a prompt always advances.
+overrun, stays within `max_itl_ratio` times the decode-only step of the same decodes (`steady`);
+never fewer than MIN_CHUNK, so a prompt always advances. The steady step is what a second model,
+fitted to decode-only steps alone, gives for the last decode-only step (what the decodes' steady
+gaps were: the steps with chunks cannot pull it up), plus what the first model gives for the
+change from that step's decodes to these. While a prompt runs in chunks there are no decode-only
+steps, and the decodes' contexts grow past every one seen; decode-only steps differ in little but
+their contexts, so the second model's cost per key is whatever noise made it, and extrapolated
+over a long prompt it inflated the steady step 2x. The first model learns the cost of keys from
+chunks at every position.
 
 A decode-only step that takes over STALL_RATIO times that model's prediction stalled (the host
 paused between steps: a long prompt added, a garbage collection) and neither model learns from it:
@@ -164,6 +170,7 @@ class LatencyBudget:
         self.model = StepCostModel()          # every step
         self.decode_model = StepCostModel()   # decode-only steps
         self.num_stalls = 0                   # decode-only steps not learned from as stalls, in a row
+        self._last_decodes: StepFeatures | None = None  # the last decode-only step learned from
 
     def observe(self, features: StepFeatures, seconds: float) -> None:
         if not features.prompt_tokens:
@@ -174,14 +181,22 @@ class LatencyBudget:
                 return
             self.num_stalls = 0
             decodes.observe(features, seconds)
+            self._last_decodes = features
         self.model.observe(features, seconds)
+
+    def steady(self, decodes: StepFeatures) -> float:
+        """The predicted time of this decode-only step (module docstring)."""
+        last, model = self._last_decodes, self.model
+        if last is None:
+            return model.predict(decodes)
+        return self.decode_model.predict(last) + model.predict(decodes) - model.predict(last)
 
     def prompt_tokens(self, decode_contexts: list[int], position: int) -> int:
         """The most prompt tokens a step may compute beside decodes at these contexts (tokens cached
         before the step), its first chunk starting after `position` cached tokens."""
         model = self.model
         decodes = StepFeatures.decodes(decode_contexts)
-        steady = (self.decode_model if self.decode_model.num_observed else model).predict(decodes)
+        steady = self.steady(decodes)
         _, c_rows, c_tokens, c_attention, c_keys = model.coefficients
         # overrun * (model's decodes + c_rows + c_tokens * C + c_attention * C * (position + (C + 1) / 2)
         #   + c_keys * (position + C)) <= ratio * steady

@@ -165,3 +165,26 @@ def test_a_stalled_decode_step_does_not_inflate_the_steady_step():
         budget.observe(features, 3.0 * cost(features))
     probe = StepFeatures.decodes([c + 300 for c in contexts])
     assert budget.decode_model.predict(probe) == pytest.approx(3.0 * cost(probe), rel=0.1)
+
+
+def test_the_steady_step_follows_the_decodes_contexts_by_what_chunks_taught():
+    """Decode-only steps whose time drifts up 4% while their contexts grow by 20 (noise that the
+    decode-only fit reads as a cost per key), then chunks at every position, which show that keys
+    cost nothing: 2,000 tokens of context later the steady step is still the decodes' time, and the
+    chunk stays within the ratio of it."""
+    flat = (0.1, 0.02, 0.002, 1e-6, 0.0)
+    budget = LatencyBudget(2.0)
+    contexts = [500] * 8
+    for step in range(20):
+        features = StepFeatures.decodes([c + step for c in contexts])
+        budget.observe(features, cost(features, flat) * (1 + 0.002 * step))
+    rng = random.Random(10)
+    for _ in range(100):
+        position = rng.randint(0, 8000)
+        features = step_features([c + 20 for c in contexts], rng.choice([32, 100, 256]), position)
+        budget.observe(features, cost(features, flat))
+    later = [c + 2000 for c in contexts]
+    decode_only = cost(StepFeatures.decodes(later), flat)
+    assert budget.steady(StepFeatures.decodes(later)) == pytest.approx(decode_only, rel=0.05)
+    chunk = budget.prompt_tokens(later, 4000)
+    assert cost(step_features(later, chunk, 4000), flat) <= 2.0 * decode_only * 1.05
