@@ -61,6 +61,10 @@ DECODE_PROGRAMS_PER_SM = 4  # decode splits contexts until its programs reach th
 MIN_PARTITION = 256         # fewest tokens a decode partition covers
 PREFILL_PROGRAMS_PER_SM = 2  # prefill splits keys until its programs reach this many per SM
 PREFILL_MIN_PARTITION = 512  # fewest keys a prefill partition covers
+# the prefill kernel reads this many query starts at least to place its tile (MAX_PREFILLS): the
+# CUDA graphs' buckets of 512 tokens and more hold up to 64 prefills, so an eager step of up to 64
+# prompts (one long prompt past the largest bucket) runs a variant their capture compiled
+MIN_PREFILL_SLOTS = 64
 # bf16/fp16 tiles for head_dim <= 128, from the sweep of benchmarks/attention.py (docs/benchmarks.md)
 PREFILL_CONFIG = (128, 64, 8, 3)  # BLOCK_M, BLOCK_N, num_warps, num_stages
 DECODE_CONFIG = (64, 2, 3)        # BLOCK_N, num_warps, num_stages
@@ -169,8 +173,8 @@ def paged_attention_triton(q: torch.Tensor, kv_layer: torch.Tensor, batch: AttnB
             q, kv_layer, scales, out, part_acc, part_max, part_sum, batch.page_table, batch.context_lens,
             batch.query_start, num_prefills, group, qk_scale, partition, window, softcap, *q.stride(), *out.stride(),
             *kv_layer.stride(), *s_strides, batch.page_table.stride(0), *pa_strides, *pm_strides, BLOCK_M=block_m,
-            BLOCK_N=block_n, MAX_PREFILLS=max(16, triton.next_power_of_2(num_prefills)), SPLIT=splits > 1,
-            num_warps=warps, num_stages=stages, **common,
+            BLOCK_N=block_n, MAX_PREFILLS=max(MIN_PREFILL_SLOTS, triton.next_power_of_2(num_prefills)),
+            SPLIT=splits > 1, num_warps=warps, num_stages=stages, **common,
         )
         if splits > 1:
             prefill_merge_kernel[(num_prefill_tokens, num_heads)](
