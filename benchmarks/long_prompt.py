@@ -99,13 +99,13 @@ def run_mode(engine, name: str, prompt_lens: list[int], decodes: int, vocab: int
         clock.step()
     rows = []
     for length in prompt_lens:
+        prompt = [rng.randrange(3, vocab) for _ in range(length)]  # made before the gaps are timed
         steady_start = time.perf_counter()
         for _ in range(STEADY_STEPS):
             clock.step()
         arrival = time.perf_counter()
         steady = clock.gaps(ids, steady_start, arrival)
-        long_id = engine.add_request([rng.randrange(3, vocab) for _ in range(length)],
-                                     SamplingParams(max_tokens=AFTER_STEPS + 2, temperature=0, ignore_eos=True),
+        long_id = engine.add_request(prompt, SamplingParams(max_tokens=AFTER_STEPS + 2, temperature=0, ignore_eos=True),
                                      f"lora{decodes}")
         steps, compiled, logged = 0, len(clock.compiled), len(clock.chunk_steps)
         while not clock.stamps.get(long_id):
