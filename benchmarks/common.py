@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from punica.config import preset_config
 from punica.engine.engine import Engine
 from punica.engine.sampling_params import SamplingParams
 
@@ -108,3 +109,10 @@ def graph_us(calls) -> float:
     us = triton.testing.do_bench(graph.replay, warmup=10, rep=30, return_mode="median") * 1e3 / len(calls)
     del graph
     return us
+
+
+def layer_gemm_shapes(preset: str) -> dict[str, tuple[int, int]]:
+    """(N, K) of each of a layer's four GEMMs, the projections fused as the engine runs them."""
+    c = preset_config(preset)
+    return {"qkv": (c.q_size + 2 * c.kv_size, c.hidden_size), "o": (c.hidden_size, c.q_size),
+            "gate_up": (2 * c.intermediate_size, c.hidden_size), "down": (c.hidden_size, c.intermediate_size)}

@@ -30,7 +30,15 @@ import torch
 import torch.nn.functional as F
 import triton
 
-from benchmarks.common import copy_bandwidth, format_table, graph_us, save_figure, style_axes, write_results
+from benchmarks.common import (
+    copy_bandwidth,
+    format_table,
+    graph_us,
+    layer_gemm_shapes,
+    save_figure,
+    style_axes,
+    write_results,
+)
 from punica.config import preset_config
 from punica.ops.fp8 import dequantize, fp8_linear, fp8_linear_scaled_mm, gemm_path, quantize_per_channel
 from punica.ops.fp8_triton import Fp8Tile, fp8_linear_triton, fp8_tile
@@ -93,9 +101,7 @@ class Weights:
 def shapes(preset: str) -> dict[str, tuple[int, int]]:
     """(N, K) of each fused projection and of lm_head."""
     c = preset_config(preset)
-    return {"qkv": (c.q_size + 2 * c.kv_size, c.hidden_size), "o": (c.hidden_size, c.q_size),
-            "gate_up": (2 * c.intermediate_size, c.hidden_size), "down": (c.hidden_size, c.intermediate_size),
-            "lm_head": (c.vocab_size, c.hidden_size)}
+    return layer_gemm_shapes(preset) | {"lm_head": (c.vocab_size, c.hidden_size)}
 
 
 def plot(rows: list[dict], path: Path, title: str) -> None:

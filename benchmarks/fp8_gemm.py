@@ -21,19 +21,11 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from benchmarks.common import copy_bandwidth, format_table, save_figure, style_axes, write_results
-from punica.config import preset_config
+from benchmarks.common import copy_bandwidth, format_table, layer_gemm_shapes, save_figure, style_axes, write_results
 from punica.ops.fp8 import fp8_linear_scaled_mm, quantize_per_channel
 from punica.ops.fp8_triton import fp8_linear_triton
 
 TOKENS = [1, 2, 4, 8, 16, 32, 48, 64, 96, 128, 256, 512, 1024, 2048]
-
-
-def shapes(preset: str) -> dict[str, tuple[int, int]]:
-    """(N, K) of each fused projection."""
-    c = preset_config(preset)
-    return {"qkv": (c.q_size + 2 * c.kv_size, c.hidden_size), "o": (c.hidden_size, c.q_size),
-            "gate_up": (2 * c.intermediate_size, c.hidden_size), "down": (c.hidden_size, c.intermediate_size)}
 
 
 def main() -> None:
@@ -46,7 +38,7 @@ def main() -> None:
     args = parser.parse_args()
     bandwidth = copy_bandwidth(torch.device("cuda"))
     rows = []
-    for name, (n, k) in shapes(args.preset).items():
+    for name, (n, k) in layer_gemm_shapes(args.preset).items():
         w = torch.randn(n, k, device="cuda") * 0.02
         weight, scales = quantize_per_channel(w)
         block_scales = torch.rand((n + 127) // 128, (k + 127) // 128, device="cuda") * 1e-3
@@ -78,7 +70,7 @@ def main() -> None:
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 4, figsize=(16, 3.5))
-    for ax, name in zip(axes, shapes(args.preset)):
+    for ax, name in zip(axes, layer_gemm_shapes(args.preset)):
         sel = [r for r in rows if r["projection"] == name]
         for key in ("bf16_us", "weight_only_us", "weight_only_block_us", "scaled_mm_us", "weight_floor_us"):
             ax.plot([r["tokens"] for r in sel], [r[key] for r in sel], marker="o", ms=3, label=key[:-3])
