@@ -16,8 +16,11 @@ GEMM-like efficiency of the kernel, and a decode costs its own context.
   Each query head of a KV head is a row of one query block (GQA folded into the query rows).
 * Softcap (Gemma 2): SDPA has none, so a softcapped call runs the reference.
 
-K and V are gathered head-major ([2, Hkv, keys, D]: each head's keys contiguous, as SDPA reads them),
-so the gather is the only copy.
+K and V are gathered a page's K (or V) rows at a time, contiguous blocks of page_size x Hkv x D, and
+handed to SDPA as a strided view [2, Hkv, keys, D] (a key's heads side by side): the gather is the
+only copy, 3x faster than gathering head-major (rows of D elements apart), and SDPA reads the view
+as fast as a contiguous copy (at 3.3k cached tokens, one layer's attention of an 8-token chunk and a
+decode: 2.3 against 2.7 ms on a 2-core CPU).
 
 Isolation: only positions inside a request's context are gathered; a decode group's padding (past
 a context, before a window) is set to zero in K and V and masked, so it contributes exactly
@@ -89,11 +92,11 @@ def decode_groups(context_lens: list[int], window: int = 0,
 
 
 def _gather(kv_layer: torch.Tensor, kv_scales: torch.Tensor | None, pages: torch.Tensor) -> torch.Tensor:
-    """K and V of `pages` [N] in fp32, head-major (each head's keys contiguous, as SDPA reads them):
-    [2, Hkv, N * page_size, D] (K at 0, V at 1)."""
-    values = kv_layer.permute(1, 3, 0, 2, 4)[:, :, pages]  # [2, Hkv, N, page_size, D]
-    scales = None if kv_scales is None else kv_scales.permute(1, 3, 0, 2)[:, :, pages]
-    return dequantize_kv_ref(values, scales).flatten(2, 3)
+    """K and V of `pages` [N] in fp32, as [2, Hkv, N * page_size, D] (K at 0, V at 1): a view of the
+    pages copied whole (the module docstring)."""
+    values = kv_layer.transpose(0, 1)[:, pages]  # [2, N, page_size, Hkv, D]
+    scales = None if kv_scales is None else kv_scales.transpose(0, 1)[:, pages]
+    return dequantize_kv_ref(values, scales).flatten(1, 2).transpose(1, 2)
 
 
 def _prefill_context(kv_layer: torch.Tensor, kv_scales: torch.Tensor | None, page_row: torch.Tensor,
