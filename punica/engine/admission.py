@@ -21,7 +21,7 @@ def checked_prompt(prompt: str | list[int], tokenizer, max_model_len: int | None
         text, token_ids = None, list(prompt)
     if not token_ids:
         raise ValueError("the prompt is empty")
-    if vocab_size is not None and not _ids_below(token_ids, vocab_size):
+    if vocab_size is not None and not ids_in_vocabulary(token_ids, vocab_size):
         raise ValueError(f"prompt token ids must be integers in [0, {vocab_size})")
     if max_model_len is not None and len(token_ids) >= max_model_len:
         raise ValueError(f"the prompt has {len(token_ids)} tokens; this model's context is "
@@ -29,14 +29,14 @@ def checked_prompt(prompt: str | list[int], tokenizer, max_model_len: int | None
     return text, token_ids
 
 
-def _ids_below(token_ids: list, vocab_size: int) -> bool:
-    """Whether every id is an integer in [0, vocab_size): checked at C speed (a 32k-token prompt is
-    checked on the thread that steps the engine)."""
+def ids_in_vocabulary(token_ids: list, vocab_size: int) -> bool:
+    """Whether every id is an integer in [0, vocab_size) (none is): checked at C speed (a 32k-token
+    prompt is checked on the thread that steps the engine, or serves HTTP)."""
     try:
         ids = array("q", token_ids)
     except (TypeError, OverflowError):  # a float, a string, None; an integer past 64 bits
         return False
-    return min(ids) >= 0 and max(ids) < vocab_size
+    return not ids or (min(ids) >= 0 and max(ids) < vocab_size)
 
 
 def check_lora_scale(params: SamplingParams, adapter: str | None, adapters: AdapterManager) -> None:

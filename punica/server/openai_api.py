@@ -16,6 +16,7 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from punica.engine.admission import ids_in_vocabulary
 from punica.engine.constraint import GrammarError
 from punica.engine.engine import RequestOutput
 from punica.engine.sampling_params import SamplingParams
@@ -93,7 +94,7 @@ class OpenAIHandlers:
                 if self.prompt_bound is None:
                     raise ProtocolError("this model has no tokenizer: send the prompt as token ids", param="prompt")
                 self.prompt_bound.check(len(prompt.encode()), self.state.max_model_len, "prompt")
-            elif not all(0 <= t < vocab_size for t in prompt):
+            elif not ids_in_vocabulary(prompt, vocab_size):
                 # checked here, not only by the engine: a later prompt of the request goes in after
                 # the response has started
                 raise ProtocolError(f"prompt token ids must be integers in [0, {vocab_size})", param="prompt")

@@ -2,7 +2,7 @@
 
 import pytest
 
-from punica.engine.admission import checked_prompt
+from punica.engine.admission import checked_prompt, ids_in_vocabulary
 
 
 def test_token_ids_within_the_vocabulary_pass_as_given():
@@ -21,3 +21,8 @@ def test_an_empty_or_too_long_prompt_is_refused():
         checked_prompt([], None, 10, vocab_size=100)
     with pytest.raises(ValueError, match="has 10 tokens"):
         checked_prompt([1] * 10, None, 10, vocab_size=100)
+
+
+def test_no_ids_are_all_in_the_vocabulary():
+    assert ids_in_vocabulary([], 100)
+    assert not ids_in_vocabulary([100], 100) and ids_in_vocabulary([0, 99], 100)
