@@ -91,8 +91,9 @@ class Clock:
         return gaps
 
 
-def run_mode(engine, name: str, prompt_lens: list[int], decodes: int, vocab: int, rng: random.Random) -> list[dict]:
-    clock = Clock(engine)
+def run_mode(clock: Clock, name: str, prompt_lens: list[int], decodes: int, vocab: int,
+             rng: random.Random) -> list[dict]:
+    engine = clock.engine
     params = SamplingParams(max_tokens=100_000, temperature=0, ignore_eos=True)
     ids = [engine.add_request([rng.randrange(3, vocab) for _ in range(64)], params, f"lora{i}") for i in range(decodes)]
     while any(len(clock.stamps.get(rid, [])) == 0 for rid in ids):
@@ -195,10 +196,11 @@ def main() -> None:
         print(f"start-up (weights, graphs, adapters) {time.perf_counter() - start:.1f} s", flush=True)
         modes = [(f"chunked {b}" + (f", max_itl_ratio {r}" if r else ""), True, b, r)
                  for r in args.ratios for b in args.budgets] + [("unchunked", False, max(args.prompts), 0)]
+        clock = Clock(engine)  # one per engine: it wraps the scheduler's observe
         for name, chunked, budget, ratio in modes:
             engine.scheduler.chunked_prefill, engine.scheduler.max_num_batched_tokens = chunked, budget
             engine.scheduler.latency = LatencyBudget(ratio) if ratio else None
-            rows += run_mode(engine, name, args.prompts, args.decodes, config.vocab_size, rng)
+            rows += run_mode(clock, name, args.prompts, args.decodes, config.vocab_size, rng)
     columns = ["mode", "prompt_tokens", "steady_itl_p50_ms", "itl_p50_ms", "itl_p99_ms", "itl_max_ms",
                "p99_over_steady", "ttft_ms", "steps", "compiles", "chunk_p50", "over_predicted_p50"]
     print(format_table(rows, columns))
