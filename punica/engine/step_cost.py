@@ -28,17 +28,16 @@ overrun, stays within `max_itl_ratio` times the decode-only step of the same dec
 never fewer than MIN_CHUNK, so a prompt always advances. The steady step is what a second model,
 fitted to decode-only steps alone, gives for the last decode-only step (what the decodes' steady
 gaps were: the steps with chunks cannot pull it up), plus what the first model gives for the
-change from that step's decodes to these. While a prompt runs in chunks there are no decode-only
-steps, and the decodes' contexts grow past every one seen; decode-only steps differ in little but
-their contexts, so the second model's cost per key is whatever noise made it, and extrapolated
-over a long prompt it inflated the steady step 2x. The first model learns the cost of keys from
-chunks at every position.
+change from that step's decodes to these. Decode-only steps differ in little but their growing
+contexts, so the second model's cost per key is whatever noise made it; while a prompt runs in
+chunks there are no decode-only steps and the decodes' contexts grow past every one seen, and
+extrapolated that far the noise grew the steady step with every chunk (0.05 ms a step over a 16k
+prompt on the H200). The first model learns the cost of keys from chunks at every position.
 
 A decode-only step that takes over STALL_RATIO times that model's prediction stalled (the host
 paused between steps: a long prompt added, a garbage collection) and neither model learns from it:
-decode-only steps differ in little but their growing contexts, so one such step would read as a
-steep cost per key and inflate every later prediction. MAX_STALLS of them in a row are no stall but
-the hardware slowing down, and the models learn from them again.
+for the same reason, one such step would read as a steep cost per key. MAX_STALLS of them in a row
+are no stall but the hardware slowing down, and the models learn from them again.
 """
 
 from __future__ import annotations

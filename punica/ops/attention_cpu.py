@@ -19,8 +19,9 @@ GEMM-like efficiency of the kernel, and a decode costs its own context.
 K and V are gathered a page's K (or V) rows at a time, contiguous blocks of page_size x Hkv x D, and
 handed to SDPA as a strided view [2, Hkv, keys, D] (a key's heads side by side): the gather is the
 only copy, 3x faster than gathering head-major (rows of D elements apart), and SDPA reads the view
-as fast as a contiguous copy (at 3.3k cached tokens, one layer's attention of an 8-token chunk and a
-decode: 2.3 against 2.7 ms on a 2-core CPU).
+about as fast as a contiguous copy (at 3.3k cached tokens, one layer's attention of an 8-token chunk
+and a decode: 1.6 against 2.6 ms with the head-major gather on a 2-core CPU, the fastest of 8
+interleaved rounds).
 
 Isolation: only positions inside a request's context are gathered; a decode group's padding (past
 a context, before a window) is set to zero in K and V and masked, so it contributes exactly
