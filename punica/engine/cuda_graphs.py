@@ -218,6 +218,12 @@ class CudaGraphs:
                 self.graphs[key] = graph
         torch.cuda.synchronize(device)
 
+    @property
+    def chunk_sizes(self) -> tuple[int, ...]:
+        """The prompt tokens of the mixed buckets, smallest first: a step's prompt tokens run at the
+        first size that holds them (besides their requests' padding, which every bucket has room for)."""
+        return tuple(b.bucket.prefill_tokens - b.bucket.num_prefills + 1 for b in self.batches if b.bucket.num_prefills)
+
     def run(self, step: StepInput) -> torch.Tensor | None:
         """Logits [step.num_requests, V] float32 from the smallest bucket that fits the step, or None
         when none does (the caller runs it eagerly)."""

@@ -37,6 +37,7 @@ class Executor(Protocol):
     adapter_slots: AdapterSlots
     can_feed_sampled: bool        # runs steps whose tokens the previous step sampled on the device
     device: torch.device          # where the model runs (rank 0's under tensor parallelism)
+    chunk_sizes: tuple[int, ...]  # the prompt tokens steps compute, by size (ModelRunner.chunk_sizes)
 
     def run(self, step: StepInput) -> torch.Tensor:
         """Logits [step.num_logits.sum(), V] float32 on the device of the sampler (ModelRunner.run)."""
@@ -58,6 +59,7 @@ class LocalExecutor:
         self.num_pages = worker.num_pages
         self.adapter_slots = worker.pool
         self.device = worker.device
+        self.chunk_sizes = worker.runner.chunk_sizes
 
     def run(self, step: StepInput) -> torch.Tensor:
         return self.worker.runner.run(step)

@@ -52,6 +52,12 @@ class ModelRunner:
             log.info("captured CUDA graphs of %d batch shapes in %.1f s", len(self.graphs.batches),
                      time.perf_counter() - start)
 
+    @property
+    def chunk_sizes(self) -> tuple[int, ...]:
+        """The prompt tokens a step computes when it replays a graph (CudaGraphs.chunk_sizes); ()
+        when every step runs eagerly, computing just its own."""
+        return self.graphs.chunk_sizes if self.graphs is not None else ()
+
     def keep_sampled(self, tokens: torch.Tensor) -> None:
         """Keep a step's sampled tokens [num_requests] on the device, for the next step's `fed` rows."""
         self.sampled[:len(tokens)].copy_(tokens)

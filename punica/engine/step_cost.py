@@ -18,9 +18,8 @@ ridge pulls every coefficient but c0 toward 0: what the steps seen so far cannot
 two prompt sizes, a chunk's fixed cost from its per-token cost) is put on the features that did
 vary, and steps that all take the same time give c0 alone (no limit).
 
-What a linear model misses (a chunk padded to the CUDA-graph bucket that runs it, a slow step now
-and then) shows in how far steps with prompt tokens run over their prediction, made before each
-was fitted: `overrun` is the OVERRUN_QUANTILE of the last OVERRUN_WINDOW such ratios.
+What a linear model misses (a bucket's padding requests, a slow step now and then) shows in how
+far steps with prompt tokens run over their prediction, made before each was fitted: `overrun` is the OVERRUN_QUANTILE of the last OVERRUN_WINDOW such ratios.
 
 `LatencyBudget` sizes a step's prompt chunk: with decodes running, the most prompt tokens C (at
 the position where the first prompt's chunk starts) for which the predicted step, times the
@@ -34,6 +33,14 @@ chunks there are no decode-only steps and the decodes' contexts grow past every 
 extrapolated that far the noise grew the steady step with every chunk (0.05 ms a step over a 16k
 prompt on the H200). The first model learns the cost of keys from chunks at every position.
 
+A step that replays a CUDA graph computes its bucket's prompt tokens whatever its chunk
+(`chunk_sizes`, punica.engine.cuda_graphs): a chunk one token past a size runs in the next bucket
+and costs what that size costs (129 tokens run as 256). So the model counts a step's prompt tokens
+as the size that ran them, and a chunk that fits a size is the most tokens that its size's step,
+prompt tokens padded, has room for. When not even the smallest size has room (far into a long
+prompt, where reading its context takes most of the room), the chunk is that size whole: fewer
+tokens would cost the same step.
+
 A decode-only step that takes over STALL_RATIO times that model's prediction stalled (the host
 paused between steps: a long prompt added, a garbage collection) and neither model learns from it:
 for the same reason, one such step would read as a steep cost per key. MAX_STALLS of them in a row
@@ -44,7 +51,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from punica.engine.scheduler_output import SchedulerOutput
 
@@ -163,16 +170,23 @@ class StepCostModel:
 class LatencyBudget:
     """The prompt tokens of a step beside running decodes (module docstring)."""
 
-    def __init__(self, max_itl_ratio: float, min_chunk: int = MIN_CHUNK):
+    def __init__(self, max_itl_ratio: float, min_chunk: int = MIN_CHUNK, chunk_sizes: tuple[int, ...] = ()):
         assert max_itl_ratio > 1.0, max_itl_ratio
         self.max_itl_ratio, self.min_chunk = max_itl_ratio, min_chunk
+        self.chunk_sizes = tuple(sorted(chunk_sizes))  # the prompt tokens steps compute (module docstring)
         self.model = StepCostModel()          # every step
         self.decode_model = StepCostModel()   # decode-only steps
         self.num_stalls = 0                   # decode-only steps not learned from as stalls, in a row
         self._last_decodes: StepFeatures | None = None  # the last decode-only step learned from
 
+    def padded(self, prompt_tokens: int) -> int:
+        """The prompt tokens a step of this many computes: the smallest chunk size that holds them."""
+        return next((size for size in self.chunk_sizes if size >= prompt_tokens), prompt_tokens)
+
     def observe(self, features: StepFeatures, seconds: float) -> None:
-        if not features.prompt_tokens:
+        if features.prompt_tokens:
+            features = replace(features, prompt_tokens=self.padded(features.prompt_tokens))
+        else:
             decodes = self.decode_model
             if (decodes.num_observed >= MIN_DECODE_STEPS and seconds > STALL_RATIO * decodes.predict(features)
                     and self.num_stalls < MAX_STALLS):
@@ -195,16 +209,23 @@ class LatencyBudget:
         before the step), its first chunk starting after `position` cached tokens."""
         model = self.model
         decodes = StepFeatures.decodes(decode_contexts)
-        steady = self.steady(decodes)
         _, c_rows, c_tokens, c_attention, c_keys = model.coefficients
-        # overrun * (model's decodes + c_rows + c_tokens * C + c_attention * C * (position + (C + 1) / 2)
-        #   + c_keys * (position + C)) <= ratio * steady
-        room = self.max_itl_ratio * steady / model.overrun - model.predict(decodes) - c_rows - c_keys * position
-        a, b = c_attention / 2, c_tokens + c_attention * (position + 0.5) + c_keys
-        if room <= 0.0:
-            chunk = 0.0
-        elif a > 0.0:
-            chunk = (-b + math.sqrt(b * b + 4 * a * room)) / (2 * a)
-        else:
-            chunk = room / b if b > 0.0 else math.inf
+        # overrun * (model's decodes + c_rows + c_tokens * T + c_attention * C * (position + (C + 1) / 2)
+        #   + c_keys * (position + C)) <= ratio * steady, for a chunk of C tokens that runs as T
+        room = (self.max_itl_ratio * self.steady(decodes) / model.overrun - model.predict(decodes) - c_rows
+                - c_keys * position)
+        a, b = c_attention / 2, c_attention * (position + 0.5) + c_keys
+
+        def most(room: float, per_token: float) -> float:
+            """The largest C with a * C^2 + (b + per_token) * C <= room."""
+            if room <= 0.0:
+                return 0.0
+            if a > 0.0:
+                return (-(b + per_token) + math.sqrt((b + per_token) ** 2 + 4 * a * room)) / (2 * a)
+            return room / (b + per_token) if b + per_token > 0.0 else math.inf
+
+        chunk = most(room, c_tokens)  # T = C
+        sizes = self.chunk_sizes
+        if sizes and chunk <= sizes[-1]:  # T = the size that runs it; at least the smallest size
+            chunk = max(sizes[0], *(min(size, most(room - c_tokens * size, 0.0)) for size in sizes))
         return max(self.min_chunk, int(min(chunk, 1 << 30)))

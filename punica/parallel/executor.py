@@ -78,6 +78,7 @@ class TensorParallelExecutor:
         self.num_pages = worker.num_pages
         self.adapter_slots = ShardingPool(worker.pool, workers, full_config)
         self.device = worker.device
+        self.chunk_sizes = worker.runner.chunk_sizes
 
     def run(self, step: StepInput) -> torch.Tensor:
         assert not step.any_fed, "a tensor-parallel step reads every token from the host"

@@ -188,3 +188,45 @@ def test_the_steady_step_follows_the_decodes_contexts_by_what_chunks_taught():
     assert budget.steady(StepFeatures.decodes(later)) == pytest.approx(decode_only, rel=0.05)
     chunk = budget.prompt_tokens(later, 4000)
     assert cost(step_features(later, chunk, 4000), flat) <= 2.0 * decode_only * 1.05
+
+
+SIZES = (32, 64, 128, 256, 512)  # the prompt tokens of a GPU's CUDA-graph buckets
+
+
+def bucketed(features):
+    """What a step runs when its prompt tokens are padded to the next of SIZES (none past the last)."""
+    padded = next((size for size in SIZES if size >= features.prompt_tokens), features.prompt_tokens)
+    return StepFeatures(features.rows, padded if features.prompt_tokens else 0, features.attention, features.keys)
+
+
+def test_chunks_are_cut_to_what_their_bucket_size_has_room_for():
+    """Steps cost their bucket's prompt tokens: the chunk is the most tokens whose step, padded to its
+    size, stays within the ratio; no longer chunk does (one past a size costs the next size)."""
+    budget = LatencyBudget(2.0, chunk_sizes=SIZES)
+    rng = random.Random(11)
+    for features in random_steps(300, seed=12):
+        features = step_features([500] * 8, rng.randint(1, 700), rng.randint(0, 4000)) if features.prompt_tokens \
+            else features
+        budget.observe(features, cost(bucketed(features)))
+    for contexts, position in (([500] * 8, 0), ([500] * 8, 3000), ([2000] * 16, 0)):
+        decode_only = cost(StepFeatures.decodes(contexts))
+        chunk = budget.prompt_tokens(contexts, position)
+
+        def step(c):
+            return cost(bucketed(step_features(contexts, c, position)))
+
+        assert step(chunk) <= 2.0 * decode_only * (1 + 1e-3), (chunk, contexts, position)
+        assert all(step(c) > 2.0 * decode_only for c in range(chunk + 1, 700)), (chunk, contexts, position)
+
+
+def test_chunks_past_the_largest_size_are_not_padded_and_none_is_under_the_smallest():
+    """Past the largest size steps run eagerly, computing their own tokens; under the smallest size a
+    chunk costs that size whatever it holds, so it takes the size whole."""
+    budget = LatencyBudget(2.0, chunk_sizes=SIZES)
+    assert budget.padded(129) == 256 and budget.padded(512) == 512 and budget.padded(600) == 600
+    for features in random_steps(300, seed=13):
+        budget.observe(features, cost(features, (0.1, 0.02, 0.00002, 0.0, 0.0)))  # cheap prompt tokens
+    assert budget.prompt_tokens([500] * 8, 0) > SIZES[-1]
+    for features in random_steps(300, seed=14):
+        budget.observe(features, cost(features, (0.001, 0.0, 1.0, 0.0, 0.0)))  # a prompt token costs a whole second
+    assert budget.prompt_tokens([10], 0) == SIZES[0]
