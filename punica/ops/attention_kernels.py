@@ -219,12 +219,12 @@ def decode_partition_kernel(
     stride_pa_request, stride_pa_head, stride_pa_split, stride_pa_dim,
     stride_pm_request, stride_pm_head, stride_pm_split,
     HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_G: tl.constexpr,
-    BLOCK_N: tl.constexpr, SINGLE_SPLIT: tl.constexpr, SLIDING: tl.constexpr, SOFTCAP: tl.constexpr,
+    BLOCK_N: tl.constexpr, SLIDING: tl.constexpr, SOFTCAP: tl.constexpr,
     UPCAST: tl.constexpr, PRECISION: tl.constexpr, FP8: tl.constexpr,
 ):
-    """One partition of one decode request and KV head: its partial output and statistics, or
-    with SINGLE_SPLIT (one partition covers every context) the normalised output itself. Under a
-    sliding window the query sees keys context_len - window .. context_len - 1: the partitions
+    """One partition of one decode request and KV head: its partial output and statistics, or,
+    when one partition holds the request's whole context, the normalised output itself (the merge
+    skips that request; with one split no partial buffers exist). Under a sliding window the query sees keys context_len - window .. context_len - 1: the partitions
     wholly before them exit, and the one it starts in begins there (the merge skips the former)."""
     decode, kv_head_index, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     request = num_prefills + decode
@@ -260,7 +260,7 @@ def decode_partition_kernel(
                         softcap, stride_kv_page, stride_kv_kv, stride_kv_token, stride_kv_dim,
                         stride_s_page, stride_s_kv, stride_s_token,
                         HEAD_DIM, PAGE_SIZE, BLOCK_N, True, False, SOFTCAP, UPCAST, PRECISION, False, FP8)
-    if SINGLE_SPLIT:
+    if context_len <= partition_size:
         o = acc / l[:, None]
         tl.store(out + token * stride_o_token + heads[:, None] * stride_o_head + dims[None, :] * stride_o_dim,
                  o.to(out.dtype.element_ty), mask=g_ok[:, None])
@@ -283,6 +283,8 @@ def decode_merge_kernel(
     decode, head = tl.program_id(0), tl.program_id(1)
     request = num_prefills + decode
     context_len = tl.load(context_lens + request)
+    if context_len <= partition_size:  # one partition: it wrote the output
+        return
     num_used = tl.cdiv(context_len, partition_size)
     splits = tl.arange(0, BLOCK_S)
     used = splits < num_used

@@ -33,8 +33,7 @@ for sliding, softcap, fp8 in ((False, False, False), (False, True, False), (True
     flags = dict(SLIDING=sliding, SOFTCAP=softcap, FP8=fp8)
     for split in (False, True):
         compile_ttir(k.prefill_kernel, common | flags | dict(BLOCK_M=128, MAX_PREFILLS=16, SPLIT=split), types)
-    for single in (False, True):
-        compile_ttir(k.decode_partition_kernel, common | flags | dict(BLOCK_G=16, SINGLE_SPLIT=single), types)
+    compile_ttir(k.decode_partition_kernel, common | flags | dict(BLOCK_G=16), types)
     compile_ttir(k.decode_merge_kernel, dict(HEAD_DIM=128, BLOCK_S=4, SLIDING=sliding), types)
 compile_ttir(k.prefill_merge_kernel, dict(HEAD_DIM=128, BLOCK_S=16), types)
 for fp8 in (False, True):
