@@ -16,12 +16,12 @@ GEMM-like efficiency of the kernel, and a decode costs its own context.
   Each query head of a KV head is a row of one query block (GQA folded into the query rows).
 * Softcap (Gemma 2): SDPA has none, so a softcapped call runs the reference.
 
-K and V are gathered a page's K (or V) rows at a time, contiguous blocks of page_size x Hkv x D, and
-handed to SDPA as a strided view [2, Hkv, keys, D] (a key's heads side by side): the gather is the
-only copy, 3x faster than gathering head-major (rows of D elements apart), and SDPA reads the view
-about as fast as a contiguous copy (at 3.3k cached tokens, one layer's attention of an 8-token chunk
-and a decode: 1.6 against 2.6 ms with the head-major gather on a 2-core CPU, the fastest of 8
-interleaved rounds).
+K and V are gathered a page's K (or V) rows at a time, contiguous blocks of page_size x Hkv x D, by
+one index_select a plane, and handed to SDPA as a strided view [2, Hkv, keys, D] (a key's heads side
+by side): the gather is the only copy, and SDPA reads the view about as fast as a contiguous copy.
+At 3.3k cached tokens, one layer's attention of an 8-token chunk and a decode on a 2-core CPU (the
+fastest of 8 interleaved rounds): 1.2-1.3 ms, of which the gather takes 0.1 and SDPA 0.75; 1.7 ms
+gathering by advanced indexing, 2.6 ms gathering head-major (rows of D elements apart).
 
 Isolation: only positions inside a request's context are gathered; a decode group's padding (past
 a context, before a window) is set to zero in K and V and masked, so it contributes exactly
@@ -92,11 +92,20 @@ def decode_groups(context_lens: list[int], window: int = 0,
     return groups
 
 
+def _select_pages(x: torch.Tensor, pages: torch.Tensor) -> torch.Tensor:
+    """x [num_pages, 2, ...] at `pages` [N], as [2, N, ...]: x.transpose(0, 1)[:, pages], by one
+    index_select a plane (whole pages, contiguous blocks: 7x faster than that indexing on 2 cores)."""
+    out = x.new_empty((2, len(pages)) + x.shape[2:])
+    for plane in range(2):
+        torch.index_select(x[:, plane], 0, pages, out=out[plane])
+    return out
+
+
 def _gather(kv_layer: torch.Tensor, kv_scales: torch.Tensor | None, pages: torch.Tensor) -> torch.Tensor:
     """K and V of `pages` [N] in fp32, as [2, Hkv, N * page_size, D] (K at 0, V at 1): a view of the
     pages copied whole (the module docstring)."""
-    values = kv_layer.transpose(0, 1)[:, pages]  # [2, N, page_size, Hkv, D]
-    scales = None if kv_scales is None else kv_scales.transpose(0, 1)[:, pages]
+    values = _select_pages(kv_layer, pages)  # [2, N, page_size, Hkv, D]
+    scales = None if kv_scales is None else _select_pages(kv_scales, pages)
     return dequantize_kv_ref(values, scales).flatten(1, 2).transpose(1, 2)
 
 
