@@ -19,7 +19,8 @@ two prompt sizes, a chunk's fixed cost from its per-token cost) is put on the fe
 vary, and steps that all take the same time give c0 alone (no limit).
 
 What a linear model misses (a bucket's padding requests, a slow step now and then) shows in how
-far steps with prompt tokens run over their prediction, made before each was fitted: `overrun` is the OVERRUN_QUANTILE of the last OVERRUN_WINDOW such ratios.
+far steps with prompt tokens run over their prediction, made before each was fitted: `overrun` is
+the OVERRUN_QUANTILE of the last OVERRUN_WINDOW such ratios.
 
 `LatencyBudget` sizes a step's prompt chunk: with decodes running, the most prompt tokens C (at
 the position where the first prompt's chunk starts) for which the predicted step, times the

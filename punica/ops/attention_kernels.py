@@ -224,8 +224,9 @@ def decode_partition_kernel(
 ):
     """One partition of one decode request and KV head: its partial output and statistics, or,
     when one partition holds the request's whole context, the normalised output itself (the merge
-    skips that request; with one split no partial buffers exist). Under a sliding window the query sees keys context_len - window .. context_len - 1: the partitions
-    wholly before them exit, and the one it starts in begins there (the merge skips the former)."""
+    skips that request; with one split no partial buffers exist). Under a sliding window the query
+    sees keys context_len - window .. context_len - 1: the partitions wholly before them exit, and
+    the one it starts in begins there (the merge skips the former)."""
     decode, kv_head_index, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     request = num_prefills + decode
     context_len = tl.load(context_lens + request)

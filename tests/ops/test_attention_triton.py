@@ -156,7 +156,8 @@ def test_sliding_window_reference_sees_only_the_window():
 
 def test_decode_partition_policy():
     """Splits until the programs fill the SMs, never below MIN_PARTITION tokens, and into partitions
-    of at most MAX_PARTITION tokens up to MAX_SPLITS of them; partitions are whole key tiles and cover the context bound."""
+    of at most MAX_PARTITION tokens up to MAX_SPLITS of them; partitions are whole key tiles and
+    cover the context bound."""
     sms = num_sms(torch.device(DEVICE))
     for num_decodes, num_kv_heads, max_context in [(1, 1, 4096), (1, 8, 512), (64, 32, 4096), (2, 2, 100)]:
         partition, splits = kernels.decode_partition(num_decodes, num_kv_heads, max_context, 64,
