@@ -59,11 +59,28 @@ def test_skinny_tile_only_for_few_half_precision_rows_of_large_weights():
     assert skinny_tile(1, 576, 576, torch.bfloat16) is None
 
 
-def test_linear_on_cpu_is_f_linear():
-    gen = torch.Generator().manual_seed(1)
-    x, weight = torch.randn(3, 20, generator=gen), torch.randn(7, 20, generator=gen)
-    bias = torch.randn(7, generator=gen)
-    assert torch.equal(ops.linear(x, weight, bias), F.linear(x, weight, bias))
+@pytest.mark.parametrize("rows", [0, 1, 2, ops.MAX_CPU_SKINNY_ROWS, ops.MAX_CPU_SKINNY_ROWS + 1, 33])
+def test_linear_on_cpu_is_f_linear(rows):
+    """Exactly F.linear past MAX_CPU_SKINNY_ROWS fp32 rows (and in bf16); up to it, W @ x^T: F.linear
+    up to the summation order, with and without bias."""
+    gen = torch.Generator().manual_seed(rows)
+    x, weight = torch.randn(rows, 200, generator=gen), torch.randn(70, 200, generator=gen)
+    bias = torch.randn(70, generator=gen)
+    for b in (None, bias):
+        out = ops.linear(x, weight, b)
+        assert out.shape == (rows, 70) and out.dtype == torch.float32 and out.is_contiguous()
+        if rows > ops.MAX_CPU_SKINNY_ROWS:
+            assert torch.equal(out, F.linear(x, weight, b))
+        else:
+            torch.testing.assert_close(out, F.linear(x, weight, b), rtol=1e-5, atol=1e-5)
+        half = x.bfloat16(), weight.bfloat16(), None if b is None else b.bfloat16()
+        assert torch.equal(ops.linear(*half), F.linear(*half))
+
+
+def test_one_cpu_row_runs_as_the_first_of_two_equal_rows():
+    gen = torch.Generator().manual_seed(3)
+    x, weight = torch.randn(1, 64, generator=gen), torch.randn(48, 64, generator=gen)
+    assert torch.equal(ops.linear(x, weight), ops.linear(x.repeat(2, 1), weight)[:1])
 
 
 # ---- GPU, a 7B model's shapes -------------------------------------------------------------
