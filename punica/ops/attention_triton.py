@@ -63,8 +63,8 @@ from punica.ops.triton_env import interpreting, num_sms
 LOG2E = 1.4426950408889634
 DECODE_PROGRAMS_PER_SM = 4  # decode splits contexts until its programs reach this many per SM
 MIN_PARTITION = 256         # fewest tokens a decode partition covers
-MAX_PARTITION = 2048        # most tokens a decode partition covers (a long context beside short ones),
-MAX_SPLITS = 16             # unless that takes more splits than this: each costs every request programs
+MAX_PARTITION = 2048        # most tokens a decode partition covers (a long context beside short ones)
+MAX_SPLITS = 16             # most splits that bound asks for: a split adds a program per request and KV head
 # the decode merge reads at least MAX_SPLITS partitions' statistics, so that an eager step (past the
 # CUDA graphs' buckets, its page table as wide as its longest context) takes the variant that the
 # graphs' capture compiled, whatever its split count up to MAX_SPLITS
