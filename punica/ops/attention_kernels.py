@@ -1,10 +1,10 @@
 """The Triton kernels of paged attention; their schedules, and the launches that pick them:
 punica.ops.attention_triton.
 
-FP8 (an e4m3 cache with one scale per key row, punica.ops.kv_cache): a K tile is converted to
-q's dtype for Q K^T and each score column multiplied by its key's scale; a V tile likewise, its
-scales folded into P's columns before P @ V (the softmax sum takes P unscaled). So each tile
-reads 1-byte elements plus one 4-byte scale per key for K and for V.
+FP8 (an e4m3 cache with one scale per key row, punica.ops.kv_cache): a K tile is widened to
+q's dtype (punica.ops.fp8_widen_triton) for Q K^T and each score column multiplied by its key's
+scale; a V tile likewise, its scales folded into P's columns before P @ V (the softmax sum takes P
+unscaled). So each tile reads 1-byte elements plus one 4-byte scale per key for K and for V.
 
 Integer arguments that change from step to step (the step's prefill count, the page table's width,
 strides that hold a split count) are not specialized: Triton would compile a variant of a kernel
@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import triton
 import triton.language as tl
+
+from punica.ops.fp8_widen_triton import widen_e4m3
 
 STEP_VARYING = ["num_prefills", "partition_size", "stride_table"]  # do_not_specialize (module docstring)
 
@@ -61,8 +63,8 @@ def _attend(acc, m, l, qt, kv_head, scale_head, pages_row, lo, hi, query_pos, wi
             else:
                 k_scale = tl.load(scale_ptrs)
                 v_scale = tl.load(scale_ptrs + stride_s_kv)
-            kt = kt.to(qt.dtype)
-            vt = vt.to(qt.dtype)
+            kt = widen_e4m3(kt, qt.dtype)
+            vt = widen_e4m3(vt, qt.dtype)
         elif UPCAST:
             kt = kt.to(tl.float32)
             vt = vt.to(tl.float32)

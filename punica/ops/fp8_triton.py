@@ -1,15 +1,15 @@
 """The weight-only fp8 GEMM in Triton; semantics: punica.ops.fp8.fp8_linear.
 
-One program per (BLOCK_M tokens, BLOCK_N output features) tile loops over K in BLOCK_K steps:
-it loads x's tile in its dtype and the weight's [BLOCK_K, BLOCK_N] tile as e4m3 (one byte per
-element: decode is bound by these bytes), widens the weight to x's dtype (exact: every e4m3
-value is a bf16/fp16 value) and accumulates the tile product in fp32. Per-channel scales
-multiply the accumulator once at the end; block scales multiply each K step's partial product
-by the scales of its K block (BLOCK_K divides B1, so a K step lies in one block), one per output
-feature of the tile. Bias and the rounding to x's dtype come last. With a split over K (for
-grids too small to fill the SMs), each program covers one K slice and writes its fp32 partial;
-a second kernel sums the slices in order (no atomics: the same result on every run), then
-applies the per-channel scales, the bias and the rounding.
+One program per (BLOCK_M tokens, BLOCK_N output features) tile loops over K in BLOCK_K steps: it
+loads x's tile in its dtype and the weight's [BLOCK_K, BLOCK_N] tile as e4m3 (one byte per element:
+decode is bound by these bytes), widens the weight to x's dtype (exact: every e4m3 value is a
+bf16/fp16 value; to bf16 by integer ops, punica.ops.fp8_widen_triton) and accumulates the tile
+product in fp32. Per-channel scales multiply the accumulator once at the end; block scales multiply
+each K step's partial product by the scales of its K block (BLOCK_K divides B1, so a K step lies in
+one block), one per output feature of the tile. Bias and the rounding to x's dtype come last. With
+a split over K (for grids too small to fill the SMs), each program covers one K slice and writes
+its fp32 partial; a second kernel sums the slices in order (no atomics: the same result on every
+run), then applies the per-channel scales, the bias and the rounding.
 
 The tile depends only on shapes, and so does the grid: no syncs, safe under CUDA-graph capture.
 Under the interpreter the operands are upcast to fp32 before tl.dot (it multiplies bf16 operands
@@ -24,6 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
+from punica.ops.fp8_widen_triton import widen_e4m3
 from punica.ops.linear_triton import split_k_sum, split_k_tile
 from punica.ops.triton_env import interpreting
 
@@ -54,7 +55,7 @@ def _fp8_gemm_kernel(x, w, scales, bias, out, partial, M, N, K, k_per_split, str
         if UPCAST:
             part = tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
         else:
-            part = tl.dot(a, b.to(a.dtype), input_precision=PRECISION)
+            part = tl.dot(a, widen_e4m3(b, a.dtype), input_precision=PRECISION)
         if PER_CHANNEL:
             acc += part
         else:
