@@ -51,9 +51,15 @@ class RunningServer:
             time.sleep(0.05)
 
     def stop(self) -> None:
-        """Shut the server down (and with it the engine thread); stopping a stopped server does nothing."""
+        """Shut the server down (and with it the engine thread), then let go of its backend;
+        stopping a stopped server does nothing. FastAPI keeps the endpoint functions of every app
+        it has built in module-level caches for the life of the process, and build_app's
+        endpoints hold the state: without this, each stopped server's engine (model, KV cache)
+        stayed in the test process."""
         self.server.should_exit = True  # the app's lifespan shuts the engine thread down
         self.thread.join(timeout=30)
+        if not self.thread.is_alive():
+            self.state.backend = None
 
 
 @pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups

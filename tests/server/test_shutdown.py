@@ -3,6 +3,7 @@
 chunk and [DONE]), and exits; a hung engine does not keep the server alive."""
 
 import asyncio
+import gc
 import json
 import signal
 import socket
@@ -10,6 +11,7 @@ import subprocess
 import sys
 import threading
 import time
+import weakref
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -17,8 +19,10 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from punica.config import EngineArgs
 from punica.server.app import ServerState
 from punica.server.async_engine import AsyncEngine
+from punica.server.serve import build_state
 from punica.server.shutdown import ABORT_GRACE_S, GracefulServer
 
 REPO = Path(__file__).resolve().parents[2]
@@ -227,3 +231,18 @@ def test_shutdown_with_a_hung_engine_ends_every_request_and_stops(tokenizer, sta
     finally:
         engine.release.set()
         server.stop()
+
+
+def test_a_stopped_server_lets_its_engine_go(start_server):
+    """Once its server has stopped and the backend is let go, nothing keeps the engine (model, KV
+    cache): no module-level cache or registry of punica's or its libraries' holds it."""
+    state = build_state(EngineArgs(max_batch_size=2, kv_cache_tokens=1024))
+    running = start_server(state)
+    r = httpx.post(running.url + "/v1/completions", json={"model": state.base_model_name, "prompt": "Hi",
+                                                          "max_tokens": 2}, timeout=120)
+    assert r.status_code == 200, r.text
+    engine = weakref.ref(running.engine)
+    running.stop()
+    del state
+    gc.collect()
+    assert engine() is None
