@@ -45,6 +45,7 @@ from punica.ops.fp8_triton import Fp8Tile, fp8_linear_triton, fp8_tile
 from punica.ops.fp8_w8a8_triton import fp8_linear_w8a8_triton
 from punica.ops.linear_tiles import Tile, skinny_tile
 from punica.ops.linear_triton import skinny_linear_triton
+from punica.ops.triton_env import num_sms
 
 TILES = [Tile(*t) for t in (
     (16, 256, 1, 4, 4), (16, 512, 1, 4, 3), (16, 128, 1, 4, 6), (32, 256, 1, 4, 4), (32, 128, 1, 4, 5),
@@ -70,7 +71,7 @@ class Weights:
     """One kind of weight the Triton kernels read: its K copies, reference, tiles and call."""
 
     def __init__(self, kind: str, n: int, k: int, copies: int, device: torch.device):
-        self.kind, self.n, self.k = kind, n, k
+        self.kind, self.n, self.k, self.device = kind, n, k, device
         dense = [torch.randn(n, k, device=device) * 0.02 for _ in range(copies)]
         if kind == "bf16":
             self.dense = [w.to(DTYPE) for w in dense]
@@ -86,7 +87,7 @@ class Weights:
     def default(self, tokens: int):
         if self.kind == "bf16":
             return skinny_tile(tokens, self.n, self.k, DTYPE)
-        return fp8_tile(tokens, self.k, per_channel=True)
+        return fp8_tile(tokens, self.n, self.k, per_channel=True, sms=num_sms(self.device))
 
     def calls(self, xs: list[torch.Tensor], tile) -> list:
         if self.kind == "bf16":

@@ -26,7 +26,7 @@ import triton.language as tl
 
 from punica.ops.fp8_widen_triton import widen_e4m3
 from punica.ops.linear_triton import split_k_sum, split_k_tile
-from punica.ops.triton_env import interpreting
+from punica.ops.triton_env import interpreting, num_sms
 
 MAX_BLOCK_K = 128
 DECODE_BLOCK_K = 256  # the K step of decode tiles with per-channel scales (see fp8_tile)
@@ -99,18 +99,22 @@ def block_k_for(block_size: tuple[int, int] | None) -> int | None:
     return None
 
 
-def fp8_tile(num_tokens: int, k: int, per_channel: bool) -> Fp8Tile:
-    """The tile for x [num_tokens, k] @ W^T, from benchmarks.decode_gemm --weights fp8 on the H200
-    (docs/benchmarks.md; each GEMM in a CUDA graph reading its weight from memory). Up to 64 tokens,
-    a split over K into SPLIT_K slices where K holds SPLIT_K x 1,024 columns: a 4096 x 4096 weight
-    has only 128 tiles of 32 outputs for 132 SMs. Over a 7B layer's four projections, against the
-    best tile of each: 93.7 us at 1 token (best 92.7; unsplit 103.6), 116.3 at 32 tokens (best
-    112.7; unsplit 164). Up to 16 tokens with per-channel scales, K steps of DECODE_BLOCK_K. Over 16
-    tokens this kernel runs block scales and what the fp8 tensor cores do not take (punica.ops.fp8's
-    paths); over 64 tokens 64 x 64 tiles, unsplit."""
+def fp8_tile(num_tokens: int, n: int, k: int, per_channel: bool, sms: int) -> Fp8Tile:
+    """The tile for x [num_tokens, k] @ W^T (W [n, k]) on a device of `sms` SMs, from
+    benchmarks.decode_gemm --weights fp8 on the H200 (docs/benchmarks.md; each GEMM in a CUDA graph
+    reading its weight from memory). Up to 64 tokens, a split over K into SPLIT_K slices where K
+    holds SPLIT_K x 1,024 columns: a 4096 x 4096 weight has only 128 tiles of 32 outputs for 132
+    SMs. Up to 16 tokens only where the grid has fewer tiles than SMs: qkv (384 tiles) and gate_up
+    (688) of a 7B take 19.6-19.8 and 33.4-33.8 us unsplit against 21.3-22.0 and 35.1-35.5 split; o
+    and down (128 tiles) gain from it. Up to 16 tokens with per-channel scales, K steps of
+    DECODE_BLOCK_K. Over 16 tokens this kernel runs block scales and what the fp8 tensor cores do
+    not take (punica.ops.fp8's paths); over 64 tokens 64 x 64 tiles, unsplit."""
     split_k = SPLIT_K if k >= SPLIT_K * 1024 else 1
     if num_tokens <= 16:
-        return Fp8Tile(16, 32, DECODE_BLOCK_K if per_channel else MAX_BLOCK_K, split_k, 4, 3)
+        block_n = 32
+        if triton.cdiv(n, block_n) >= sms:
+            split_k = 1
+        return Fp8Tile(16, block_n, DECODE_BLOCK_K if per_channel else MAX_BLOCK_K, split_k, 4, 3)
     if num_tokens <= 32:
         return Fp8Tile(32, 64, MAX_BLOCK_K, split_k, 4, 4)
     if num_tokens <= 64:
@@ -132,7 +136,7 @@ def fp8_linear_triton(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tenso
     if m == 0:
         return out
     per_channel = block_size is None
-    tile = tile or fp8_tile(m, k, per_channel)
+    tile = tile or fp8_tile(m, n, k, per_channel, num_sms(x.device))
     block_k = tile.block_k if per_channel else min(tile.block_k, max_block_k)
     k_per_split = triton.cdiv(triton.cdiv(k, tile.split_k), block_k) * block_k
     split_k = triton.cdiv(k, k_per_split)

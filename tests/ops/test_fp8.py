@@ -73,6 +73,16 @@ def test_weight_only_kernel_matches_reference(block_size, num_tokens, n, k, with
     torch.testing.assert_close(got, fp8.fp8_linear_ref(x, weight, scales, block_size, bias), rtol=1e-5, atol=1e-5)
 
 
+def test_decode_tiles_split_k_only_for_grids_smaller_than_the_sms():
+    """Up to 16 tokens K is split where the tiles of 32 outputs do not fill the SMs (a 7B's o and
+    down on 132 SMs), not where they do (qkv, gate_up), and never where K is under 4 x 1,024."""
+    splits = {(n, k): kernels.fp8_tile(1, n, k, True, 132).split_k
+              for n, k in [(4096, 4096), (4096, 11008), (12288, 4096), (22016, 4096), (4096, 2048)]}
+    assert splits == {(4096, 4096): kernels.SPLIT_K, (4096, 11008): kernels.SPLIT_K, (12288, 4096): 1,
+                      (22016, 4096): 1, (4096, 2048): 1}
+    assert kernels.fp8_tile(16, 12288, 4096, True, 1000).split_k == kernels.SPLIT_K
+
+
 def test_block_k_divides_the_scale_blocks():
     assert kernels.block_k_for(None) == kernels.MAX_BLOCK_K
     assert [kernels.block_k_for((128, b1)) for b1 in (128, 256, 64, 48, 24)] == [128, 128, 64, 16, None]
