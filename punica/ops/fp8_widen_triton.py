@@ -1,13 +1,14 @@
 """e4m3 -> bf16 in the Triton kernels that read fp8 (the weight-only GEMM, the fp8 KV pages).
 
 Triton widens float8e4nv to bf16 through fp16 (cvt.rn.f16x2.e4m3x2, then fp16 -> bf16): three
-instructions of the narrow conversion pipe per two values. On the H200 that pipe, not memory,
-bounded the weight-only fp8 GEMM (docs/benchmarks.md). `widen_e4m3` builds the bf16 bits with
-integer ops instead: a byte's sign goes to bit 15 and its 7 exponent and mantissa bits to bits
-10..4. Those bits read as the e4m3 value times 2^-120 (the exponent biases are 7 and 127), e4m3
-subnormals included (exponent 0 lands on bf16's subnormals); one bf16x2 FMA by 2^120, adding -0
-to keep signed zeros, restores the value exactly. NaN (0x7f, 0xff) becomes +-480: the weights and
-the KV cache hold only finite values (their quantization saturates).
+instructions of the narrow conversion pipe per two values, which held the weight-only fp8 GEMM back
+on the H200 (docs/benchmarks.md: 93 -> 86 us over a 7B layer's four projections at 1-16 tokens).
+`widen_e4m3` builds the bf16 bits with integer ops instead: a byte's sign goes to bit 15 and its 7
+exponent and mantissa bits to bits 10..4. Those bits read as the e4m3 value times 2^-120 (the
+exponent biases are 7 and 127), e4m3 subnormals included (exponent 0 lands on bf16's subnormals);
+one bf16x2 FMA by 2^120, adding -0 to keep signed zeros, restores the value exactly. NaN (0x7f,
+0xff) becomes +-480: the weights and the KV cache hold only finite values (their quantization
+saturates).
 
 PTX does not run under Triton's interpreter; the kernels' interpreter paths (UPCAST) widen to
 fp32 with a plain cast and never reach the bf16 branch.
