@@ -10,9 +10,11 @@ but two:
   second a copy of the first). MKL's F.linear takes its GEMV path at one row, streaming the
   weights at about 10 GB/s on a 2-core AVX-512 CPU, and its GEMM at 2-4 rows is slower still; the
   product with the weight as the left operand streams it at about 18 GB/s at 2-4 columns. The
-  embedded model's four projections over 30 layers: 19.6-21.6 ms at 1-4 rows against 36.4-78.5
-  (F.linear); from 5 rows on neither wins everywhere. Outputs differ from F.linear's by the
-  summation order only.
+  embedded model's four projections over 30 layers, fastest rounds of two runs
+  (docs/results/cpu_skinny_linear_rows_2026-12-04.log): 14.1-22.0 ms at 1-4 rows against 32.7-62.6
+  (F.linear), 25.4-43.0 at 5-9 rows against 36.5-46.9; at 10-15 rows F.linear wins (44.4-53.4
+  against 51.5-85.7). Up to 9 rows covers a CPU step of one decode and an 8-token prompt chunk, and
+  up to 9 decodes. Outputs differ from F.linear's by the summation order only.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import torch.nn.functional as F
 
 from punica.ops.linear_tiles import skinny_tile
 
-MAX_CPU_SKINNY_ROWS = 4  # fp32 rows on a CPU that run as W @ x^T (module docstring)
+MAX_CPU_SKINNY_ROWS = 9  # fp32 rows on a CPU that run as W @ x^T (module docstring)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
