@@ -17,6 +17,12 @@ it is in the prefix cache, stays there (its KV intact) until the allocator needs
 never-cached one is left: then the least recently released cached page is taken. Requests
 release their pages last page first, so a chain's tail leaves the cache before its head.
 
+Free pages are handed out from the two ends of one list: a request still in its prompt takes the
+lowest (at first; then the last freed, a freed request's pages in their order), a decoding one the
+highest. So a prompt prefilled in chunks beside running decodes holds consecutive pages, not pages
+interleaved with the decodes' new ones, and the CPU attention reads its context in place instead of
+copying it (punica.ops.attention_cpu).
+
 When an adapter is unregistered (`drop`), the pages its KV fills leave the cache at once: nobody
 can hit them again (a new registration is a new namespace), so they should not outlive live pages
 in the LRU order.
@@ -28,7 +34,7 @@ import hashlib
 import json
 import weakref
 from array import array
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from typing import TYPE_CHECKING
 
 from punica.config import ceil_div
@@ -59,7 +65,7 @@ class PageAllocator:
                              f"(got {num_pages} pages of {page_size})")
         self.num_pages, self.page_size = num_pages, page_size
         self.prefix_caching = prefix_caching
-        self._free = list(range(num_pages - 1, -1, -1))  # pop() hands out low pages first
+        self._free = deque(range(num_pages - 1, -1, -1))  # pop(): low pages first; popleft(): high
         self._refs = [0] * num_pages
         self._digest_of: dict[int, bytes] = {}           # cached page -> its digest
         self._page_of: dict[bytes, int] = {}             # digest -> cached page
@@ -94,8 +100,12 @@ class PageAllocator:
         needed = self.pages_needed(request, num_tokens)
         if needed > self.num_free:
             raise RuntimeError(f"KV cache out of pages: need {needed}, {self.num_free} free")
+        decoding = request.num_cached >= len(request.prompt_token_ids)  # the module docstring
         for _ in range(needed):
-            page = self._free.pop() if self._free else self._evict()
+            if not self._free:
+                page = self._evict()
+            else:
+                page = self._free.popleft() if decoding else self._free.pop()
             self._refs[page] = 1
             request.pages.append(page)
 
