@@ -101,11 +101,29 @@ def _select_pages(x: torch.Tensor, pages: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def _planes_outside_pages(x: torch.Tensor) -> bool:
+    """Whether x [P, 2, page_size, ...] holds each plane's pages one after another (the CPU cache's
+    layout, punica.ops.kv_cache.KVCache.empty), so that consecutive pages of a plane are one block."""
+    return x.stride(0) == x.shape[2] * x.stride(2)
+
+
+def _consecutive(pages: torch.Tensor) -> bool:
+    n = len(pages)
+    return n > 0 and int(pages[-1]) - int(pages[0]) == n - 1 and bool((pages.diff() == 1).all())
+
+
 def _gather(kv_layer: torch.Tensor, kv_scales: torch.Tensor | None, pages: torch.Tensor) -> torch.Tensor:
     """K and V of `pages` [N] in fp32, as [2, Hkv, N * page_size, D] (K at 0, V at 1): a view of the
-    pages copied whole (the module docstring)."""
-    values = _select_pages(kv_layer, pages)  # [2, N, page_size, Hkv, D]
-    scales = None if kv_scales is None else _select_pages(kv_scales, pages)
+    cache where the pages are consecutive in a cache of the CPU's layout, else of the pages copied
+    whole (the module docstring)."""
+    if _consecutive(pages) and _planes_outside_pages(kv_layer) and (
+            kv_scales is None or _planes_outside_pages(kv_scales)):
+        run = slice(int(pages[0]), int(pages[0]) + len(pages))
+        values = kv_layer[run].transpose(0, 1)  # [2, N, page_size, Hkv, D], N and page_size one stride apart
+        scales = None if kv_scales is None else kv_scales[run].transpose(0, 1)
+    else:
+        values = _select_pages(kv_layer, pages)
+        scales = None if kv_scales is None else _select_pages(kv_scales, pages)
     return dequantize_kv_ref(values, scales).flatten(1, 2).transpose(1, 2)
 
 

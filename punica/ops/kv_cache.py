@@ -77,13 +77,22 @@ class KVCache:
     @classmethod
     def empty(cls, num_layers: int, num_pages: int, page_size: int, num_kv_heads: int, head_dim: int,
               dtype: torch.dtype, device: torch.device | str, kv_cache_dtype: str = "auto") -> KVCache:
-        """Zeroed pages in `dtype` ("auto") or e4m3 with zero scales ("fp8")."""
+        """Zeroed pages in `dtype` ("auto") or e4m3 with zero scales ("fp8"). On a CPU a layer's K
+        pages are one block of memory and its V pages another (stored [L, 2, P, ...], seen as
+        [L, P, 2, ...] through strides): the CPU attention reads a run of consecutive pages as a view
+        instead of copying it (punica.ops.attention_cpu)."""
         shape = (num_layers, num_pages, 2, page_size, num_kv_heads, head_dim)
+        planes_outside = torch.device(device).type == "cpu"
+
+        def zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+            if planes_outside:
+                return torch.zeros((shape[0], shape[2], shape[1]) + shape[3:], dtype=dtype).transpose(1, 2)
+            return torch.zeros(shape, dtype=dtype, device=device)
+
         if kv_cache_dtype == "auto":
-            return cls(torch.zeros(shape, dtype=dtype, device=device), None)
+            return cls(zeros(shape, dtype), None)
         assert kv_cache_dtype == "fp8", kv_cache_dtype
-        return cls(torch.zeros(shape, dtype=FP8_DTYPE, device=device),
-                   torch.zeros(shape[:-1], dtype=torch.float32, device=device))
+        return cls(zeros(shape, FP8_DTYPE), zeros(shape[:-1], torch.float32))
 
     @property
     def num_layers(self) -> int:

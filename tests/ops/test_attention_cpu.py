@@ -135,6 +135,35 @@ def test_fp8_cache_matches_reference(window):
                                rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
+@pytest.mark.parametrize("window", [0, 20])
+def test_consecutive_pages_of_a_cpu_cache_are_read_in_place(kv_cache_dtype, window):
+    """A CPU cache keeps each plane's pages in one block (KVCache.empty): requests whose pages are
+    consecutive (a chunk behind cached context, a fresh prompt, a decode) are read through a view of
+    it, the others gathered; both give the reference's output, on the fused kernel."""
+    gen = torch.Generator().manual_seed(5)
+    page_size, num_kv_heads, head_dim = 8, 3, 32
+    query_lens, context_lens = [6, 30, 1, 1], [50, 30, 70, 40]
+    tables = [list(range(2, 9)), list(range(9, 13)), list(range(13, 22)), [30, 24, 27, 22, 25]]
+    batch = AttnBatch.build(query_lens, context_lens, tables, page_size, num_prefills=2)
+    cache = KVCache.empty(1, 32, page_size, num_kv_heads, head_dim, torch.float32, "cpu", kv_cache_dtype)
+    pages, scales = cache.pages[0], None if cache.scales is None else cache.scales[0]
+    rows = 32 * page_size
+    k, v = (torch.randn(rows, num_kv_heads, head_dim, generator=gen) for _ in range(2))
+    ops.write_kv_ref(pages, k, v, torch.arange(rows), scales)
+    q = torch.randn(batch.num_tokens, 9, head_dim, generator=gen)
+    with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+        out = ops.paged_attention(q, pages, batch, 0.2, window, kv_scales=scales)
+    torch.testing.assert_close(out, ops.paged_attention_ref(q, pages, batch, 0.2, window, kv_scales=scales),
+                               rtol=1e-5, atol=1e-5)
+    in_place = attention_cpu._gather(pages, scales, torch.arange(2, 9))
+    gathered = attention_cpu._gather(pages, scales, torch.tensor([30, 24, 27]))
+    shares = {t.untyped_storage().data_ptr() == pages.untyped_storage().data_ptr() for t in (in_place, gathered)}
+    assert shares == ({True, False} if kv_cache_dtype == "auto" else {False})  # fp8 dequantizes: a copy either way
+    torch.testing.assert_close(in_place, attention_cpu._gather(pages.contiguous(), scales, torch.arange(2, 9)),
+                               rtol=0, atol=0)
+
+
 def owned_context(batch, num_pages, page_size):
     """[num_pages, page_size] bool: the positions inside some request's context, on its own pages."""
     keep = torch.zeros(num_pages, page_size, dtype=torch.bool)
