@@ -86,7 +86,8 @@ class KVCache:
 
         def zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
             if planes_outside:
-                return torch.zeros((shape[0], shape[2], shape[1]) + shape[3:], dtype=dtype).transpose(1, 2)
+                planes_first = (shape[0], shape[2], shape[1]) + shape[3:]
+                return torch.zeros(planes_first, dtype=dtype, device=device).transpose(1, 2)
             return torch.zeros(shape, dtype=dtype, device=device)
 
         if kv_cache_dtype == "auto":
