@@ -14,6 +14,18 @@ GEMM-like efficiency of the kernel, and a decode costs its own context.
   first; a group holds the spans of at least 1 / `max_decode_padding` of its longest, and runs one
   SDPA call over keys padded to that longest: a decode beside a long context never pays its width.
   Each query head of a KV head is a row of one query block (GQA folded into the query rows).
+* Split keys: a prompt chunk of at most MAX_SPLIT_QUERIES queries, or a decode alone in its group,
+  after at least MIN_SPLIT_KEYS keys (no window). SDPA's kernel runs one task per query head, each
+  reading its KV head's keys whole: 9 tasks on 2 cores for the embedded model, with a few rows each.
+  Instead the query heads of a KV head become rows of one query block, the keys before the queries
+  go in parts of about PART_KEYS (a batch of parts x KV heads tasks, no mask), the rest of the keys
+  (the last part's remainder and the queries' own, under the causal mask) in a product of their own,
+  and the parts' outputs are weighted by their log-sum-exps (the kernel's second output). One
+  layer's attention of a C-token chunk on a 2-core CPU (9 query and 3 KV heads, 30 layers' caches
+  read in turn, the fastest of 5 rounds; docs/results/cpu_split_keys_attention_2026-12-04.log):
+  after 4k keys 0.70-1.08 ms at C = 1-8 against 1.01-1.46 with SDPA, 2.9 against 3.1 at C = 32;
+  after 8k keys 1.23-1.93 against 2.40-3.24; after 2k keys about equal, and slower after fewer
+  (its few extra ops cost about 0.08 ms).
 * Softcap (Gemma 2): SDPA has none, so a softcapped call runs the reference.
 
 A request whose pages are consecutive is read in place: the CPU cache keeps each layer's K pages in
@@ -48,14 +60,19 @@ from punica.ops.attention_batch import AttnBatch
 from punica.ops.kv_cache import dequantize_kv_ref
 
 MAX_DECODE_PADDING = 2.0  # a decode group's longest key span over its shortest, at most
+MIN_SPLIT_KEYS = 3072     # keys before a request's queries from which they are split in parts
+MAX_SPLIT_QUERIES = 32    # queries of a request that may take the split keys
+PART_KEYS = 2048          # keys a part holds, about (at least two parts)
 
 
 def paged_attention_cpu(q: torch.Tensor, kv_layer: torch.Tensor, batch: AttnBatch, scale: float, window: int,
                         kv_scales: torch.Tensor | None, prefill_ref: Callable[..., torch.Tensor],
-                        max_decode_padding: float = MAX_DECODE_PADDING) -> torch.Tensor:
+                        max_decode_padding: float = MAX_DECODE_PADDING,
+                        min_split_keys: int = MIN_SPLIT_KEYS) -> torch.Tensor:
     """punica.ops.attention.paged_attention without softcap, on CPU tensors. `prefill_ref`: the
     reference of one prefill request (punica.ops.attention.prefill_request_ref), which runs a prefill
-    whose keys and values hold a NaN or inf where some of its queries must not see it."""
+    whose keys and values hold a NaN or inf where some of its queries must not see it.
+    `min_split_keys`: keys before a request's queries from which they are split (module docstring)."""
     out = torch.empty_like(q)
     starts, context_lens = batch.query_start.tolist(), batch.context_lens.tolist()
     for i in range(batch.num_prefills):
@@ -67,7 +84,8 @@ def paged_attention_cpu(q: torch.Tensor, kv_layer: torch.Tensor, batch: AttnBatc
         # pass: a NaN or inf makes the sum non-finite (so does an overflowing sum of finite values,
         # which then runs the reference: exact, only slower).
         if math.isfinite(kv[:, :, -num_queries if not window else 0:].sum()):
-            out[rows] = _prefill(q[rows], kv[0], kv[1], first, context_lens[i], scale, window).to(q.dtype)
+            out[rows] = _prefill(q[rows], kv[0], kv[1], first, context_lens[i], scale, window,
+                                 min_split_keys).to(q.dtype)
         else:
             out[rows] = prefill_ref(q[rows], kv_layer, kv_scales, batch.page_table[i], context_lens[i], scale,
                                     window).to(q.dtype)
@@ -75,7 +93,7 @@ def paged_attention_cpu(q: torch.Tensor, kv_layer: torch.Tensor, batch: AttnBatc
     for group in decode_groups(context_lens[num_prefills:], window, max_decode_padding):
         token_rows, requests = [decode_start + j for j in group], [num_prefills + j for j in group]
         out[token_rows] = _decodes(q[token_rows], kv_layer, kv_scales, batch.page_table[requests],
-                                   [context_lens[i] for i in requests], scale, window).to(q.dtype)
+                                   [context_lens[i] for i in requests], scale, window, min_split_keys).to(q.dtype)
     return out
 
 
@@ -142,10 +160,12 @@ def _prefill_context(kv_layer: torch.Tensor, kv_scales: torch.Tensor | None, pag
 
 
 def _prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, first: int, context_len: int, scale: float,
-             window: int) -> torch.Tensor:
+             window: int, min_split_keys: int) -> torch.Tensor:
     """One request's queries q [Q, Hq, D] (the last Q positions of its context) over its keys and
     values k, v [Hkv, K, D] fp32 (positions first .. context_len - 1)  ->  [Q, Hq, D] fp32."""
     num_queries = q.shape[0]
+    if not window and num_queries <= MAX_SPLIT_QUERIES and context_len - num_queries >= min_split_keys:
+        return _split_keys(q.float(), k, v, scale)
     # [1, heads, rows, D]: with a batch dimension SDPA takes the fused kernel (3-D inputs do not)
     qt, kt, vt = q.float().transpose(0, 1)[None], k[None], v[None]
     if num_queries == context_len and not window:
@@ -160,8 +180,35 @@ def _prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, first: int, cont
     return o[0].transpose(0, 1)
 
 
+def _split_keys(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """q [C, Hq, D] fp32, the queries of the last C of the keys k, v [Hkv, N, D] (no window), over
+    them  ->  [C, Hq, D] fp32 (module docstring). The keys before the queries go in parts of equal
+    length, a batch of one call to the fused kernel without a mask, and the rest (the last part's
+    remainder and the queries' own keys, under the causal mask) in a product of their own; the
+    parts' outputs are weighted by their log-sum-exps."""
+    num_queries, num_heads, head_dim = q.shape
+    num_kv_heads, num_keys = k.shape[0], k.shape[1]
+    group = num_heads // num_kv_heads
+    qg = q.view(num_queries, num_kv_heads, group, head_dim).transpose(0, 1).reshape(num_kv_heads, -1, head_dim)
+    num_parts = max(2, (num_keys - num_queries) // PART_KEYS)
+    part = (num_keys - num_queries) // num_parts
+    split = num_parts * part
+    kp, vp = (x[:, :split].view(num_kv_heads, num_parts, part, head_dim).transpose(0, 1) for x in (k, v))
+    o, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        qg.expand(num_parts, -1, -1, -1), kp, vp, scale=scale)  # [parts, Hkv, C * G, D], [parts, Hkv, C * G]
+    scores = torch.bmm(qg, k[:, split:].transpose(1, 2)).mul_(scale)  # [Hkv, C * G, rest], rows (query, head)
+    rest = num_keys - split
+    later = torch.ones(num_queries, num_queries, dtype=torch.bool).triu_(1)[:, None]  # [query, 1, own key]
+    scores.view(num_kv_heads, num_queries, group, rest)[..., rest - num_queries:].masked_fill_(later, -math.inf)
+    rest_lse = torch.logsumexp(scores, dim=-1)
+    rest_o = torch.bmm(torch.exp(scores - rest_lse[..., None]), v[:, split:])
+    weights = torch.softmax(torch.cat([lse, rest_lse[None]]), dim=0)[..., None]  # [parts + 1, Hkv, C * G, 1]
+    out = (o * weights[:num_parts]).sum(0) + rest_o * weights[num_parts]
+    return out.view(num_kv_heads, num_queries, group, head_dim).transpose(0, 1).reshape(num_queries, num_heads, head_dim)
+
+
 def _decodes(q: torch.Tensor, kv_layer: torch.Tensor, kv_scales: torch.Tensor | None, page_table: torch.Tensor,
-             context_lens: list[int], scale: float, window: int) -> torch.Tensor:
+             context_lens: list[int], scale: float, window: int, min_split_keys: int) -> torch.Tensor:
     """Decodes' queries q [B, Hq, D] over their pages (page_table [B, W]): one call over keys padded
     to the longest span of the group, the padding zeroed and masked  ->  [B, Hq, D] fp32.
     Each query head of a KV head is a row of that head's query block (GQA folded into the rows)."""
@@ -176,6 +223,8 @@ def _decodes(q: torch.Tensor, kv_layer: torch.Tensor, kv_scales: torch.Tensor | 
         pages = page_table[0, first_pages[0]:first_pages[0] + num_pages].long()
         offset = first_pages[0] * page_size
         kv = _gather(kv_layer, kv_scales, pages)[:, :, firsts[0] - offset:context_lens[0] - offset]
+        if not window and context_lens[0] - 1 >= min_split_keys:
+            return _split_keys(q.float(), kv[0], kv[1], scale)
         every = torch.ones(1, 1, 1, kv.shape[2], dtype=torch.bool)
         return F.scaled_dot_product_attention(qg, kv[0][None], kv[1][None], attn_mask=every, scale=scale).view_as(q)
     width = max(first_pages) + num_pages  # a late window's span may run past the table: page 0 pads it,

@@ -40,9 +40,10 @@ def random_inputs(batch, num_pages, page_size, num_heads, num_kv_heads, head_dim
     return q, kv
 
 
-def fast(q, kv, batch, scale, window=0, kv_scales=None, max_decode_padding=attention_cpu.MAX_DECODE_PADDING):
+def fast(q, kv, batch, scale, window=0, kv_scales=None, max_decode_padding=attention_cpu.MAX_DECODE_PADDING,
+         min_split_keys=attention_cpu.MIN_SPLIT_KEYS):
     return attention_cpu.paged_attention_cpu(q, kv, batch, scale, window, kv_scales, ops.prefill_request_ref,
-                                             max_decode_padding)
+                                             max_decode_padding, min_split_keys)
 
 
 # prefills: a fresh prompt, chunks behind cached context (one within a page, one over several),
@@ -164,6 +165,46 @@ def test_consecutive_pages_of_a_cpu_cache_are_read_in_place(kv_cache_dtype, wind
                                rtol=0, atol=0)
 
 
+split_keys = attention_cpu._split_keys
+
+
+@pytest.mark.parametrize("kv_cache_dtype,in_place", [("auto", True), ("auto", False), ("fp8", True)])
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(9, 3), (4, 4), (8, 1)])
+@pytest.mark.parametrize("min_split_keys", [attention_cpu.MIN_SPLIT_KEYS, 40])
+def test_keys_before_few_queries_are_split_in_parts(kv_cache_dtype, in_place, num_heads, num_kv_heads, min_split_keys,
+                                                    monkeypatch):
+    """Prompt chunks of up to MAX_SPLIT_QUERIES queries and single decodes after at least
+    `min_split_keys` keys take the split keys (two or more parts, the rest under the causal mask):
+    the reference's outputs. A longer chunk, a fresh prompt and a decode group do not; neither do
+    requests after fewer keys."""
+    gen = torch.Generator().manual_seed(num_heads + min_split_keys)
+    page_size, head_dim = 16, 32
+    long = min_split_keys + 1
+    query_lens = [1, 5, attention_cpu.MAX_SPLIT_QUERIES, attention_cpu.MAX_SPLIT_QUERIES + 1, 30, 3, 1, 1, 1]
+    context_lens = [long, long + 4 + 2 * attention_cpu.PART_KEYS, long + 40, long + 50, 30, 20, long + 7, 5, 6]
+    split = {0, 1, 2, 6}  # the requests that take it
+    pages_needed = [ceil_div(c, page_size) for c in context_lens]
+    num_pages = sum(pages_needed) + 4
+    order = list(range(num_pages)) if in_place else random.Random(6).sample(range(num_pages), num_pages)
+    tables, used = [], 0
+    for n in pages_needed:
+        tables.append(order[used:used + n])
+        used += n
+    batch = AttnBatch.build(query_lens, context_lens, tables, page_size, num_prefills=6)
+    cache = KVCache.empty(1, num_pages, page_size, num_kv_heads, head_dim, torch.float32, "cpu", kv_cache_dtype)
+    pages, scales = cache.pages[0], None if cache.scales is None else cache.scales[0]
+    rows = num_pages * page_size
+    k, v = (torch.randn(rows, num_kv_heads, head_dim, generator=gen) for _ in range(2))
+    ops.write_kv_ref(pages, k, v, torch.arange(rows), scales)
+    q = torch.randn(batch.num_tokens, num_heads, head_dim, generator=gen)
+    calls = []
+    monkeypatch.setattr(attention_cpu, "_split_keys", lambda q, *a: calls.append(q.shape[0]) or split_keys(q, *a))
+    out = fast(q, pages, batch, 0.2, kv_scales=scales, min_split_keys=min_split_keys)
+    torch.testing.assert_close(out, ops.paged_attention_ref(q, pages, batch, 0.2, kv_scales=scales),
+                               rtol=1e-5, atol=1e-5)
+    assert sorted(calls) == sorted(query_lens[i] for i in split)
+
+
 def owned_context(batch, num_pages, page_size):
     """[num_pages, page_size] bool: the positions inside some request's context, on its own pages."""
     keep = torch.zeros(num_pages, page_size, dtype=torch.bool)
@@ -173,26 +214,33 @@ def owned_context(batch, num_pages, page_size):
     return keep
 
 
+@pytest.mark.parametrize("min_split_keys", [attention_cpu.MIN_SPLIT_KEYS, 8])
 @pytest.mark.parametrize("window", [0, 10])
 @pytest.mark.parametrize("value", POISONS, ids=str)
-def test_poison_outside_the_context_never_reaches_the_output(value, window):
+def test_poison_outside_the_context_never_reaches_the_output(value, window, min_split_keys):
     """Free pages, the page tables' padding (other requests' pages) and the tails of the requests'
     own last pages hold NaN or inf: the outputs are exactly those of the clean cache (decode
     groups pad the shorter contexts to the longest, over such positions)."""
     page_size = 16
     batch, num_pages = make_batch(**MIXED, page_size=page_size, rng=random.Random(4))
     q, kv = random_inputs(batch, num_pages, page_size, 9, 3, 32, torch.float32, seed=4)
-    clean = fast(q, kv, batch, 0.2, window, max_decode_padding=1e9)
+    clean = fast(q, kv, batch, 0.2, window, max_decode_padding=1e9, min_split_keys=min_split_keys)
     assert clean.isfinite().all()
     poisoned = kv.clone()
     poisoned.transpose(1, 2)[~owned_context(batch, num_pages, page_size)] = value
-    assert torch.equal(fast(q, poisoned, batch, 0.2, window, max_decode_padding=1e9), clean)
+    assert torch.equal(fast(q, poisoned, batch, 0.2, window, max_decode_padding=1e9, min_split_keys=min_split_keys),
+                       clean)
 
 
+@pytest.mark.parametrize("max_decode_padding,min_split_keys", [
+    (attention_cpu.MAX_DECODE_PADDING, attention_cpu.MIN_SPLIT_KEYS),
+    (1.0, 8),  # every decode alone, and every chunk and decode with keys split
+], ids=["defaults", "split"])
 @pytest.mark.parametrize("value", POISONS, ids=str)
 @pytest.mark.parametrize("which", [0, 1])
 @pytest.mark.parametrize("window", [0, 10])
-def test_poison_inside_a_context_reaches_what_it_reaches_in_the_reference(value, which, window):
+def test_poison_inside_a_context_reaches_what_it_reaches_in_the_reference(value, which, window, max_decode_padding,
+                                                                           min_split_keys):
     """K or V at one position inside each request's context is poisoned (in a prompt chunk, after
     some of its queries; in a decode's context, in and out of its window): the outputs are the
     reference's, non-finite exactly where the reference's are."""
@@ -203,7 +251,8 @@ def test_poison_inside_a_context_reaches_what_it_reaches_in_the_reference(value,
     for i, context_len in enumerate(batch.context_lens.tolist()):
         pos = context_len // 2 if i != 1 else 60  # request 1: its 6th query (of 20, from position 55)
         poisoned[batch.page_table[i, pos // page_size], which, pos % page_size, 1] = value
-    out, ref = fast(q, poisoned, batch, 0.2, window), ops.paged_attention_ref(q, poisoned, batch, 0.2, window)
+    out = fast(q, poisoned, batch, 0.2, window, max_decode_padding=max_decode_padding, min_split_keys=min_split_keys)
+    ref = ops.paged_attention_ref(q, poisoned, batch, 0.2, window)
     assert torch.equal(out.isfinite(), ref.isfinite())
     assert not out.isfinite().all() and out[45:50].isfinite().all()  # request 1's queries before position 60
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5, equal_nan=True)
