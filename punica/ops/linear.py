@@ -6,15 +6,18 @@ but two:
   punica.ops.linear_tiles.skinny_tile runs punica.ops.linear_triton's kernel (fp32 accumulation,
   one rounding to x's dtype, as cuBLAS's). The choice depends on shapes and dtypes only, so a
   captured CUDA graph replays it.
-* on a CPU, an fp32 x of at most MAX_CPU_SKINNY_ROWS rows runs as W @ x^T (one row as two, the
-  second a copy of the first). MKL's F.linear takes its GEMV path at one row, streaming the
+* on a CPU, an fp32 x of at most MAX_CPU_SKINNY_ROWS rows runs as W @ x^T over
+  `cpu_skinny_columns(rows)` columns of x^T: one row as two (the second a copy of the first), 9 to
+  16 rows as 16 (zero rows after x's). MKL's F.linear takes its GEMV path at one row, streaming the
   weights at about 10 GB/s on a 2-core AVX-512 CPU, and its GEMM at 2-4 rows is slower still; the
-  product with the weight as the left operand streams it at about 18 GB/s at 2-4 columns. The
-  embedded model's four projections over 30 layers, fastest rounds of two runs
-  (docs/results/cpu_skinny_linear_rows_2026-12-04.log): 14.1-22.0 ms at 1-4 rows against 32.7-62.6
-  (F.linear), 25.4-43.0 at 5-9 rows against 36.5-46.9; at 10-15 rows F.linear wins (44.4-53.4
-  against 51.5-85.7). Up to 9 rows covers a CPU step of one decode and an 8-token prompt chunk, and
-  up to 9 decodes. Outputs differ from F.linear's by the summation order only.
+  product with the weight as the left operand streams it at about 18 GB/s at 2-4 columns. That
+  product's cost climbs in steps of 8 columns: a second block of 1-7 columns costs more than a
+  whole one. The embedded model's four projections over 30 layers, fastest rounds
+  (docs/results/cpu_skinny_linear_rows_2026-12-04.log, ..._pad16_2026-12-04.log): 14.1-22.0 ms at
+  1-4 rows against 32.7-62.6 (F.linear), 25.4-36.3 at 5-8 rows against 36.5-42.7; at 9-16 rows
+  43.6-44.3 ms as 16 columns, against 43.8-51.1 (F.linear) and 43.8-85.1 unpadded; at 17 rows
+  F.linear wins. Up to 16 rows covers a CPU step of a few decodes and a prompt chunk at its floor.
+  Outputs differ from F.linear's by the summation order only.
 """
 
 from __future__ import annotations
@@ -24,7 +27,13 @@ import torch.nn.functional as F
 
 from punica.ops.linear_tiles import skinny_tile
 
-MAX_CPU_SKINNY_ROWS = 9  # fp32 rows on a CPU that run as W @ x^T (module docstring)
+MAX_CPU_SKINNY_ROWS = 16  # fp32 rows on a CPU that run as W @ x^T (module docstring)
+CPU_SKINNY_BLOCK = 8      # columns of W @ x^T whose cost is one step (module docstring)
+
+
+def cpu_skinny_columns(rows: int) -> int:
+    """The columns W @ x^T computes for x of `rows` rows on a CPU (module docstring)."""
+    return 2 if rows == 1 else rows if rows <= CPU_SKINNY_BLOCK else MAX_CPU_SKINNY_ROWS
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -39,8 +48,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
             from punica.ops.linear_triton import skinny_linear_triton
             return skinny_linear_triton(x, weight, bias, tile)
     if x.device.type == "cpu" and x.dtype == torch.float32 and x.dim() == 2 and x.shape[0] <= MAX_CPU_SKINNY_ROWS:
-        rows = x.shape[0]
+        rows, columns = x.shape[0], cpu_skinny_columns(x.shape[0])
+        xt = x.repeat(2, 1) if rows == 1 else F.pad(x, (0, 0, 0, columns - rows))
         # contiguous like F.linear's output (tensor parallelism all-reduces it in place)
-        out = torch.mm(weight, (x.repeat(2, 1) if rows == 1 else x).t())[:, :rows].t().contiguous()
+        out = torch.mm(weight, xt.t())[:, :rows].t().contiguous()
         return out + bias if bias is not None else out
     return F.linear(x, weight, bias)

@@ -59,7 +59,7 @@ def test_skinny_tile_only_for_few_half_precision_rows_of_large_weights():
     assert skinny_tile(1, 576, 576, torch.bfloat16) is None
 
 
-@pytest.mark.parametrize("rows", [0, 1, 2, ops.MAX_CPU_SKINNY_ROWS, ops.MAX_CPU_SKINNY_ROWS + 1, 33])
+@pytest.mark.parametrize("rows", [0, 1, 2, 8, 9, 12, ops.MAX_CPU_SKINNY_ROWS, ops.MAX_CPU_SKINNY_ROWS + 1, 33])
 def test_linear_on_cpu_is_f_linear(rows):
     """Exactly F.linear past MAX_CPU_SKINNY_ROWS fp32 rows (and in bf16); up to it, W @ x^T: F.linear
     up to the summation order, with and without bias."""
@@ -81,6 +81,15 @@ def test_one_cpu_row_runs_as_the_first_of_two_equal_rows():
     gen = torch.Generator().manual_seed(3)
     x, weight = torch.randn(1, 64, generator=gen), torch.randn(48, 64, generator=gen)
     assert torch.equal(ops.linear(x, weight), ops.linear(x.repeat(2, 1), weight)[:1])
+
+
+@pytest.mark.parametrize("rows", [9, 12, 15])
+def test_cpu_rows_past_a_block_run_as_the_first_of_sixteen(rows):
+    """9 to 16 rows run as 16 columns (zero rows after x's): the rows of x padded to 16, exactly."""
+    gen = torch.Generator().manual_seed(rows)
+    x, weight = torch.randn(rows, 64, generator=gen), torch.randn(48, 64, generator=gen)
+    assert [ops.cpu_skinny_columns(n) for n in (1, 2, 8, 9, 16)] == [2, 2, 8, 16, 16]
+    assert torch.equal(ops.linear(x, weight), ops.linear(F.pad(x, (0, 0, 0, 16 - rows)), weight)[:rows])
 
 
 # ---- GPU, a 7B model's shapes -------------------------------------------------------------
