@@ -147,7 +147,9 @@ class EngineCore:
         self.last_step = StepShape(step.num_requests, int(step.context_lens.sum()), step.num_prefill_tokens)
         logits = self.executor.run(step)
         prompt = {}
-        if not step.only_last_logits:
+        # a chunk whose one missing logprob is at its last row (a one-token chunk; after a preemption,
+        # rows whose logprobs came before) gets just that row's logits, as a step without any does
+        if not step.only_last_logits or any(r.needs_prompt_logprobs for r in requests[:output.num_prefills]):
             prompt = prompt_logprobs.launch(logits, requests, output.num_scheduled, step.num_logits.tolist())
         if len(output.sampling_rows) < len(logits):  # a chunk short of its prompt's end samples nothing
             last_rows = step.num_logits.cumsum() - 1

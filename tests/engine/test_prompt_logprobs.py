@@ -92,3 +92,27 @@ def test_prompt_logprobs_match_a_full_forward_with_chunks_cache_and_preemption(s
             assert [lp for _, lp in top] == pytest.approx(best.values.tolist(), abs=1e-4)
     assert sum(o.num_cached_tokens for o, k in zip(outs, ks) if k is None) > 0, "the others read the cache"
     assert any(o.num_preemptions for o, k in zip(outs, ks) if k is not None)
+
+
+@pytest.mark.parametrize("overlap_steps", [False, True])
+def test_one_token_chunks_beside_a_decode_give_every_prompt_logprob(setup, make_engine, overlap_steps):
+    """With a budget of two tokens a step, a prompt beside a decoding stream runs in one-token chunks:
+    each chunk's one row is its last, the only row a step without prompt logprobs keeps, and its
+    logits still give the prompt logprob. (After a preemption the same happens to a chunk whose rows
+    but its last had their logprobs computed before.)"""
+    _, _, peft_model = setup
+    engine = make_engine(setup, max_itl_ratio=0, overlap_steps=overlap_steps)
+    engine.scheduler.max_num_batched_tokens = 2  # the config refuses fewer than a batch's decodes
+    engine.add_request(list(range(5, 9)), SamplingParams(max_tokens=40, temperature=0, ignore_eos=True))
+    for _ in range(4):
+        engine.step()
+    prompt = [3 + (11 * i) % 120 for i in range(9)]
+    request = engine.add_request(prompt, SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=2))
+    out = None
+    while out is None or not out.finished:
+        out = next((o for o in engine.step() if o.request_id == request), out)
+    assert engine.stats().num_chunked_steps >= len(prompt) - 1
+    with torch.no_grad():
+        reference = torch.log_softmax(peft_model(torch.tensor([prompt]), adapter_names=["__base__"]).logits[0].float(), -1)
+    assert out.prompt_logprobs[0] is None
+    assert out.prompt_logprobs[1:] == pytest.approx(reference[np.arange(len(prompt) - 1), prompt[1:]].tolist(), abs=1e-4)
