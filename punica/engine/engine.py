@@ -75,7 +75,8 @@ class Engine:
                                    ready=partial(adapter_ready, self.adapters),
                                    waiting=waiting_queue(config),
                                    eos_token_ids=frozenset(eos), max_model_len=self.max_model_len,
-                                   latency=(LatencyBudget(config.max_itl_ratio, chunk_sizes=executor.chunk_sizes)
+                                   latency=(LatencyBudget(config.max_itl_ratio, chunk_sizes=executor.chunk_sizes,
+                                                          row_sizes=executor.row_sizes)
                                             if config.max_itl_ratio else None))
         self.core = EngineCore(executor, self.scheduler, self.adapters, config, tokenizer, frozenset(eos))
         self.outputs = OutputProcessor(tokenizer, self.scheduler.stop)

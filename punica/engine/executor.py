@@ -38,6 +38,7 @@ class Executor(Protocol):
     can_feed_sampled: bool        # runs steps whose tokens the previous step sampled on the device
     device: torch.device          # where the model runs (rank 0's under tensor parallelism)
     chunk_sizes: tuple[int, ...]  # the prompt tokens steps compute, by size (ModelRunner.chunk_sizes)
+    row_sizes: tuple[int, ...]    # the GEMM rows between which steps pad (ModelRunner.row_sizes)
 
     def run(self, step: StepInput) -> torch.Tensor:
         """Logits [step.num_logits.sum(), V] float32 on the device of the sampler (ModelRunner.run)."""
@@ -60,6 +61,7 @@ class LocalExecutor:
         self.adapter_slots = worker.pool
         self.device = worker.device
         self.chunk_sizes = worker.runner.chunk_sizes
+        self.row_sizes = worker.runner.row_sizes
 
     def run(self, step: StepInput) -> torch.Tensor:
         return self.worker.runner.run(step)

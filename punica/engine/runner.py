@@ -13,6 +13,7 @@ from punica.engine.step_input import StepInput
 from punica.models.decoder import DecoderForCausalLM
 from punica.models.forward_batch import ForwardBatch
 from punica.ops.kv_cache import kv_bytes_per_token as layer_bytes_per_token
+from punica.ops.linear import CPU_SKINNY_BLOCK, MAX_CPU_SKINNY_ROWS
 from punica.ops.transfer import to_device
 
 log = logging.getLogger(__name__)
@@ -57,6 +58,15 @@ class ModelRunner:
         """The prompt tokens a step computes when it replays a graph (CudaGraphs.chunk_sizes); ()
         when every step runs eagerly, computing just its own."""
         return self.graphs.chunk_sizes if self.graphs is not None else ()
+
+    @property
+    def row_sizes(self) -> tuple[int, ...]:
+        """Row counts of a step's GEMMs between which its rows are padded to the next (the step's rows
+        in (size, next size] compute the next): on a CPU, fp32 W @ x^T (punica.ops.linear); ()
+        elsewhere."""
+        if self.device.type == "cpu" and self.model.embed.weight.dtype == torch.float32:
+            return CPU_SKINNY_BLOCK, MAX_CPU_SKINNY_ROWS
+        return ()
 
     def keep_sampled(self, tokens: torch.Tensor) -> None:
         """Keep a step's sampled tokens [num_requests] on the device, for the next step's `fed` rows."""

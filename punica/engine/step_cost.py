@@ -42,6 +42,13 @@ prompt tokens padded, has room for. When not even the smallest size has room (fa
 prompt, where reading its context takes most of the room), the chunk is that size whole: fewer
 tokens would cost the same step.
 
+On a CPU the GEMMs of a step's rows (decodes and prompt tokens together) pad from one size to the
+next (`row_sizes`, punica.ops.linear: W @ x^T computes 9 to 16 rows as 16): a chunk whose rows fall
+in such a block costs the block's top, so it takes the block's top if that step has room, else the
+rows up to the block's start. The floor does too: when its rows fall in a block, it is the block's
+start if that is at least half the floor (a cheaper step), else the block's top (which costs what
+the floor's step costs).
+
 A decode-only step that takes over STALL_RATIO times that model's prediction stalled (the host
 paused between steps: a long prompt added, a garbage collection) and neither model learns from it:
 for the same reason, one such step would read as a steep cost per key. MAX_STALLS of them in a row
@@ -74,19 +81,21 @@ class StepFeatures:
     prompt_tokens: int  # tokens of prompt chunks (rows that compute more than one token, or start a prompt)
     attention: float    # (query, key) pairs over the step's rows
     keys: int           # keys attended over the step's rows (each row's context, its own tokens included)
+    num_decodes: int    # requests that decode (not in the model: what pads the GEMMs' rows with the chunks')
 
     @classmethod
     def of(cls, output: SchedulerOutput) -> StepFeatures:
         prompt = sum(output.num_scheduled[:output.num_prefills])
         attention = sum(scheduled * (computed + (scheduled + 1) / 2)
                         for computed, scheduled in zip(output.num_computed, output.num_scheduled))
-        return cls(len(output.request_ids), prompt, attention, sum(output.num_computed) + sum(output.num_scheduled))
+        return cls(len(output.request_ids), prompt, attention, sum(output.num_computed) + sum(output.num_scheduled),
+                   len(output.request_ids) - output.num_prefills)
 
     @classmethod
     def decodes(cls, contexts: list[int]) -> StepFeatures:
         """A decode-only step of requests with these contexts (tokens cached before the step)."""
         keys = sum(contexts) + len(contexts)
-        return cls(len(contexts), 0, float(keys), keys)
+        return cls(len(contexts), 0, float(keys), keys, len(contexts))
 
     def vector(self) -> list[float]:
         return [1.0, float(self.rows), float(self.prompt_tokens), self.attention, float(self.keys)]
@@ -171,22 +180,37 @@ class StepCostModel:
 class LatencyBudget:
     """The prompt tokens of a step beside running decodes (module docstring)."""
 
-    def __init__(self, max_itl_ratio: float, min_chunk: int = MIN_CHUNK, chunk_sizes: tuple[int, ...] = ()):
+    def __init__(self, max_itl_ratio: float, min_chunk: int = MIN_CHUNK, chunk_sizes: tuple[int, ...] = (),
+                 row_sizes: tuple[int, ...] = ()):
         assert max_itl_ratio > 1.0, max_itl_ratio
         self.max_itl_ratio, self.min_chunk = max_itl_ratio, min_chunk
         self.chunk_sizes = tuple(sorted(chunk_sizes))  # the prompt tokens steps compute (module docstring)
+        self.row_sizes = tuple(sorted(row_sizes))      # rows in (size, next size] compute the next (docstring)
         self.model = StepCostModel()          # every step
         self.decode_model = StepCostModel()   # decode-only steps
         self.num_stalls = 0                   # decode-only steps not learned from as stalls, in a row
         self._last_decodes: StepFeatures | None = None  # the last decode-only step learned from
 
-    def padded(self, prompt_tokens: int) -> int:
-        """The prompt tokens a step of this many computes: the smallest chunk size that holds them."""
-        return next((size for size in self.chunk_sizes if size >= prompt_tokens), prompt_tokens)
+    def padded(self, prompt_tokens: int, num_decodes: int = 0) -> int:
+        """The prompt tokens a step of this many beside `num_decodes` decodes computes: the smallest
+        chunk size that holds them, or the top of the row block that their rows fall in."""
+        if self.chunk_sizes:
+            return next((size for size in self.chunk_sizes if size >= prompt_tokens), prompt_tokens)
+        block = self._row_block(num_decodes, prompt_tokens)
+        return block[1] if block else prompt_tokens
+
+    def _row_block(self, num_decodes: int, prompt_tokens: int) -> tuple[int, int] | None:
+        """(start, top) in prompt tokens of the row block that a chunk of this many falls in beside
+        `num_decodes` decodes (start < prompt_tokens <= top), or None."""
+        sizes = self.row_sizes
+        for start, top in zip(sizes, sizes[1:]):
+            if prompt_tokens > 0 and start < num_decodes + prompt_tokens <= top:
+                return start - num_decodes, top - num_decodes
+        return None
 
     def observe(self, features: StepFeatures, seconds: float) -> None:
         if features.prompt_tokens:
-            features = replace(features, prompt_tokens=self.padded(features.prompt_tokens))
+            features = replace(features, prompt_tokens=self.padded(features.prompt_tokens, features.num_decodes))
         else:
             decodes = self.decode_model
             if (decodes.num_observed >= MIN_DECODE_STEPS and seconds > STALL_RATIO * decodes.predict(features)
@@ -229,4 +253,11 @@ class LatencyBudget:
         sizes = self.chunk_sizes
         if sizes and chunk <= sizes[-1]:  # T = the size that runs it; at least the smallest size
             chunk = max(sizes[0], *(min(size, most(room - c_tokens * size, 0.0)) for size in sizes))
-        return max(self.min_chunk, int(min(chunk, 1 << 30)))
+        floor, num_decodes = self.min_chunk, len(decode_contexts)
+        if block := self._row_block(num_decodes, int(min(chunk, 1 << 30))):  # T = the block's top, else its start
+            start, top = block
+            chunk = max(start, min(top, most(room - c_tokens * top, 0.0)))
+        if chunk < floor and (block := self._row_block(num_decodes, floor)):
+            start, top = block
+            floor = start if 2 * start >= floor else top
+        return max(floor, int(min(chunk, 1 << 30)))

@@ -79,6 +79,7 @@ class TensorParallelExecutor:
         self.adapter_slots = ShardingPool(worker.pool, workers, full_config)
         self.device = worker.device
         self.chunk_sizes = worker.runner.chunk_sizes
+        self.row_sizes = worker.runner.row_sizes
 
     def run(self, step: StepInput) -> torch.Tensor:
         assert not step.any_fed, "a tensor-parallel step reads every token from the host"

@@ -34,7 +34,7 @@ class CostedExecutor:
     """Runs no model: each step advances the clock by COST of what the step holds, and returns zero logits."""
     can_feed_sampled = True
     device = torch.device("cpu")
-    chunk_sizes = ()
+    chunk_sizes = row_sizes = ()
 
     def __init__(self, clock: Clock):
         self.clock = clock

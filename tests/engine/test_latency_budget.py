@@ -2,8 +2,10 @@
 stream is prefilled in chunks sized to keep the stream's inter-token gaps within the ratio.
 
 Steps run on the tiny CPU model, timed by a virtual clock that each step advances by a known cost
-of what it computed (a fixed cost, a cost per row and per prompt token): the cost model learns
-these times as it would a GPU's or a CPU's, and the test never depends on how fast this machine is.
+of what it computed (a fixed cost, a cost per row and per prompt token, prompt tokens counted as a
+CPU's GEMMs compute them: a step's rows in a block of the runner's row sizes padded to the block's
+top, punica.ops.linear): the cost model learns these times as it would a GPU's or a CPU's, and the
+test never depends on how fast this machine is.
 """
 
 import pytest
@@ -18,10 +20,16 @@ class VirtualTime:
 
     def __init__(self, engine, monkeypatch):
         self.now = 0.0
-        run = engine.executor.run
+        run, sizes = engine.executor.run, engine.executor.row_sizes
+
+        def computed(step):
+            """The prompt tokens the step's GEMMs compute."""
+            rows, decodes = step.num_decodes + step.num_prefill_tokens, step.num_decodes
+            return next((top - decodes for start, top in zip(sizes, sizes[1:]) if start < rows <= top),
+                        step.num_prefill_tokens) if step.num_prefill_tokens else 0
 
         def timed_run(step):
-            self.now += BASE_S + ROW_S * step.num_requests + PROMPT_TOKEN_S * step.num_prefill_tokens
+            self.now += BASE_S + ROW_S * step.num_requests + PROMPT_TOKEN_S * computed(step)
             return run(step)
 
         monkeypatch.setattr(engine.executor, "run", timed_run)

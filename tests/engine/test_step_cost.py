@@ -2,6 +2,7 @@
 costs, and the prompt chunk it allows beside decodes. Synthetic step times: no clock."""
 
 import random
+from dataclasses import replace
 
 import pytest
 
@@ -22,7 +23,7 @@ def step_features(contexts, chunk, position):
     if not chunk:
         return decodes
     return StepFeatures(decodes.rows + 1, chunk, decodes.attention + chunk * (position + (chunk + 1) / 2),
-                        decodes.keys + position + chunk)
+                        decodes.keys + position + chunk, decodes.rows)
 
 
 def random_steps(n, seed):
@@ -40,8 +41,8 @@ def test_features_of_a_plan_count_rows_prompt_tokens_attention_pairs_and_keys():
     output = SchedulerOutput(step=1, request_ids=("p", "d1", "d2"), num_computed=(100, 7, 30),
                              num_scheduled=(10, 1, 1), num_prefills=1, sampling_rows=(1, 2), preempted_ids=())
     features = StepFeatures.of(output)
-    assert features == StepFeatures(3, 10, 10 * (100 + 5.5) + 8 + 31, 110 + 8 + 31)
-    assert StepFeatures.decodes([7, 30]) == StepFeatures(2, 0, 8 + 31, 8 + 31)
+    assert features == StepFeatures(3, 10, 10 * (100 + 5.5) + 8 + 31, 110 + 8 + 31, 2)
+    assert StepFeatures.decodes([7, 30]) == StepFeatures(2, 0, 8 + 31, 8 + 31, 2)
 
 
 def test_the_fit_recovers_the_cost_of_each_feature():
@@ -196,7 +197,7 @@ SIZES = (32, 64, 128, 256, 512)  # the prompt tokens of a GPU's CUDA-graph bucke
 def bucketed(features):
     """What a step runs when its prompt tokens are padded to the next of SIZES (none past the last)."""
     padded = next((size for size in SIZES if size >= features.prompt_tokens), features.prompt_tokens)
-    return StepFeatures(features.rows, padded if features.prompt_tokens else 0, features.attention, features.keys)
+    return replace(features, prompt_tokens=padded if features.prompt_tokens else 0)
 
 
 def test_chunks_are_cut_to_what_their_bucket_size_has_room_for():
@@ -230,3 +231,53 @@ def test_chunks_past_the_largest_size_are_not_padded_and_none_is_under_the_small
     for features in random_steps(300, seed=14):
         budget.observe(features, cost(features, (0.001, 0.0, 1.0, 0.0, 0.0)))  # a prompt token costs a whole second
     assert budget.prompt_tokens([10], 0) == SIZES[0]
+
+
+ROW_SIZES = (8, 16)  # a CPU's W @ x^T: 9 to 16 rows computed as 16 (punica.ops.linear)
+
+
+def row_padded(features):
+    """What a CPU step runs: its decodes' and prompt tokens' rows in (8, 16] padded to 16."""
+    rows = features.num_decodes + features.prompt_tokens
+    if features.prompt_tokens and 8 < rows <= 16:
+        return replace(features, prompt_tokens=16 - features.num_decodes)
+    return features
+
+
+def test_chunks_whose_rows_fall_in_a_block_take_its_top_or_its_start():
+    """Steps cost their rows padded to the block's top (beside 1-7 decodes, a chunk that ends at 9-15
+    rows costs what 16 rows cost): the chunk is the most tokens whose padded step stays within the
+    ratio; no longer chunk's does."""
+    budget = LatencyBudget(2.0, min_chunk=1, row_sizes=ROW_SIZES)
+    assert budget.padded(8, num_decodes=1) == 15 and budget.padded(7, num_decodes=1) == 7
+    assert budget.padded(20, num_decodes=1) == 20 and budget.padded(3, num_decodes=9) == 7
+    rng = random.Random(15)
+    coefficients = (0.03, 0.002, 0.004, 1e-6, 2e-6)
+    for _ in range(400):
+        contexts = [rng.randint(10, 500) for _ in range(rng.randint(1, 7))]
+        features = step_features(contexts, rng.choice([0, rng.randint(1, 40)]), rng.randint(0, 4000))
+        budget.observe(features, cost(row_padded(features), coefficients))
+    seen = set()
+    for contexts in ([300], [300] * 3, [300] * 6):
+        for position in range(0, 40000, 500):
+            decode_only = cost(StepFeatures.decodes(contexts), coefficients)
+            chunk = budget.prompt_tokens(contexts, position)
+
+            def step(c):
+                return cost(row_padded(step_features(contexts, c, position)), coefficients)
+
+            assert step(chunk) <= 2.0 * decode_only * (1 + 1e-3) or chunk == 1, (chunk, contexts, position)
+            assert all(step(c) > 2.0 * decode_only for c in range(chunk + 1, 200)), (chunk, contexts, position)
+            rows = len(contexts) + chunk
+            seen.add("before" if rows <= 8 else "in" if rows <= 16 else "past")
+    assert seen == {"before", "in", "past"}  # chunks before the block, in it and past it
+
+
+@pytest.mark.parametrize("num_decodes,floor", [(1, 7), (4, 4), (5, 11), (7, 9), (8, MIN_CHUNK), (12, MIN_CHUNK)])
+def test_a_floor_whose_rows_fall_in_a_block_moves_to_its_start_or_its_top(num_decodes, floor):
+    """With no room for even the floor, a chunk of MIN_CHUNK tokens beside 1-7 decodes would take 9-15
+    rows, costing 16: the floor is the block's start where that keeps half of it, else its top."""
+    budget = LatencyBudget(2.0, row_sizes=ROW_SIZES)
+    for features in random_steps(300, seed=16):
+        budget.observe(features, cost(features, (0.001, 0.0, 1.0, 0.0, 0.0)))  # a prompt token costs a whole second
+    assert budget.prompt_tokens([100] * num_decodes, 0) == floor
