@@ -113,6 +113,7 @@ def test_one_token_chunks_beside_a_decode_give_every_prompt_logprob(setup, make_
         out = next((o for o in engine.step() if o.request_id == request), out)
     assert engine.stats().num_chunked_steps >= len(prompt) - 1
     with torch.no_grad():
-        reference = torch.log_softmax(peft_model(torch.tensor([prompt]), adapter_names=["__base__"]).logits[0].float(), -1)
+        logits = peft_model(torch.tensor([prompt]), adapter_names=["__base__"]).logits[0]
+    expected = torch.log_softmax(logits.float(), -1)[np.arange(len(prompt) - 1), prompt[1:]]
     assert out.prompt_logprobs[0] is None
-    assert out.prompt_logprobs[1:] == pytest.approx(reference[np.arange(len(prompt) - 1), prompt[1:]].tolist(), abs=1e-4)
+    assert out.prompt_logprobs[1:] == pytest.approx(expected.tolist(), abs=1e-4)
