@@ -14,9 +14,10 @@ GEMM-like efficiency of the kernel, and a decode costs its own context.
   first; a group holds the spans of at least 1 / `max_decode_padding` of its longest, and runs one
   SDPA call over keys padded to that longest: a decode beside a long context never pays its width.
   Each query head of a KV head is a row of one query block (GQA folded into the query rows).
-* Split keys: a prompt chunk of at most MAX_SPLIT_QUERIES queries, or a decode alone in its group,
-  after at least MIN_SPLIT_KEYS keys (no window). SDPA's kernel runs one task per query head, each
-  reading its KV head's keys whole: 9 tasks on 2 cores for the embedded model, with a few rows each.
+* Split keys: a prompt chunk, or a decode alone in its group, after at least MIN_SPLIT_KEYS keys (no
+  window). For a chunk of at most MAX_SPLIT_QUERIES queries or a decode: SDPA's kernel runs one task
+  per query head, each reading its KV head's keys whole: 9 tasks on 2 cores for the embedded model,
+  with a few rows each.
   Instead the query heads of a KV head become rows of one query block, the keys before the queries
   go in parts of about PART_KEYS (a batch of parts x KV heads tasks, no mask), the rest of the keys
   (the last part's remainder and the queries' own, under the causal mask) in a product of their own,
@@ -26,6 +27,12 @@ GEMM-like efficiency of the kernel, and a decode costs its own context.
   after 4k keys 0.70-1.08 ms at C = 1-8 against 1.01-1.46 with SDPA, 2.9 against 3.1 at C = 32;
   after 8k keys 1.23-1.93 against 2.40-3.24; after 2k keys about equal, and slower after fewer
   (its few extra ops cost about 0.08 ms).
+  A longer chunk after as many keys: each query head of a KV head is a batch entry, the keys before
+  the queries one call without a mask and the chunk's own keys one under the causal mask, merged
+  the same way. A 512-token chunk after 3.6k keys: 32.3 ms a layer against 36.2 with SDPA's mask,
+  after 7.5k 63.3 against 74.4; 64 tokens after 4k: 4.78 against 5.00 (10 layers' caches, fastest
+  of 3 rounds; docs/results/cpu_split_keys_attention_long_chunks_2026-12-05.log). After fewer keys
+  the two calls cost more than the mask.
 * Softcap (Gemma 2): SDPA has none, so a softcapped call runs the reference.
 
 A request whose pages are consecutive is read in place: the CPU cache keeps each layer's K pages in
@@ -164,8 +171,8 @@ def _prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, first: int, cont
     """One request's queries q [Q, Hq, D] (the last Q positions of its context) over its keys and
     values k, v [Hkv, K, D] fp32 (positions first .. context_len - 1)  ->  [Q, Hq, D] fp32."""
     num_queries = q.shape[0]
-    if not window and num_queries <= MAX_SPLIT_QUERIES and context_len - num_queries >= min_split_keys:
-        return _split_keys(q.float(), k, v, scale)
+    if not window and context_len - num_queries >= min_split_keys:
+        return (_split_keys if num_queries <= MAX_SPLIT_QUERIES else _prefix_then_chunk)(q.float(), k, v, scale)
     # [1, heads, rows, D]: with a batch dimension SDPA takes the fused kernel (3-D inputs do not)
     qt, kt, vt = q.float().transpose(0, 1)[None], k[None], v[None]
     if num_queries == context_len and not window:
@@ -204,7 +211,25 @@ def _split_keys(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float)
     rest_o = torch.bmm(torch.exp(scores - rest_lse[..., None]), v[:, split:])
     weights = torch.softmax(torch.cat([lse, rest_lse[None]]), dim=0)[..., None]  # [parts + 1, Hkv, C * G, 1]
     out = (o * weights[:num_parts]).sum(0) + rest_o * weights[num_parts]
-    return out.view(num_kv_heads, num_queries, group, head_dim).transpose(0, 1).reshape(num_queries, num_heads, head_dim)
+    out = out.view(num_kv_heads, num_queries, group, head_dim).transpose(0, 1)
+    return out.reshape(num_queries, num_heads, head_dim)
+
+
+def _prefix_then_chunk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """As _split_keys, for a longer chunk (module docstring): each query head of a KV head is a batch
+    entry over that KV head's keys (a view), the keys before the queries in one call without a mask
+    and the queries' own in one under the causal mask, weighted by their log-sum-exps."""
+    num_queries, num_heads, head_dim = q.shape
+    num_kv_heads, prefix = k.shape[0], k.shape[1] - num_queries
+    group = num_heads // num_kv_heads
+    qb = q.view(num_queries, num_kv_heads, group, head_dim).permute(2, 1, 0, 3)  # [G, Hkv, C, D]
+    kb, vb = (x[None].expand(group, -1, -1, -1) for x in (k, v))
+    flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+    o, lse = flash(qb, kb[:, :, :prefix], vb[:, :, :prefix], scale=scale)
+    own_o, own_lse = flash(qb, kb[:, :, prefix:], vb[:, :, prefix:], is_causal=True, scale=scale)
+    weights = torch.softmax(torch.stack([lse, own_lse]), dim=0)[..., None]
+    out = o * weights[0] + own_o * weights[1]
+    return out.permute(2, 1, 0, 3).reshape(num_queries, num_heads, head_dim)
 
 
 def _decodes(q: torch.Tensor, kv_layer: torch.Tensor, kv_scales: torch.Tensor | None, page_table: torch.Tensor,

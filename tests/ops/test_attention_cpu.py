@@ -165,24 +165,21 @@ def test_consecutive_pages_of_a_cpu_cache_are_read_in_place(kv_cache_dtype, wind
                                rtol=0, atol=0)
 
 
-split_keys = attention_cpu._split_keys
-
-
 @pytest.mark.parametrize("kv_cache_dtype,in_place", [("auto", True), ("auto", False), ("fp8", True)])
 @pytest.mark.parametrize("num_heads,num_kv_heads", [(9, 3), (4, 4), (8, 1)])
 @pytest.mark.parametrize("min_split_keys", [attention_cpu.MIN_SPLIT_KEYS, 40])
 def test_keys_before_few_queries_are_split_in_parts(kv_cache_dtype, in_place, num_heads, num_kv_heads, min_split_keys,
                                                     monkeypatch):
     """Prompt chunks of up to MAX_SPLIT_QUERIES queries and single decodes after at least
-    `min_split_keys` keys take the split keys (two or more parts, the rest under the causal mask):
-    the reference's outputs. A longer chunk, a fresh prompt and a decode group do not; neither do
-    requests after fewer keys."""
+    `min_split_keys` keys take the split keys (two or more parts, the rest under the causal mask), a
+    longer chunk the keys before it and its own apart: the reference's outputs. A fresh prompt and a
+    decode group do not; neither do requests after fewer keys."""
     gen = torch.Generator().manual_seed(num_heads + min_split_keys)
     page_size, head_dim = 16, 32
     long = min_split_keys + 1
     query_lens = [1, 5, attention_cpu.MAX_SPLIT_QUERIES, attention_cpu.MAX_SPLIT_QUERIES + 1, 30, 3, 1, 1, 1]
     context_lens = [long, long + 4 + 2 * attention_cpu.PART_KEYS, long + 40, long + 50, 30, 20, long + 7, 5, 6]
-    split = {0, 1, 2, 6}  # the requests that take it
+    split, apart = {0, 1, 2, 6}, {3}  # the requests that take each
     pages_needed = [ceil_div(c, page_size) for c in context_lens]
     num_pages = sum(pages_needed) + 4
     order = list(range(num_pages)) if in_place else random.Random(6).sample(range(num_pages), num_pages)
@@ -197,12 +194,15 @@ def test_keys_before_few_queries_are_split_in_parts(kv_cache_dtype, in_place, nu
     k, v = (torch.randn(rows, num_kv_heads, head_dim, generator=gen) for _ in range(2))
     ops.write_kv_ref(pages, k, v, torch.arange(rows), scales)
     q = torch.randn(batch.num_tokens, num_heads, head_dim, generator=gen)
-    calls = []
-    monkeypatch.setattr(attention_cpu, "_split_keys", lambda q, *a: calls.append(q.shape[0]) or split_keys(q, *a))
+    calls = {"_split_keys": [], "_prefix_then_chunk": []}
+    for name, run in ((name, getattr(attention_cpu, name)) for name in calls):
+        monkeypatch.setattr(attention_cpu, name,
+                            lambda q, *a, name=name, run=run: calls[name].append(q.shape[0]) or run(q, *a))
     out = fast(q, pages, batch, 0.2, kv_scales=scales, min_split_keys=min_split_keys)
     torch.testing.assert_close(out, ops.paged_attention_ref(q, pages, batch, 0.2, kv_scales=scales),
                                rtol=1e-5, atol=1e-5)
-    assert sorted(calls) == sorted(query_lens[i] for i in split)
+    assert sorted(calls["_split_keys"]) == sorted(query_lens[i] for i in split)
+    assert calls["_prefix_then_chunk"] == [query_lens[i] for i in apart]
 
 
 def owned_context(batch, num_pages, page_size):
