@@ -210,9 +210,11 @@ def step_counter_clock(monkeypatch):
     """Every step the engine times takes one tick: the latency budget's cost model (punica.engine.
     step_cost) sees steps of equal time, so where a prompt's chunks end never depends on how fast the
     machine ran (chunk boundaries change fp32 rounding, and so could change greedy tokens). Its own
-    tests give it step times."""
+    tests give it step times. No start-up calibration step runs (punica.engine.calibration): timed
+    by ticks, it would differ from the served steps only in how many ticks each takes."""
     ticks = itertools.count()
     monkeypatch.setattr("punica.engine.core.step_clock", lambda: float(next(ticks)))
+    monkeypatch.setattr("punica.engine.calibration.CALIBRATION_S", 0.0)
 
 
 @pytest.fixture(scope="session", name="tiny_llama_config")

@@ -25,6 +25,7 @@ import xgrammar as xgr
 
 from punica.config import EngineConfig, ModelConfig
 from punica.engine.admission import acquire_adapter, adapter_ready, check_lora_scale, checked_prompt, release_adapter
+from punica.engine.calibration import calibrate, shapes
 from punica.engine.core import EngineCore
 from punica.engine.executor import Executor
 from punica.engine.fair_share import FairQueue
@@ -78,6 +79,10 @@ class Engine:
                                    latency=(LatencyBudget(config.max_itl_ratio, chunk_sizes=executor.chunk_sizes,
                                                           row_sizes=executor.row_sizes)
                                             if config.max_itl_ratio else None))
+        if self.scheduler.latency is not None and config.chunked_prefill:
+            calibrate(executor, self.scheduler.latency,
+                      shapes(config.max_batch_size, config.max_num_batched_tokens, self.scheduler.latency.min_chunk,
+                             executor.num_pages, config.page_size, self.max_model_len), config.page_size)
         self.core = EngineCore(executor, self.scheduler, self.adapters, config, tokenizer, frozenset(eos))
         self.outputs = OutputProcessor(tokenizer, self.scheduler.stop)
         self._ids = itertools.count()
