@@ -10,8 +10,8 @@ n keys, a prompt chunk of C tokens after n cached ones C * (n + (C + 1) / 2); `k
 keys each row attends, n + C (a decode's n + 1): the KV a step reads at least, whatever its chunk's
 size. A short chunk after a long context costs what reading that context costs, which the pairs
 alone put at C times too little. In decode-only steps the two are equal; steps with chunks tell
-them apart. The coefficients are
-fitted to the engine's own steps (seconds measured on the hardware it runs on) by least squares,
+them apart. The coefficients are fitted to the engine's own steps (seconds measured on the hardware
+it runs on; before it serves, placeholder steps of punica.engine.calibration) by least squares,
 weighting each past step by FORGETTING per step since, so the model follows what the hardware does
 now (a compile, a warm cache, another process on the CPU); coefficients stay non-negative. A small
 ridge pulls every coefficient but c0 toward 0: what the steps seen so far cannot tell apart (before
