@@ -57,20 +57,21 @@ def shapes(max_batch_size: int, max_num_batched_tokens: int, min_chunk: int, num
     return [shape for shape in candidates if fits(shape)]
 
 
+def _rows(shape: Shape) -> list[tuple[int, int]]:
+    """(tokens run, tokens cached before) of each of the step's rows: the chunk (if any), then the decodes."""
+    contexts, chunk, position = shape
+    return ([(chunk, position)] if chunk else []) + [(1, c) for c in contexts]
+
+
 def features(shape: Shape) -> StepFeatures:
     """The StepFeatures of a calibration step, as StepFeatures.of gives a served step's."""
-    contexts, chunk, position = shape
-    decodes = StepFeatures.decodes(list(contexts))
-    if not chunk:
-        return decodes
-    return StepFeatures(decodes.rows + 1, chunk, decodes.attention + chunk * (position + (chunk + 1) / 2),
-                        decodes.keys + position + chunk, decodes.num_decodes)
+    rows = _rows(shape)
+    return StepFeatures.of_rows([done for _, done in rows], [new for new, _ in rows], int(shape[1] > 0))
 
 
 def step_input(shape: Shape, page_size: int) -> StepInput:
     """The step of placeholder tokens: the chunk (if any) first, on the first pages, then the decodes."""
-    contexts, chunk, position = shape
-    rows = ([(chunk, position)] if chunk else []) + [(1, c) for c in contexts]
+    rows = _rows(shape)
     tokens, cached, pages, first = [], [], [], 0
     for new, done in rows:
         needed = ceil_div(done + new, page_size)
@@ -78,7 +79,7 @@ def step_input(shape: Shape, page_size: int) -> StepInput:
         cached.append(done)
         pages.append(list(range(first, first + needed)))
         first += needed
-    return StepInput.build(tokens, cached, pages, [-1] * len(rows), int(chunk > 0), page_size)
+    return StepInput.build(tokens, cached, pages, [-1] * len(rows), int(shape[1] > 0), page_size)
 
 
 def calibrate(executor, budget: LatencyBudget, steps: list[Shape], page_size: int) -> int:

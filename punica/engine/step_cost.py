@@ -59,6 +59,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from punica.engine.scheduler_output import SchedulerOutput
@@ -85,11 +86,16 @@ class StepFeatures:
 
     @classmethod
     def of(cls, output: SchedulerOutput) -> StepFeatures:
-        prompt = sum(output.num_scheduled[:output.num_prefills])
+        return cls.of_rows(output.num_computed, output.num_scheduled, output.num_prefills)
+
+    @classmethod
+    def of_rows(cls, num_computed: Sequence[int], num_scheduled: Sequence[int], num_prefills: int) -> StepFeatures:
+        """A step whose rows (prefills first) have these tokens cached before it and run these."""
+        prompt = sum(num_scheduled[:num_prefills])
         attention = sum(scheduled * (computed + (scheduled + 1) / 2)
-                        for computed, scheduled in zip(output.num_computed, output.num_scheduled))
-        return cls(len(output.request_ids), prompt, attention, sum(output.num_computed) + sum(output.num_scheduled),
-                   len(output.request_ids) - output.num_prefills)
+                        for computed, scheduled in zip(num_computed, num_scheduled))
+        rows = len(num_computed)
+        return cls(rows, prompt, attention, sum(num_computed) + sum(num_scheduled), rows - num_prefills)
 
     @classmethod
     def decodes(cls, contexts: list[int]) -> StepFeatures:
