@@ -209,8 +209,7 @@ def _split_keys(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float)
     scores.view(num_kv_heads, num_queries, group, rest)[..., rest - num_queries:].masked_fill_(later, -math.inf)
     rest_lse = torch.logsumexp(scores, dim=-1)
     rest_o = torch.bmm(torch.exp(scores - rest_lse[..., None]), v[:, split:])
-    weights = torch.softmax(torch.cat([lse, rest_lse[None]]), dim=0)[..., None]  # [parts + 1, Hkv, C * G, 1]
-    out = (o * weights[:num_parts]).sum(0) + rest_o * weights[num_parts]
+    out = _merged([*o, rest_o], [*lse, rest_lse])
     out = out.view(num_kv_heads, num_queries, group, head_dim).transpose(0, 1)
     return out.reshape(num_queries, num_heads, head_dim)
 
@@ -227,9 +226,15 @@ def _prefix_then_chunk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale:
     flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
     o, lse = flash(qb, kb[:, :, :prefix], vb[:, :, :prefix], scale=scale)
     own_o, own_lse = flash(qb, kb[:, :, prefix:], vb[:, :, prefix:], is_causal=True, scale=scale)
-    weights = torch.softmax(torch.stack([lse, own_lse]), dim=0)[..., None]
-    out = o * weights[0] + own_o * weights[1]
+    out = _merged([o, own_o], [lse, own_lse])
     return out.permute(2, 1, 0, 3).reshape(num_queries, num_heads, head_dim)
+
+
+def _merged(outputs: list[torch.Tensor], lses: list[torch.Tensor]) -> torch.Tensor:
+    """Attention over the union of disjoint sets of keys, from each set's outputs [..., D] and
+    log-sum-exps [...]: each set's outputs weighted by its share of the softmax's sum."""
+    weights = torch.softmax(torch.stack(lses), dim=0)[..., None]
+    return sum(o * w for o, w in zip(outputs, weights))
 
 
 def _decodes(q: torch.Tensor, kv_layer: torch.Tensor, kv_scales: torch.Tensor | None, page_table: torch.Tensor,
