@@ -1,7 +1,7 @@
 """The base projections' GEMM: x @ W^T + bias, with decode's few-row case on a skinny kernel.
 
-`linear(x, weight, bias)` = F.linear(x, weight, bias), its reference and the path of every case
-but two:
+`linear(x, weight, bias, packed)` = F.linear(x, weight, bias), its reference and the path of every
+case but three:
 * on CUDA, a bf16/fp16 x of at most MAX_SKINNY_TOKENS rows whose shape gets a tile from
   punica.ops.linear_tiles.skinny_tile runs punica.ops.linear_triton's kernel (fp32 accumulation,
   one rounding to x's dtype, as cuBLAS's). The choice depends on shapes and dtypes only, so a
@@ -17,7 +17,15 @@ but two:
   1-4 rows against 32.7-62.6 (F.linear), 25.4-36.3 at 5-8 rows against 36.5-42.7; at 9-16 rows
   43.6-44.3 ms as 16 columns, against 43.8-51.1 (F.linear) and 43.8-85.1 unpadded; at 17 rows
   F.linear wins. Up to 16 rows covers a CPU step of a few decodes and a prompt chunk at its floor.
-  Outputs differ from F.linear's by the summation order only.
+* on a CPU, an fp32 x of at least MIN_CPU_PACKED_ROWS rows beside a `PackedWeight` runs through
+  oneDNN on the weight reordered once into its blocked layout (what MKL's GEMM otherwise packs on
+  every call, which is why its cost at 5-16 rows is twice what reading the weights costs). The
+  embedded model's four projections over 30 layers, fastest rounds on a 2-core AVX-512 CPU
+  (docs/results/cpu_packed_linear_2026-12-05.log): 17-21 ms at 3-8 rows against 20-34 (W @ x^T),
+  24-28 at 12-16 against 43-55, 1.99 s at 2,048 rows against 2.48 (F.linear; 219 GFLOP/s). At 1-2
+  rows W @ x^T over two columns stays faster (14 ms against 22), so a packed weight is a second
+  copy, not a replacement.
+Outputs differ from F.linear's by the summation order only.
 """
 
 from __future__ import annotations
@@ -29,6 +37,34 @@ from punica.ops.linear_tiles import skinny_tile
 
 MAX_CPU_SKINNY_ROWS = 16  # fp32 rows on a CPU that run as W @ x^T (module docstring)
 CPU_SKINNY_BLOCK = 8      # columns of W @ x^T whose cost is one step (module docstring)
+MIN_CPU_PACKED_ROWS = 3   # fp32 rows on a CPU from which a packed weight runs them (module docstring)
+PACKED_ROWS_HINT = 8      # the rows oneDNN picks its blocked layout for: 2-512 give one layout, 1 a slower one
+
+
+def cpu_packing_available() -> bool:
+    """Whether this CPU build of torch reorders weights for oneDNN's fp32 GEMM (x86 with AVX2 or
+    AVX-512, where it was measured)."""
+    return (torch.backends.mkldnn.is_available()
+            and torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512"))
+
+
+class PackedWeight:
+    """A CPU fp32 weight [N, K] reordered into oneDNN's blocked layout for `linear`; reordered
+    again when the weight it was made from has changed (another tensor, or written in place)."""
+
+    def __init__(self, weight: torch.Tensor):
+        assert weight.device.type == "cpu" and weight.dtype == torch.float32 and weight.dim() == 2, weight
+        self._key: tuple[int, int] | None = None
+        self._packed: torch.Tensor | None = None
+        self.of(weight)
+
+    def of(self, weight: torch.Tensor) -> torch.Tensor:
+        """The reordered copy of `weight`, as it is now."""
+        key = weight.data_ptr(), weight._version
+        if key != self._key:
+            self._packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACKED_ROWS_HINT)
+            self._key = key
+        return self._packed
 
 
 def cpu_skinny_columns(rows: int) -> int:
@@ -36,12 +72,17 @@ def cpu_skinny_columns(rows: int) -> int:
     return 2 if rows == 1 else rows if rows <= CPU_SKINNY_BLOCK else MAX_CPU_SKINNY_ROWS
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+           packed: PackedWeight | None = None) -> torch.Tensor:
     """A linear layer.
 
         x: [T, K], weight: [N, K], bias: None or [N], all in one dtype  ->  out: [T, N] in that dtype
         out[t, n] = sum_k x[t, k] * weight[n, k] + bias[n]   accumulated in fp32, rounded once
+        packed: None, or the weight's PackedWeight (a CPU fp32 weight)
     """
+    if (packed is not None and x.device.type == "cpu" and x.dtype == torch.float32 and x.dim() == 2
+            and x.shape[0] >= MIN_CPU_PACKED_ROWS):
+        return torch.ops.mkldnn._linear_pointwise(x, packed.of(weight), bias, "none", [], "")
     if x.is_cuda and x.dim() == 2 and x.stride(1) == 1 and weight.is_contiguous():
         tile = skinny_tile(x.shape[0], weight.shape[0], weight.shape[1], x.dtype)
         if tile is not None:

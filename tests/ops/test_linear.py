@@ -92,6 +92,55 @@ def test_cpu_rows_past_a_block_run_as_the_first_of_sixteen(rows):
     assert torch.equal(ops.linear(x, weight), ops.linear(F.pad(x, (0, 0, 0, 16 - rows)), weight)[:rows])
 
 
+needs_packing = pytest.mark.skipif(not ops.cpu_packing_available(), reason="no oneDNN fp32 reorder on this CPU")
+
+
+class CountedPacking(ops.PackedWeight):
+    """A PackedWeight that counts the times `linear` asks it for the reordered weight."""
+
+    def __init__(self, weight):
+        self.calls = 0
+        super().__init__(weight)
+
+    def of(self, weight):
+        self.calls += 1
+        return super().of(weight)
+
+
+@needs_packing
+@pytest.mark.parametrize("rows", [0, 1, 2, 3, 8, 9, 16, 17, 64])
+def test_packed_weight_runs_rows_from_three(rows):
+    """From MIN_CPU_PACKED_ROWS fp32 rows the packed weight computes F.linear (up to the summation
+    order), with and without bias, on strided rows too; fewer rows take the unpacked path exactly."""
+    gen = torch.Generator().manual_seed(rows)
+    x, weight = torch.randn(rows, 400, generator=gen)[:, ::2], torch.randn(70, 200, generator=gen)
+    bias = torch.randn(70, generator=gen)
+    packed = CountedPacking(weight)
+    for b in (None, bias):
+        calls = packed.calls
+        out = ops.linear(x, weight, b, packed)
+        assert out.shape == (rows, 70) and out.dtype == torch.float32 and out.is_contiguous()
+        assert packed.calls == calls + (rows >= ops.MIN_CPU_PACKED_ROWS)
+        if rows < ops.MIN_CPU_PACKED_ROWS:
+            assert torch.equal(out, ops.linear(x, weight, b))
+        else:
+            torch.testing.assert_close(out, F.linear(x, weight, b), rtol=1e-5, atol=1e-5)
+
+
+@needs_packing
+def test_packed_weight_follows_the_weight():
+    """Written in place, or another tensor given: the packed copy is made again from the weight as
+    it is, so no step computes with a stale copy."""
+    gen = torch.Generator().manual_seed(5)
+    x, weight = torch.randn(6, 64, generator=gen), torch.randn(48, 64, generator=gen)
+    packed = ops.PackedWeight(weight)
+    torch.testing.assert_close(ops.linear(x, weight, None, packed), F.linear(x, weight), rtol=1e-5, atol=1e-5)
+    weight.mul_(-2.0)
+    torch.testing.assert_close(ops.linear(x, weight, None, packed), F.linear(x, weight), rtol=1e-5, atol=1e-5)
+    other = torch.randn(48, 64, generator=gen)
+    torch.testing.assert_close(ops.linear(x, other, None, packed), F.linear(x, other), rtol=1e-5, atol=1e-5)
+
+
 # ---- GPU, a 7B model's shapes -------------------------------------------------------------
 
 @pytest.mark.cuda
