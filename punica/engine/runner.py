@@ -12,11 +12,26 @@ from punica.engine.cuda_graphs import CudaGraphs, fed_token_ids
 from punica.engine.step_input import StepInput
 from punica.models.decoder import DecoderForCausalLM
 from punica.models.forward_batch import ForwardBatch
+from punica.models.quantized import pack_cpu_linears
 from punica.ops.kv_cache import kv_bytes_per_token as layer_bytes_per_token
-from punica.ops.linear import CPU_SKINNY_BLOCK, MAX_CPU_SKINNY_ROWS
+from punica.ops.linear import CPU_SKINNY_BLOCK, MAX_CPU_SKINNY_ROWS, cpu_packing_available
 from punica.ops.transfer import to_device
 
 log = logging.getLogger(__name__)
+
+MAX_PACKED_FRACTION = 0.5  # of the memory available at start-up that CPU weights' packed copies may take
+
+
+def available_memory() -> int:
+    """Bytes of memory the kernel says are available (MemAvailable in /proc/meminfo; 0 where unknown)."""
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
 
 
 def kv_bytes_per_token(model: DecoderForCausalLM, kv_cache_dtype: str = "auto") -> int:
@@ -34,6 +49,9 @@ class ModelRunner:
 
     The KV cache (in `kv_cache_dtype`: punica.ops.kv_cache) holds `num_pages` pages for requests
     plus one scratch page (the last) that padded rows of graph batches write to.
+
+    On a CPU, the projections' fp32 weights get packed copies for steps of many rows
+    (punica.ops.linear), if the copies take at most MAX_PACKED_FRACTION of the memory available.
     """
 
     def __init__(self, model: DecoderForCausalLM, num_pages: int, page_size: int, max_batch_size: int,
@@ -44,6 +62,14 @@ class ModelRunner:
         self.kv_cache = model.new_kv_cache(num_pages + 1, page_size, kv_cache_dtype)
         self.sampled = torch.zeros(max_batch_size, dtype=torch.int64, device=self.device)
         self.graphs: CudaGraphs | None = None
+        self.packed_bytes = 0
+        if self.device.type == "cpu" and model.embed.weight.dtype == torch.float32 and cpu_packing_available():
+            budget = int(MAX_PACKED_FRACTION * available_memory())
+            self.packed_bytes = pack_cpu_linears(model, budget)
+            if self.packed_bytes:
+                log.info("packed %.0f MB of CPU weights for oneDNN", self.packed_bytes / 2**20)
+            else:
+                log.info("CPU weights not packed: over %.0f MB of memory", budget / 2**20)
         if self.device.type == "cuda" and not eager:
             start = time.perf_counter()
             max_pages = ceil_div(max_model_len or num_pages * page_size, page_size)
@@ -62,9 +88,9 @@ class ModelRunner:
     @property
     def row_sizes(self) -> tuple[int, ...]:
         """Row counts of a step's GEMMs between which its rows are padded to the next (the step's rows
-        in (size, next size] compute the next): on a CPU, fp32 W @ x^T (punica.ops.linear); ()
-        elsewhere."""
-        if self.device.type == "cpu" and self.model.embed.weight.dtype == torch.float32:
+        in (size, next size] compute the next): on a CPU, fp32 W @ x^T (punica.ops.linear) unless
+        the weights are packed; () elsewhere."""
+        if self.device.type == "cpu" and self.model.embed.weight.dtype == torch.float32 and not self.packed_bytes:
             return CPU_SKINNY_BLOCK, MAX_CPU_SKINNY_ROWS
         return ()
 

@@ -23,7 +23,7 @@ from torch import nn
 
 from punica.config import ceil_div
 from punica.ops.fp8 import FP8_DTYPE, dequantize, fp8_linear
-from punica.ops.linear import linear
+from punica.ops.linear import PackedWeight, linear
 
 
 @dataclass(frozen=True)
@@ -42,10 +42,17 @@ class Fp8Format:
 
 class Linear(nn.Linear):
     """nn.Linear whose forward is punica.ops.linear.linear: a decode step's few rows run the skinny
-    Triton GEMM where it beats cuBLAS."""
+    Triton GEMM where it beats cuBLAS; on a CPU, after `pack_cpu`, rows from 3 run on the weight's
+    packed copy (punica.ops.linear.PackedWeight)."""
+
+    packed: PackedWeight | None = None
+
+    def pack_cpu(self) -> None:
+        """Keep a copy of the (CPU fp32) weight in oneDNN's blocked layout for steps of many rows."""
+        self.packed = PackedWeight(self.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias, self.packed)
 
 
 class Fp8Linear(nn.Module):
@@ -70,6 +77,19 @@ class Fp8Linear(nn.Module):
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, block_size={self.block_size}"
+
+
+def pack_cpu_linears(model: nn.Module, max_bytes: int) -> int:
+    """Give every Linear of `model` with a CPU fp32 weight its packed copy (Linear.pack_cpu) if
+    those weights come to at most `max_bytes`; the bytes packed (0: none)."""
+    linears = [module for module in model.modules() if isinstance(module, Linear)
+               and module.weight.device.type == "cpu" and module.weight.dtype == torch.float32]
+    size = sum(linear.weight.nbytes for linear in linears)
+    if size > max_bytes:
+        return 0
+    for linear in linears:
+        linear.pack_cpu()
+    return size
 
 
 def projection(in_features: int, out_features: int, bias: bool, fmt: Fp8Format | None, dtype: torch.dtype,

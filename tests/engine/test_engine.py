@@ -16,6 +16,8 @@ from punica.engine.sampling_params import SamplingParams
 from punica.factory import engine_on_model
 from punica.lora.pool import slot_bytes
 from punica.models.loader import load_hf_dir
+from punica.models.quantized import Linear
+from punica.ops.linear import CPU_SKINNY_BLOCK, MAX_CPU_SKINNY_ROWS, cpu_packing_available
 
 
 @pytest.mark.slow
@@ -39,6 +41,25 @@ def test_preemption_loses_and_repeats_nothing(setup, greedy, make_engine, run_al
     assert tight.stats().num_preemptions > 0
     assert [o.token_ids for o in outs] == [o.token_ids for o in ample]
     assert tight.allocator.num_free == tight.allocator.num_pages
+
+
+@pytest.mark.skipif(not cpu_packing_available(), reason="no oneDNN fp32 reorder on this CPU")
+def test_cpu_weights_are_packed_when_memory_allows(setup, greedy, make_engine, run_all, workload, monkeypatch):
+    """On a CPU every fp32 projection gets a packed copy (punica.ops.linear) and the latency budget
+    sees no row blocks; with no memory to spare, none does and the budget pads W @ x^T's blocks. The
+    tokens are the same."""
+    requests = workload(12, seed=4)
+    packed = make_engine(setup, max_batch_size=4, page_size=4)
+    monkeypatch.setattr("punica.engine.runner.available_memory", lambda: 0)
+    plain = make_engine(setup, max_batch_size=4, page_size=4)
+    for engine, is_packed in ((packed, True), (plain, False)):
+        runner = engine.executor.worker.runner
+        linears = [module for module in runner.model.modules() if isinstance(module, Linear)]
+        assert linears and all((linear.packed is not None) == is_packed for linear in linears)
+        assert (runner.packed_bytes > 0) == is_packed
+        assert engine.executor.row_sizes == (() if is_packed else (CPU_SKINNY_BLOCK, MAX_CPU_SKINNY_ROWS))
+    assert [o.token_ids for o in run_all(packed, requests, greedy)] == [o.token_ids for o in run_all(plain, requests,
+                                                                                                       greedy)]
 
 
 def test_max_lora_bytes_caps_the_adapter_slots(setup, greedy, make_engine, run_all, workload):
