@@ -6,25 +6,26 @@ case but three:
   punica.ops.linear_tiles.skinny_tile runs punica.ops.linear_triton's kernel (fp32 accumulation,
   one rounding to x's dtype, as cuBLAS's). The choice depends on shapes and dtypes only, so a
   captured CUDA graph replays it.
-* on a CPU, an fp32 x of at most MAX_CPU_SKINNY_ROWS rows runs as W @ x^T over
-  `cpu_skinny_columns(rows)` columns of x^T: one row as two (the second a copy of the first), 9 to
-  16 rows as 16 (zero rows after x's). MKL's F.linear takes its GEMV path at one row, streaming the
-  weights at about 10 GB/s on a 2-core AVX-512 CPU, and its GEMM at 2-4 rows is slower still; the
-  product with the weight as the left operand streams it at about 18 GB/s at 2-4 columns. That
-  product's cost climbs in steps of 8 columns: a second block of 1-7 columns costs more than a
-  whole one. The embedded model's four projections over 30 layers, fastest rounds
-  (docs/results/cpu_skinny_linear_rows_2026-12-04.log, ..._pad16_2026-12-04.log): 14.1-22.0 ms at
-  1-4 rows against 32.7-62.6 (F.linear), 25.4-36.3 at 5-8 rows against 36.5-42.7; at 9-16 rows
-  43.6-44.3 ms as 16 columns, against 43.8-51.1 (F.linear) and 43.8-85.1 unpadded; at 17 rows
-  F.linear wins. Up to 16 rows covers a CPU step of a few decodes and a prompt chunk at its floor.
+* on a CPU, an fp32 x of at most MAX_CPU_SKINNY_ROWS rows (without a packed weight, or of fewer than
+  MIN_CPU_PACKED_ROWS) runs as W @ x^T over `cpu_skinny_columns(rows)` columns of x^T: one row as
+  two (the second a copy of the first), 9 to 16 rows as 16 (zero rows after x's). MKL's F.linear
+  takes its GEMV path at one row, streaming the weights at about 10 GB/s on a 2-core AVX-512 CPU,
+  and its GEMM at 2-4 rows is slower still; the product with the weight as the left operand streams
+  it at about 18 GB/s at 2-4 columns. That product's cost climbs in steps of 8 columns: a second
+  block of 1-7 columns costs more than a whole one. The embedded model's four projections over 30
+  layers, fastest rounds (docs/results/cpu_skinny_linear_rows_2026-12-04.log,
+  ..._pad16_2026-12-04.log): 14.1-22.0 ms at 1-4 rows against 32.7-62.6 (F.linear), 25.4-36.3 at 5-8
+  rows against 36.5-42.7; at 9-16 rows 43.6-44.3 ms as 16 columns, against 43.8-51.1 (F.linear) and
+  43.8-85.1 unpadded; at 17 rows F.linear wins. Up to 16 rows covers a CPU step of a few decodes and
+  a prompt chunk at its floor.
 * on a CPU, an fp32 x of at least MIN_CPU_PACKED_ROWS rows beside a `PackedWeight` runs through
-  oneDNN on the weight reordered once into its blocked layout (what MKL's GEMM otherwise packs on
-  every call, which is why its cost at 5-16 rows is twice what reading the weights costs). The
-  embedded model's four projections over 30 layers, fastest rounds on a 2-core AVX-512 CPU
-  (docs/results/cpu_packed_linear_2026-12-05.log): 17-21 ms at 3-8 rows against 20-34 (W @ x^T),
-  24-28 at 12-16 against 43-55, 1.99 s at 2,048 rows against 2.48 (F.linear; 219 GFLOP/s). At 1-2
-  rows W @ x^T over two columns stays faster (14 ms against 22), so a packed weight is a second
-  copy, not a replacement.
+  oneDNN on the weight reordered once into its blocked layout, where MKL's GEMMs at 5-16 rows take
+  about twice what reading the weights takes. The embedded model's four projections over 30 layers,
+  fastest of 5 rounds on a 2-core AVX-512 CPU (`python -m benchmarks.cpu_linear`,
+  docs/results/cpu_linear_packed_cpu_2026-12-05.json): 15.5-19.4 ms at 3-8 rows against
+  20.8-35.9 (W @ x^T), 19.3-25.2 at 9-16 against 45.5-46.6, 40.5 at 32 against 64.8 (F.linear),
+  1.95 s at 2,048 rows against 2.22 (222 GFLOP/s). At 1-2 rows W @ x^T over two columns stays faster (15.8-16.7 ms
+  against 20.0-22.0), so a packed weight is a second copy, not a replacement.
 Outputs differ from F.linear's by the summation order only.
 """
 
@@ -50,7 +51,9 @@ def cpu_packing_available() -> bool:
 
 class PackedWeight:
     """A CPU fp32 weight [N, K] reordered into oneDNN's blocked layout for `linear`; reordered
-    again when the weight it was made from has changed (another tensor, or written in place)."""
+    again when the weight it was made from has changed (another tensor, or written in place). A
+    pickled or deep-copied one leaves the reordered copy out (an opaque oneDNN tensor has no
+    storage to copy) and makes it again at its first use."""
 
     def __init__(self, weight: torch.Tensor):
         assert weight.device.type == "cpu" and weight.dtype == torch.float32 and weight.dim() == 2, weight
@@ -66,6 +69,9 @@ class PackedWeight:
             self._key = key
         return self._packed
 
+    def __getstate__(self) -> dict:
+        return {"_key": None, "_packed": None}
+
 
 def cpu_skinny_columns(rows: int) -> int:
     """The columns W @ x^T computes for x of `rows` rows on a CPU (module docstring)."""
@@ -78,10 +84,12 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
         x: [T, K], weight: [N, K], bias: None or [N], all in one dtype  ->  out: [T, N] in that dtype
         out[t, n] = sum_k x[t, k] * weight[n, k] + bias[n]   accumulated in fp32, rounded once
-        packed: None, or the weight's PackedWeight (a CPU fp32 weight)
+        packed: None, or the weight's PackedWeight (a CPU fp32 weight); not used where autograd
+            records the product (oneDNN's op has no backward)
     """
     if (packed is not None and x.device.type == "cpu" and x.dtype == torch.float32 and x.dim() == 2
-            and x.shape[0] >= MIN_CPU_PACKED_ROWS):
+            and x.shape[0] >= MIN_CPU_PACKED_ROWS
+            and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))):  # no backward
         return torch.ops.mkldnn._linear_pointwise(x, packed.of(weight), bias, "none", [], "")
     if x.is_cuda and x.dim() == 2 and x.stride(1) == 1 and weight.is_contiguous():
         tile = skinny_tile(x.shape[0], weight.shape[0], weight.shape[1], x.dtype)

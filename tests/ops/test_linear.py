@@ -128,6 +128,17 @@ def test_packed_weight_runs_rows_from_three(rows):
 
 
 @needs_packing
+def test_a_product_that_autograd_records_leaves_the_packed_weight_alone():
+    gen = torch.Generator().manual_seed(7)
+    x, weight = torch.randn(6, 64, generator=gen, requires_grad=True), torch.randn(48, 64, generator=gen)
+    packed = CountedPacking(weight)
+    calls = packed.calls
+    ops.linear(x, weight, None, packed).sum().backward()
+    assert packed.calls == calls
+    torch.testing.assert_close(x.grad, weight.sum(0).expand(6, -1))
+
+
+@needs_packing
 def test_packed_weight_follows_the_weight():
     """Written in place, or another tensor given: the packed copy is made again from the weight as
     it is, so no step computes with a stale copy."""
@@ -139,6 +150,30 @@ def test_packed_weight_follows_the_weight():
     torch.testing.assert_close(ops.linear(x, weight, None, packed), F.linear(x, weight), rtol=1e-5, atol=1e-5)
     other = torch.randn(48, 64, generator=gen)
     torch.testing.assert_close(ops.linear(x, other, None, packed), F.linear(x, other), rtol=1e-5, atol=1e-5)
+
+
+@needs_packing
+def test_a_packed_linear_pickles_and_copies_without_its_reordered_copy():
+    """Pickled (a Ray worker's model) or deep-copied, a packed Linear computes as before: the opaque
+    oneDNN copy is left out and made again at its first use."""
+    import copy
+    import pickle
+
+    from punica.models.quantized import Linear
+
+    gen = torch.Generator().manual_seed(6)
+    layer = Linear(64, 48)
+    with torch.no_grad():
+        layer.weight.copy_(torch.randn(48, 64, generator=gen))
+        layer.bias.copy_(torch.randn(48, generator=gen))
+    layer.pack_cpu()
+    x = torch.randn(5, 64, generator=gen)
+    expected = F.linear(x, layer.weight, layer.bias)
+    for other in (pickle.loads(pickle.dumps(layer)), copy.deepcopy(layer)):
+        assert other.packed is not None and other.packed._packed is None
+        with torch.no_grad():
+            torch.testing.assert_close(other(x), expected, rtol=1e-5, atol=1e-5)
+        assert other.packed._packed is not None
 
 
 # ---- GPU, a 7B model's shapes -------------------------------------------------------------
