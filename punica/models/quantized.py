@@ -84,11 +84,11 @@ def pack_cpu_linears(model: nn.Module, max_bytes: int) -> int:
     those weights come to at most `max_bytes`; the bytes packed (0: none)."""
     linears = [module for module in model.modules() if isinstance(module, Linear)
                and module.weight.device.type == "cpu" and module.weight.dtype == torch.float32]
-    size = sum(linear.weight.nbytes for linear in linears)
+    size = sum(module.weight.nbytes for module in linears)
     if size > max_bytes:
         return 0
-    for linear in linears:
-        linear.pack_cpu()
+    for module in linears:
+        module.pack_cpu()
     return size
 
 
