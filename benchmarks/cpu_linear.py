@@ -39,7 +39,7 @@ def projection_shapes(config: ModelConfig) -> dict[str, tuple[int, int]]:
 def w_xt(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """punica.ops.linear's unpacked CPU path: W @ x^T over cpu_skinny_columns(rows) columns."""
     rows = x.shape[0]
-    xt = x.repeat(2, 1) if rows == 1 else F.pad(x, (0, 0, 0, cpu_skinny_columns(rows) - rows))
+    xt = torch.cat((x, x)) if rows == 1 else F.pad(x, (0, 0, 0, cpu_skinny_columns(rows) - rows))
     return torch.mm(weight, xt.t())[:, :rows].t().contiguous()
 
 

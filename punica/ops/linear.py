@@ -98,7 +98,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
             return skinny_linear_triton(x, weight, bias, tile)
     if x.device.type == "cpu" and x.dtype == torch.float32 and x.dim() == 2 and x.shape[0] <= MAX_CPU_SKINNY_ROWS:
         rows, columns = x.shape[0], cpu_skinny_columns(x.shape[0])
-        xt = x.repeat(2, 1) if rows == 1 else F.pad(x, (0, 0, 0, columns - rows))
+        xt = torch.cat((x, x)) if rows == 1 else F.pad(x, (0, 0, 0, columns - rows))
         # contiguous like F.linear's output (tensor parallelism all-reduces it in place)
         out = torch.mm(weight, xt.t())[:, :rows].t().contiguous()
         return out + bias if bias is not None else out
