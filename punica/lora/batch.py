@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
+from punica.ops.lora_cpu import SlotGroups
 from punica.ops.lora_shapes import sgmv_block_m
 from punica.ops.transfer import to_device
 
@@ -25,12 +26,20 @@ class LoraBatch:
     sgmv_tokens: int           # the leading tokens that run SGMV (the rest: BGMV)
     sgmv_block_m: int          # SGMV's tile height (punica.ops.lora_triton.sgmv_block_m; 1: row-wise)
     any_lora: bool             # False when every token has slot -1: the model skips LoRA
+    _slot_groups: dict[int, SlotGroups] = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def __post_init__(self):
         assert self.seg_indptr.numel() == self.seg_slots.numel() + 1
         assert self.seg_indptr.dtype == self.seg_slots.dtype == self.token_slots.dtype == torch.int32
         assert self.token_scales.dtype == torch.float32 and self.token_scales.shape == self.token_slots.shape
         assert 0 <= self.sgmv_tokens <= self.token_slots.numel() and self.sgmv_block_m >= 1
+
+    def slot_groups(self, num_slots: int) -> SlotGroups:
+        """The tokens with an adapter grouped by slot for a pool of `num_slots` slots
+        (punica.ops.lora_cpu), made at the step's first call and kept for its other layers."""
+        if num_slots not in self._slot_groups:
+            self._slot_groups[num_slots] = SlotGroups.of(self.token_slots, num_slots)
+        return self._slot_groups[num_slots]
 
     @classmethod
     def build(cls, request_slots: list[int], request_num_tokens: list[int],
