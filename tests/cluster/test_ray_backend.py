@@ -85,7 +85,7 @@ def test_kv_exhaustion_migrates_requests_and_outputs_match(ray_cluster, model, p
         finally:
             await cluster.shutdown()
 
-    outs, num_migrations, num_workers = asyncio.run(asyncio.wait_for(main(), 90))
+    outs, num_migrations, num_workers = asyncio.run(asyncio.wait_for(main(), 180))
     assert num_migrations > 0 and num_workers == 2
     assert outs == expected
 
@@ -179,7 +179,7 @@ def test_killed_worker_requests_are_placed_again_and_complete(ray_cluster, model
         finally:
             await cluster.shutdown()
 
-    outs, on_victim, num_migrations = asyncio.run(asyncio.wait_for(main(), 90))
+    outs, on_victim, num_migrations = asyncio.run(asyncio.wait_for(main(), 180))
     assert on_victim and num_migrations >= len(on_victim)
     assert outs == expected
 
@@ -217,7 +217,7 @@ def test_workers_are_added_while_requests_wait_and_released_when_idle(ray_cluste
         finally:
             await cluster.shutdown()
 
-    placed_on_new, outs = asyncio.run(asyncio.wait_for(main(), 60))
+    placed_on_new, outs = asyncio.run(asyncio.wait_for(main(), 180))
     assert len(placed_on_new) == 2
     assert all(out.finished and out.finish_reason in ("length", "abort") for out in outs)
     assert sum(out.finish_reason == "abort" for out in outs) >= len(placed_on_new)
