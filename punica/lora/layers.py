@@ -6,10 +6,11 @@ one fused base linear wrapped in a LoraLinear. The base is whichever linear it i
 base(x); the LoraLinear adds the group's deltas to its output: one shrink over the group's
 stacked A and one sliced expand into the fused output (punica.ops.lora), DoRA's out_scales
 applied by the expand. It picks the kernels from the step's LoraBatch: SGMV over the batch's
-leading prefill segments, BGMV per token for the rest; on the CPU (fp32), one grouped GEMM per
-shrink and expand slice over the whole batch (punica.ops.lora_cpu). On CUDA the shrink runs on a side stream
-beside the base GEMM (inside captured graphs too: two branches joined before the expand), so the
-GPU overlaps its launch and ramp with the GEMM's; in BGMV batches of up to
+leading prefill segments, BGMV per token for the rest; on the CPU (fp32), in batches of several
+adapters, one grouped GEMM per shrink and expand slice over the whole batch (punica.ops.lora_cpu).
+On CUDA the shrink runs on a side stream beside the base GEMM (inside captured graphs too: two
+branches joined before the expand), so the GPU overlaps its launch and ramp with the GEMM's; in
+BGMV batches of up to
 SIDE_STREAM_DELTA_MAX_TOKENS tokens, such as decode steps, the expand's delta runs there too.
 
 Its weights are its group's part of the adapter pool (punica.lora.pool.GroupWeights: views of one
@@ -76,7 +77,7 @@ class LoraLinear(nn.Module):
         stream = side_stream(x.device)
         if stream is None:
             y = self.base(x)
-            if grouped_applies(x, w.lora_a, w.lora_b):
+            if grouped_applies(x, w.lora_a, w.lora_b, lora.seg_slots.numel()):
                 groups = lora.slot_groups(w.lora_a.shape[0])
                 grouped_expand(y, grouped_shrink(x, w.lora_a, groups), w.lora_b, w.scales, lora.token_scales, groups,
                                w.slice_bounds, dora)

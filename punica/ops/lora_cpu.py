@@ -12,7 +12,13 @@ token's), the same add into y in float32 and DoRA's out_scales on DoRA slots' ro
 
 It applies to fp32 tensors (the CPU's model dtype) where torch has a CPU grouped GEMM
 (`grouped_available`) and the operands' strides are the multiples of 16 bytes it requires: h_in and
-the rank padded to a multiple of 4 (`grouped_applies`).
+the rank padded to a multiple of 4 (`grouped_applies`), in batches of at least MIN_SEGMENTS
+segments. torch's CPU grouped GEMM runs one small product per group (every slot of the pool, empty
+ones too) behind one call, and the gathers by slot cost what a short loop saves: SmolLM2-135M's four
+groups over 30 layers, 32 decode tokens, rank 16, 32 slots (2-core AVX-512 CPU, torch 2.13,
+one-off script, fastest of 4): 62.8 ms against the references' 42.5 with one adapter, 49.3 against
+50.5 with 2, 54.7 against 55.8 with 4, 58.9 against 69.6 with 6, 65.8 against 86.0 with 8, and
+98.1 against 235.8 with 32 distinct.
 """
 
 from __future__ import annotations
@@ -23,6 +29,8 @@ from functools import cache
 import torch
 
 from punica.ops.lora_shapes import check_slice_bounds
+
+MIN_SEGMENTS = 4  # a batch's segments from which the grouped GEMMs beat the references' loops (docstring)
 
 
 @cache
@@ -37,10 +45,12 @@ def grouped_available() -> bool:
     return out.shape == (2, 4) and bool((out == 4).all())
 
 
-def grouped_applies(x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor) -> bool:
+def grouped_applies(x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor, num_segments: int) -> bool:
     """Whether a group's LoRA on these tensors (x [T, h_in], lora_a [S, n*R, h_in], lora_b
-    [S, h_out, R]) runs here (CPU, fp32, h_in and R multiples of 4) rather than the references."""
-    return (x.device.type == "cpu" and x.dtype == lora_a.dtype == lora_b.dtype == torch.float32
+    [S, h_out, R]) in a batch of `num_segments` segments runs here (CPU, fp32, h_in and R multiples
+    of 4, at least MIN_SEGMENTS segments) rather than the references."""
+    return (num_segments >= MIN_SEGMENTS and x.device.type == "cpu"
+            and x.dtype == lora_a.dtype == lora_b.dtype == torch.float32
             and x.shape[1] % 4 == 0 and lora_b.shape[2] % 4 == 0 and grouped_available())
 
 

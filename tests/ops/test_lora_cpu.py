@@ -104,10 +104,12 @@ def test_slot_groups_sort_the_tokens_with_an_adapter_by_slot():
     assert batch.slot_groups(4) is groups
 
 
-def test_grouped_lora_applies_to_cpu_fp32_with_aligned_strides_only():
-    """fp32 on the CPU, h_in and the padded rank multiples of 4 (the grouped GEMM's 16-byte strides)."""
-    a, b = torch.zeros(2, 4, 8), torch.zeros(2, 6, 4)
-    assert lora_cpu.grouped_applies(torch.zeros(3, 8), a, b)
-    assert not lora_cpu.grouped_applies(torch.zeros(3, 8, dtype=torch.bfloat16), a.bfloat16(), b.bfloat16())
-    assert not lora_cpu.grouped_applies(torch.zeros(3, 6), torch.zeros(2, 4, 6), b)
-    assert not lora_cpu.grouped_applies(torch.zeros(3, 8), torch.zeros(2, 6, 8), torch.zeros(2, 6, 6))
+def test_grouped_lora_applies_to_cpu_fp32_with_aligned_strides_and_several_segments_only():
+    """fp32 on the CPU, h_in and the padded rank multiples of 4 (the grouped GEMM's 16-byte strides),
+    a batch of at least MIN_SEGMENTS segments."""
+    a, b, n = torch.zeros(2, 4, 8), torch.zeros(2, 6, 4), lora_cpu.MIN_SEGMENTS
+    assert lora_cpu.grouped_applies(torch.zeros(3, 8), a, b, n)
+    assert not lora_cpu.grouped_applies(torch.zeros(3, 8), a, b, n - 1)
+    assert not lora_cpu.grouped_applies(torch.zeros(3, 8, dtype=torch.bfloat16), a.bfloat16(), b.bfloat16(), n)
+    assert not lora_cpu.grouped_applies(torch.zeros(3, 6), torch.zeros(2, 4, 6), b, n)
+    assert not lora_cpu.grouped_applies(torch.zeros(3, 8), torch.zeros(2, 6, 8), torch.zeros(2, 6, 6), n)
