@@ -14,11 +14,11 @@ It applies to fp32 tensors (the CPU's model dtype) where torch has a CPU grouped
 (`grouped_available`) and the operands' strides are the multiples of 16 bytes it requires: h_in and
 the rank padded to a multiple of 4 (`grouped_applies`), in batches of at least MIN_SEGMENTS
 segments. torch's CPU grouped GEMM runs one small product per group (every slot of the pool, empty
-ones too) behind one call, and the gathers by slot cost what a short loop saves: SmolLM2-135M's four
-groups over 30 layers, 32 decode tokens, rank 16, 32 slots (2-core AVX-512 CPU, torch 2.13,
-one-off script, fastest of 4): 62.8 ms against the references' 42.5 with one adapter, 49.3 against
-50.5 with 2, 54.7 against 55.8 with 4, 58.9 against 69.6 with 6, 65.8 against 86.0 with 8, and
-98.1 against 235.8 with 32 distinct.
+ones too) behind one call, and the gathers by slot cost what a short loop saves: SmolLM2-135M's
+four groups over 30 layers, 32 decode tokens, rank 16, 32 slots (2-core AVX-512 CPU, torch 2.13,
+one-off script, fastest of 4; docs/results/cpu_grouped_lora_ops_2026-12-05.log): 62.8 ms against
+the references' 42.5 with one adapter, 49.3 against 50.5 with 2, 54.7 against 55.8 with 4, 58.9
+against 69.6 with 6, 65.8 against 86.0 with 8, and 98.1 against 235.8 with 32 distinct.
 """
 
 from __future__ import annotations
