@@ -42,13 +42,13 @@ class LoraExperts(nn.Module):
         gate_up = grouped_matmul(rows, self.base.gate_up_weight(), routing)
         w = self.weights if lora.any_lora else None
         if w is not None:
-            slots = lora.token_slots[routing.pair_tokens]
-            scales = lora.token_scales[routing.pair_tokens] * w.scales[slots.clamp(min=0)]
-            add_expert_lora(gate_up, rows, w.gate_up_a, w.gate_up_b, slots, routing.pair_experts, scales)
+            add_expert_lora(gate_up, rows, w.gate_up_a, w.gate_up_b, routing.pair_tokens, routing.pair_experts,
+                            lora.token_slots, lora.token_scales, w.scales)
         hidden = silu_and_mul(gate_up)
         down = grouped_matmul(hidden, self.base.down_weight(), routing)
         if w is not None:
-            add_expert_lora(down, hidden, w.down_a, w.down_b, slots, routing.pair_experts, scales)
+            add_expert_lora(down, hidden, w.down_a, w.down_b, routing.pair_tokens, routing.pair_experts,
+                            lora.token_slots, lora.token_scales, w.scales)
         out = combine(down, routing, x.shape[0])
         if self.tp_group is not None:
             dist.all_reduce(out, group=self.tp_group)

@@ -1,11 +1,24 @@
 """The experts' LoRA delta in Triton; semantics: punica.ops.lora_moe.add_expert_lora.
 
-One program per (token, expert) pair, as BGMV runs one per token: it reads its pair's slot and
-expert, shrinks the pair's row by A[slot, expert] ([R, h_in], BLOCK_K columns at a time, into R
-fp32 values), then expands by B[slot, expert] BLOCK_N output features at a time and adds the
-scaled delta to the pair's output row. Pairs of slot -1 do nothing. The grid is the pair count:
-no host syncs, safe under CUDA-graph capture. Under the interpreter the operands are upcast to
-fp32 (it multiplies bf16 operands as raw bits).
+At decode a layer has a few hundred (token, expert) pairs, nearly each with its own (slot, expert)
+A and B of a few tens of KB: the time is set by how many dependent memory round trips each program
+makes, not by the bytes. So the delta runs as two launches whose programs make few of them:
+
+    _expert_shrink_kernel, grid (P,): one program per pair looks its token's slot up
+        (token_slots[pair_tokens[p]]) and writes it to `pair_slots`; for slot s >= 0 it shrinks the
+        pair's row by A[s, expert] ([R, h_in]) in steps of BLOCK_K columns, few because BLOCK_K is
+        wide (BLOCK_R x BLOCK_K = SHRINK_TILE elements: 4 steps at h_in 2048 and R 16), and writes
+        the [BLOCK_R] float32 vector times the pair's scale (token_scales[t] * slot_scales[s]) to
+        `shrunk`.
+    _expert_expand_kernel, grid (P, cdiv(h_out, BLOCK_N)): one program per pair and block of
+        BLOCK_N output features reads the pair's slot, then its vector, B[s, expert]'s [BLOCK_N, R]
+        block and y's block, and adds the delta: one round trip after the slot.
+
+Products and sums are float32 (the operands are upcast; the rank is too small for tl.dot), each
+shrink program sums its elementwise products once after its last step, and y + delta is rounded
+once to y's dtype. Pairs of slot -1 only write their slot. Both grids follow from the shapes alone,
+and the scratch (`shrunk` [P, BLOCK_R] float32, `pair_slots` [P]) comes from the caching allocator:
+no host syncs, safe under CUDA-graph capture.
 """
 
 from __future__ import annotations
@@ -14,50 +27,78 @@ import torch
 import triton
 import triton.language as tl
 
+SHRINK_TILE = 8192  # elements of A one shrink step reads: BLOCK_R x BLOCK_K, 32 per thread of 8 warps
+EXPAND_BLOCK_N = 128
+
 
 @triton.jit
-def _expert_lora_kernel(y, rows, lora_a, lora_b, pair_slots, pair_experts, pair_scales, h_in, h_out, rank,
-                        stride_y, stride_rows, stride_as, stride_ae, stride_ar, stride_bs, stride_be, stride_bn,
-                        BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
-    pair = tl.program_id(0)
-    slot = tl.load(pair_slots + pair)
+def _expert_shrink_kernel(shrunk, pair_slots, rows, lora_a, pair_tokens, pair_experts, token_slots, token_scales,
+                          slot_scales, h_in, rank, stride_rows, stride_as, stride_ae, stride_ar,
+                          BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
+    pair = tl.program_id(0).to(tl.int64)
+    token = tl.load(pair_tokens + pair)
+    expert = tl.load(pair_experts + pair).to(tl.int64)
+    token_scale = tl.load(token_scales + token)
+    slot = tl.load(token_slots + token)
+    tl.store(pair_slots + pair, slot)
     if slot >= 0:
-        expert = tl.load(pair_experts + pair).to(tl.int64)
         offs_r = tl.arange(0, BLOCK_R)
         r_mask = offs_r < rank
         a = lora_a + slot.to(tl.int64) * stride_as + expert * stride_ae
-        v = tl.zeros([BLOCK_R], dtype=tl.float32)
+        row = rows + pair * stride_rows
+        products = tl.zeros([BLOCK_R, BLOCK_K], dtype=tl.float32)
         for k0 in range(0, h_in, BLOCK_K):
             offs_k = k0 + tl.arange(0, BLOCK_K)
             k_mask = offs_k < h_in
-            x = tl.load(rows + pair.to(tl.int64) * stride_rows + offs_k, mask=k_mask, other=0.0).to(tl.float32)
+            x = tl.load(row + offs_k, mask=k_mask, other=0.0).to(tl.float32)
             a_tile = tl.load(a + offs_r[:, None] * stride_ar + offs_k[None, :], mask=r_mask[:, None] & k_mask[None, :],
                              other=0.0).to(tl.float32)
-            v += tl.sum(a_tile * x[None, :], axis=1)
-        v *= tl.load(pair_scales + pair)
+            products += a_tile * x[None, :]
+        scale = token_scale * tl.load(slot_scales + slot)
+        tl.store(shrunk + pair * BLOCK_R + offs_r, tl.sum(products, axis=1) * scale)
+
+
+@triton.jit
+def _expert_expand_kernel(y, shrunk, pair_slots, lora_b, pair_experts, h_out, rank, stride_y, stride_bs, stride_be,
+                          stride_bn, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr):
+    pair = tl.program_id(0).to(tl.int64)
+    expert = tl.load(pair_experts + pair).to(tl.int64)
+    slot = tl.load(pair_slots + pair)
+    if slot >= 0:
+        offs_r = tl.arange(0, BLOCK_R)
+        offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_mask = offs_n < h_out
+        v = tl.load(shrunk + pair * BLOCK_R + offs_r)
         b = lora_b + slot.to(tl.int64) * stride_bs + expert * stride_be
-        for n0 in range(0, h_out, BLOCK_N):
-            offs_n = n0 + tl.arange(0, BLOCK_N)
-            n_mask = offs_n < h_out
-            b_tile = tl.load(b + offs_n[:, None] * stride_bn + offs_r[None, :], mask=n_mask[:, None] & r_mask[None, :],
-                             other=0.0).to(tl.float32)
-            delta = tl.sum(b_tile * v[None, :], axis=1)
-            y_ptrs = y + pair.to(tl.int64) * stride_y + offs_n
-            y_row = tl.load(y_ptrs, mask=n_mask, other=0.0).to(tl.float32)
-            tl.store(y_ptrs, (y_row + delta).to(y.dtype.element_ty), mask=n_mask)
+        b_tile = tl.load(b + offs_n[:, None] * stride_bn + offs_r[None, :],
+                         mask=n_mask[:, None] & (offs_r < rank)[None, :], other=0.0).to(tl.float32)
+        delta = tl.sum(b_tile * v[None, :], axis=1)
+        y_ptrs = y + pair * stride_y + offs_n
+        y_block = tl.load(y_ptrs, mask=n_mask, other=0.0).to(tl.float32)
+        tl.store(y_ptrs, (y_block + delta).to(y.dtype.element_ty), mask=n_mask)
 
 
 def add_expert_lora_triton(y: torch.Tensor, rows: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,
-                           pair_slots: torch.Tensor, pair_experts: torch.Tensor, pair_scales: torch.Tensor) -> None:
-    """punica.ops.lora_moe.add_expert_lora in one launch of one program per pair."""
+                           pair_tokens: torch.Tensor, pair_experts: torch.Tensor, token_slots: torch.Tensor,
+                           token_scales: torch.Tensor, slot_scales: torch.Tensor) -> None:
+    """punica.ops.lora_moe.add_expert_lora as a shrink of one program per pair and an expand of one
+    per (pair, EXPAND_BLOCK_N output features)."""
     num_pairs, h_in = rows.shape
     h_out, rank = lora_b.shape[2], lora_b.shape[3]
     assert lora_a.shape[2:] == (rank, h_in) and lora_a.stride(3) == 1 and lora_b.stride(3) == 1, (
         lora_a.shape, lora_b.shape)
-    assert rows.stride(1) == 1 and y.stride(1) == 1 and pair_scales.dtype == torch.float32
+    assert rows.stride(1) == 1 and y.stride(1) == 1
+    assert token_scales.dtype == slot_scales.dtype == torch.float32
     if num_pairs == 0:
         return
-    _expert_lora_kernel[(num_pairs,)](
-        y, rows, lora_a, lora_b, pair_slots, pair_experts, pair_scales, h_in, h_out, rank, y.stride(0),
-        rows.stride(0), lora_a.stride(0), lora_a.stride(1), lora_a.stride(2), lora_b.stride(0), lora_b.stride(1),
-        lora_b.stride(2), BLOCK_R=max(16, triton.next_power_of_2(rank)), BLOCK_K=64, BLOCK_N=64)
+    block_r = max(16, triton.next_power_of_2(rank))
+    block_k = min(SHRINK_TILE // block_r, max(16, triton.next_power_of_2(h_in)))
+    shrunk = torch.empty(num_pairs, block_r, dtype=torch.float32, device=rows.device)
+    pair_slots = torch.empty(num_pairs, dtype=token_slots.dtype, device=rows.device)
+    _expert_shrink_kernel[(num_pairs,)](
+        shrunk, pair_slots, rows, lora_a, pair_tokens, pair_experts, token_slots, token_scales, slot_scales, h_in,
+        rank, rows.stride(0), lora_a.stride(0), lora_a.stride(1), lora_a.stride(2), BLOCK_R=block_r,
+        BLOCK_K=block_k, num_warps=8)
+    _expert_expand_kernel[(num_pairs, triton.cdiv(h_out, EXPAND_BLOCK_N))](
+        y, shrunk, pair_slots, lora_b, pair_experts, h_out, rank, y.stride(0), lora_b.stride(0), lora_b.stride(1),
+        lora_b.stride(2), BLOCK_R=block_r, BLOCK_N=EXPAND_BLOCK_N, num_warps=4)

@@ -122,14 +122,16 @@ from punica.ops import lora_moe_triton as lk
 def lora_types(name, consts):
     if name in ("y", "rows", "lora_a", "lora_b"):
         return "*bf16"
-    if name == "pair_scales":
+    if name in ("shrunk", "token_scales", "slot_scales"):
         return "*fp32"
-    if name == "pair_slots":
+    if name in ("pair_slots", "token_slots"):
         return "*i32"
-    return "*i64" if name == "pair_experts" else "i32"
+    return "*i64" if name in ("pair_tokens", "pair_experts") else "i32"
 
 
-compile_ttir(lk._expert_lora_kernel, dict(BLOCK_R=16, BLOCK_K=64, BLOCK_N=64), lora_types)
+for block_r, block_k in ((16, 512), (64, 128)):
+    compile_ttir(lk._expert_shrink_kernel, dict(BLOCK_R=block_r, BLOCK_K=block_k), lora_types)
+    compile_ttir(lk._expert_expand_kernel, dict(BLOCK_R=block_r, BLOCK_N=lk.EXPAND_BLOCK_N), lora_types)
 """
 
 
