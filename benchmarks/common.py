@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from punica.config import preset_config
+from punica.config import ModelConfig, preset_config
 from punica.engine.engine import Engine
 from punica.engine.sampling_params import SamplingParams
 
@@ -112,7 +112,11 @@ def graph_us(calls) -> float:
 
 
 def layer_gemm_shapes(preset: str) -> dict[str, tuple[int, int]]:
+    """(N, K) of each of a layer's four GEMMs in a preset's shape (`gemm_shapes`)."""
+    return gemm_shapes(preset_config(preset))
+
+
+def gemm_shapes(c: ModelConfig) -> dict[str, tuple[int, int]]:
     """(N, K) of each of a layer's four GEMMs, the projections fused as the engine runs them."""
-    c = preset_config(preset)
     return {"qkv": (c.q_size + 2 * c.kv_size, c.hidden_size), "o": (c.hidden_size, c.q_size),
             "gate_up": (2 * c.intermediate_size, c.hidden_size), "down": (c.hidden_size, c.intermediate_size)}

@@ -23,28 +23,10 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from benchmarks.common import format_table, write_results
+from benchmarks.common import format_table, gemm_shapes, write_results
 from punica.config import ModelConfig
 from punica.models.loader import resolve_model_dir
-from punica.ops.linear import MAX_CPU_SKINNY_ROWS, PackedWeight, cpu_packing_available, cpu_skinny_columns
-
-
-def projection_shapes(config: ModelConfig) -> dict[str, tuple[int, int]]:
-    """[N, K] of each fused projection of a layer."""
-    h, d, i = config.hidden_size, config.head_dim, config.intermediate_size
-    qkv = (config.num_heads + 2 * config.num_kv_heads) * d
-    return {"qkv": (qkv, h), "o": (h, config.num_heads * d), "gate_up": (2 * i, h), "down": (h, i)}
-
-
-def w_xt(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """punica.ops.linear's unpacked CPU path: W @ x^T over cpu_skinny_columns(rows) columns."""
-    rows = x.shape[0]
-    xt = torch.cat((x, x)) if rows == 1 else F.pad(x, (0, 0, 0, cpu_skinny_columns(rows) - rows))
-    return torch.mm(weight, xt.t())[:, :rows].t().contiguous()
-
-
-def packed_linear(x: torch.Tensor, weight: torch.Tensor, packed: PackedWeight) -> torch.Tensor:
-    return torch.ops.mkldnn._linear_pointwise(x, packed.of(weight), None, "none", [], "")
+from punica.ops.linear import MAX_CPU_SKINNY_ROWS, PackedWeight, cpu_packing_available, linear, packed_linear
 
 
 def main() -> None:
@@ -60,12 +42,13 @@ def main() -> None:
 
     config = ModelConfig.from_dir(resolve_model_dir(args.model))
     gen = torch.Generator().manual_seed(0)
-    shapes = projection_shapes(config)
+    shapes = gemm_shapes(config)
     weights = {name: [torch.randn(*shape, generator=gen) for _ in range(config.num_layers)]
                for name, shape in shapes.items()}
     packs = {name: [PackedWeight(w) for w in ws] for name, ws in weights.items()}
-    paths = {"F.linear": lambda x, w, p: F.linear(x, w), "W @ x^T": lambda x, w, p: w_xt(x, w),
-             "packed": packed_linear}
+    # linear() without a packed weight is W @ x^T up to MAX_CPU_SKINNY_ROWS fp32 rows (the only rows run)
+    paths = {"F.linear": lambda x, w, p: F.linear(x, w), "W @ x^T": lambda x, w, p: linear(x, w),
+             "packed": lambda x, w, p: packed_linear(x, w, None, p)}
 
     inputs = {rows: {name: torch.randn(rows, shape[1], generator=gen) for name, shape in shapes.items()}
               for rows in args.rows}

@@ -78,6 +78,13 @@ def cpu_skinny_columns(rows: int) -> int:
     return 2 if rows == 1 else rows if rows <= CPU_SKINNY_BLOCK else MAX_CPU_SKINNY_ROWS
 
 
+def packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                  packed: PackedWeight) -> torch.Tensor:
+    """x [T, K] fp32 @ weight^T + bias through oneDNN on the weight's packed copy, whatever T
+    (`linear` takes it from MIN_CPU_PACKED_ROWS rows)."""
+    return torch.ops.mkldnn._linear_pointwise(x, packed.of(weight), bias, "none", [], "")
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
            packed: PackedWeight | None = None) -> torch.Tensor:
     """A linear layer.
@@ -90,7 +97,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     if (packed is not None and x.device.type == "cpu" and x.dtype == torch.float32 and x.dim() == 2
             and x.shape[0] >= MIN_CPU_PACKED_ROWS
             and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))):  # no backward
-        return torch.ops.mkldnn._linear_pointwise(x, packed.of(weight), bias, "none", [], "")
+        return packed_linear(x, weight, bias, packed)
     if x.is_cuda and x.dim() == 2 and x.stride(1) == 1 and weight.is_contiguous():
         tile = skinny_tile(x.shape[0], weight.shape[0], weight.shape[1], x.dtype)
         if tile is not None:
