@@ -157,10 +157,11 @@ def plot(rows: list[dict], path: Path, title: str) -> None:
 
 @contextlib.contextmanager
 def decodes_engine(preset: str, decodes: int, longest_prompt: int, budget: int, dtype: torch.dtype, device: str,
-                   quantization: str = "none", kv_cache_dtype: str = "auto"):
+                   quantization: str = "none", kv_cache_dtype: str = "auto", files: int | None = None):
     """An engine of --preset's shapes with dummy weights (`quantization` of the base weights, a
     `kv_cache_dtype` KV cache) for `decodes` requests decoding beside one prompt of up to
-    `longest_prompt` tokens: a rank-16 adapter per request (`lora0` ... in a temporary directory),
+    `longest_prompt` tokens: a rank-16 adapter per request (`lora0` ... in a temporary directory;
+    with `files`, the names share that many files, each name still its own pool slot),
     KV room for the prompt and 1,024 tokens per decode, the step budget `budget`, warmed up (graphs
     captured, every adapter resident). Yields (engine, model config)."""
     longest = longest_prompt + 2048
@@ -170,8 +171,8 @@ def decodes_engine(preset: str, decodes: int, longest_prompt: int, budget: int, 
                                  kv_cache_tokens=longest_prompt + decodes * 1024, max_num_batched_tokens=budget,
                                  kv_cache_dtype=kv_cache_dtype)
     with tempfile.TemporaryDirectory() as tmp:
-        names = {f"lora{i}": str(save_random_adapter(Path(tmp) / f"a{i}", config, 16, seed=i))
-                 for i in range(decodes + 1)}
+        paths = [save_random_adapter(Path(tmp) / f"a{i}", config, 16, seed=i) for i in range(files or decodes + 1)]
+        names = {f"lora{i}": str(paths[i % len(paths)]) for i in range(decodes + 1)}
         engine = engine_on_model(model, engine_config, names)
         warm_up(engine, list(names))
         yield engine, config

@@ -5,7 +5,7 @@ steps that also run a chunk of a long prompt.
     python -m benchmarks.step_profile [--preset llama-2-7b] [--decodes 31] [--prompt 16384]
         [--budgets 158 512] [--at 0 2048 15000] [--steps 10] [--out results/step_profile]
     python -m benchmarks.step_profile --decode-only --batches 1 32 --context 512 [--steps 10]
-    either with [--quantization fp8] [--kv-cache-dtype fp8]
+    either with [--quantization fp8] [--kv-cache-dtype fp8] [--files 4]
 
 One engine (random weights, CUDA graphs, overlapped steps, rank-16 adapters on all 7 projections,
 request i on its own adapter) serves --decodes requests that decode from 64-token prompts. Per
@@ -46,12 +46,14 @@ from punica.engine.sampling_params import SamplingParams
 GROUPS = (  # first match wins
     ("attention, prefill", r"prefill_(kernel|merge)"),
     ("attention, decode", r"decode_(partition|merge)_kernel"),
+    ("expert lora", r"_expert_(shrink|expand)"),
     ("lora shrink", r"shrink"),
     ("lora expand", r"expand"),
     ("rope + kv append", r"rope|write_kv"),
     ("rms norm", r"rms_norm"),
     ("activation", r"silu|gelu"),
     ("gemm, fp8", r"fp8|e4m3"),
+    ("moe grouped gemm", r"grouped_gemm"),
     ("gemm", r"gemm|gemv|cutlass|nvjet|xmma|sm90|splitK|cublas"),
 )
 
@@ -182,6 +184,7 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=512)
     parser.add_argument("--quantization", choices=QUANTIZATIONS, default="none", help="of the base weights")
     parser.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto")
+    parser.add_argument("--files", type=int, help="adapter files behind the distinct names (default: one per name)")
     parser.add_argument("--out", type=Path, default=Path("results/step_profile"))
     args = parser.parse_args()
     if args.decode_only and args.context > 1024:
@@ -189,7 +192,7 @@ def main() -> None:
     rng = random.Random(0)
     decodes = max(args.batches) if args.decode_only else args.decodes
     setup = decodes_engine(args.preset, decodes, args.prompt, args.budgets[0], torch.bfloat16, "cuda",
-                           args.quantization, args.kv_cache_dtype)
+                           args.quantization, args.kv_cache_dtype, args.files)
     with setup as (engine, config), tempfile.TemporaryDirectory() as tmp:
         trace_dir = Path(tmp)
         if args.decode_only:
