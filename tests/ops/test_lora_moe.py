@@ -47,9 +47,9 @@ def test_reference_adds_each_pairs_delta():
 
 @pytest.mark.parametrize("num_pairs,h_in,h_out,rank", [
     (1, 64, 32, 16), (29, 72, 96, 16), (16, 100, 48, 16),  # h_in, h_out under one block
-    (21, 1100, 300, 16),  # 3 shrink steps (BLOCK_K 512), the last partial; 3 expand blocks, the last partial
+    (21, 1100, 300, 16),  # 3 shrink parts (BLOCK_K 512), the last partial; 3 expand blocks, the last partial
     (12, 600, 130, 8),  # rank under BLOCK_R
-    (9, 300, 140, 64),  # BLOCK_R 64: BLOCK_K 128, 3 shrink steps
+    (9, 300, 140, 64),  # BLOCK_R 64: BLOCK_K 128, 3 shrink parts
 ])
 def test_triton_matches_reference(num_pairs, h_in, h_out, rank):
     y, *args = case(num_pairs, h_in, h_out, seed=num_pairs, rank=rank)

@@ -131,7 +131,8 @@ def lora_types(name, consts):
 
 for block_r, block_k in ((16, 512), (64, 128)):
     compile_ttir(lk._expert_shrink_kernel, dict(BLOCK_R=block_r, BLOCK_K=block_k), lora_types)
-    compile_ttir(lk._expert_expand_kernel, dict(BLOCK_R=block_r, BLOCK_N=lk.EXPAND_BLOCK_N), lora_types)
+    compile_ttir(lk._expert_expand_kernel, dict(BLOCK_R=block_r, BLOCK_N=lk.EXPAND_BLOCK_N, BLOCK_PARTS=4),
+                 lora_types)
 """
 
 
