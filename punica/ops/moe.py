@@ -17,7 +17,7 @@ per projection, punica.ops.moe_triton):
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -29,6 +29,8 @@ class ExpertRouting:
     pair_experts: torch.Tensor   # [P] int64: its expert (non-decreasing)
     pair_weights: torch.Tensor   # [P] float32: its router weight
     expert_indptr: torch.Tensor  # [E + 1] int64: pairs [indptr[e], indptr[e + 1]) are expert e's
+    # BLOCK_M -> the grouped GEMM's layout of these pairs (punica.ops.moe_triton.block_layout)
+    layouts: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict, repr=False)
 
     @property
     def num_pairs(self) -> int:
@@ -62,7 +64,7 @@ def grouped_matmul(rows: torch.Tensor, weights: torch.Tensor, routing: ExpertRou
     (punica.ops.moe_triton), else the reference."""
     if rows.is_cuda:
         from punica.ops.moe_triton import grouped_matmul_triton
-        return grouped_matmul_triton(rows, weights, routing.pair_experts, routing.expert_indptr)
+        return grouped_matmul_triton(rows, weights, routing)
     return grouped_matmul_ref(rows, weights, routing)
 
 

@@ -109,12 +109,13 @@ def types(name, consts):
         return "*bf16"
     if name in ("block_rows", "block_experts"):
         return "*i32"
-    return "i32"
+    return "*i64" if name == "expert_indptr" else "i32"
 
 
 for block_m in (16, 64):
     compile_ttir(k._grouped_gemm_kernel, dict(UPCAST=False, PRECISION="tf32", BLOCK_M=block_m, BLOCK_N=64,
                                               BLOCK_K=64), types)
+    compile_ttir(k._align_blocks_kernel, dict(BLOCK_M=block_m, BLOCK_E=128, BLOCK=k.ALIGN_ROWS), types)
 
 from punica.ops import lora_moe_triton as lk
 
