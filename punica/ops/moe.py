@@ -1,6 +1,6 @@
 """Mixture-of-experts operators: the router's top-k, tokens grouped by expert, the grouped GEMM of
 the experts' projections and the weighted sum of their outputs: references (the spec), which run
-on any device, the grouped GEMM dispatched to Triton on CUDA.
+on any device, the routing and the grouped GEMM dispatched to Triton on CUDA.
 
 A token routed to k experts makes k (token, expert) pairs; `route` sorts the pairs by expert
 (stably, so that within an expert they keep the tokens' order, and so their adapter slots'
@@ -40,7 +40,15 @@ class ExpertRouting:
 def route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> ExpertRouting:
     """router_logits [T, E]  ->  the pairs of each token's top_k experts by softmax probability
     (float32), their weights renormalised to sum 1 per token if `renormalize` (Mixtral's, and
-    Qwen3-MoE's with norm_topk_prob), sorted by expert."""
+    Qwen3-MoE's with norm_topk_prob), sorted by expert. On CUDA two Triton launches
+    (punica.ops.moe_route_triton), else the reference."""
+    if router_logits.is_cuda:
+        from punica.ops.moe_route_triton import route_triton
+        return route_triton(router_logits, top_k, renormalize)
+    return route_ref(router_logits, top_k, renormalize)
+
+
+def route_ref(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> ExpertRouting:
     num_tokens, num_experts = router_logits.shape
     probs = torch.softmax(router_logits.float(), dim=-1)
     weights, experts = torch.topk(probs, top_k, dim=-1)

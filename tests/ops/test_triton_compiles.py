@@ -117,6 +117,25 @@ for block_m in (16, 64):
                                               BLOCK_K=64), types)
     compile_ttir(k._align_blocks_kernel, dict(BLOCK_M=block_m, BLOCK_E=128, BLOCK=k.ALIGN_ROWS), types)
 
+from punica.ops import moe_route_triton as rk
+
+
+def route_types(name, consts):
+    if name == "logits":
+        return "*bf16"
+    if name in ("topk_weights", "pair_weights"):
+        return "*fp32"
+    if name in ("topk_experts", "block_counts"):
+        return "*i32"
+    return "*i64" if name in ("pair_tokens", "pair_experts", "expert_indptr") else "i32"
+
+
+for top_k, block_t in ((8, 8), (2, 32)):
+    compile_ttir(rk._route_topk_kernel, dict(TOP_K=top_k, RENORMALIZE=True, BLOCK_T=block_t, BLOCK_E=128),
+                 route_types)
+    compile_ttir(rk._route_sort_kernel, dict(TOP_K=top_k, BLOCK_T=block_t, BLOCK_P=64, BLOCK_E=128,
+                                             COUNT_ROWS=rk.COUNT_ROWS), route_types)
+
 from punica.ops import lora_moe_triton as lk
 
 
