@@ -29,6 +29,7 @@ class ExpertRouting:
     pair_experts: torch.Tensor   # [P] int64: its expert (non-decreasing)
     pair_weights: torch.Tensor   # [P] float32: its router weight
     expert_indptr: torch.Tensor  # [E + 1] int64: pairs [indptr[e], indptr[e + 1]) are expert e's
+    token_pairs: torch.Tensor    # [T * k] int64: at t * k + j, the pair of token t's j-th expert (by rank)
     # BLOCK_M -> the grouped GEMM's layout of these pairs (punica.ops.moe_triton.block_layout)
     layouts: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict, repr=False)
 
@@ -62,8 +63,10 @@ def route_ref(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> Exp
     counts.scatter_add_(0, flat_experts, torch.ones_like(flat_experts))
     indptr = torch.zeros(num_experts + 1, dtype=torch.int64, device=router_logits.device)
     torch.cumsum(counts, 0, out=indptr[1:])
+    token_pairs = torch.empty_like(order)
+    token_pairs[order] = torch.arange(order.numel(), device=order.device)
     return ExpertRouting(pair_tokens=tokens[order], pair_experts=flat_experts[order],
-                         pair_weights=weights.reshape(-1)[order], expert_indptr=indptr)
+                         pair_weights=weights.reshape(-1)[order], expert_indptr=indptr, token_pairs=token_pairs)
 
 
 def grouped_matmul(rows: torch.Tensor, weights: torch.Tensor, routing: ExpertRouting) -> torch.Tensor:
@@ -86,8 +89,19 @@ def grouped_matmul_ref(rows: torch.Tensor, weights: torch.Tensor, routing: Exper
 
 
 def combine(down: torch.Tensor, routing: ExpertRouting, num_tokens: int) -> torch.Tensor:
-    """down [P, H]  ->  [T, H]: each token's sum of its pairs' rows times their router weights, in
-    float32 for the product, added in the pairs' (expert) order."""
-    weighted = (down.float() * routing.pair_weights[:, None]).to(down.dtype)
-    out = down.new_zeros(num_tokens, down.shape[1])
-    return out.index_add_(0, routing.pair_tokens, weighted)
+    """down [P, H]  ->  [T, H]: each token's sum of its pairs' rows times their router weights, the
+    products and the sum (over its experts in rank order) in float32, rounded once to down's dtype.
+    On CUDA one Triton launch (punica.ops.moe_route_triton), else the reference."""
+    if down.is_cuda:
+        from punica.ops.moe_route_triton import combine_triton
+        return combine_triton(down, routing, num_tokens)
+    return combine_ref(down, routing, num_tokens)
+
+
+def combine_ref(down: torch.Tensor, routing: ExpertRouting, num_tokens: int) -> torch.Tensor:
+    weighted = down.float() * routing.pair_weights[:, None]
+    by_token = weighted[routing.token_pairs].view(num_tokens, -1, down.shape[1])
+    out = by_token[:, 0].clone()
+    for j in range(1, by_token.shape[1]):
+        out += by_token[:, j]
+    return out.to(down.dtype)

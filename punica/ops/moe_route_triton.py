@@ -1,4 +1,5 @@
-"""The router's top-k and the pairs sorted by expert in Triton; semantics: punica.ops.moe.route_ref.
+"""The router's top-k and the pairs sorted by expert, and the weighted sum of the experts' outputs
+back per token, in Triton; semantics: punica.ops.moe.route_ref and punica.ops.moe.combine_ref.
 
 The reference is ~20 torch launches a layer (softmax, topk, the renormalisation, a stable sort, the
 counts and their cumulative sum, three gathers); at decode they cost more than the tiny tensors'
@@ -13,7 +14,12 @@ bytes by far. Here they are two launches over blocks of BLOCK_T tokens:
         blocks before it, and places each of its pairs at its expert's start + the earlier blocks'
         pairs of that expert + the block's own earlier pairs of it (a cumulative sum over a one-hot
         [pairs, experts] tile). That is the order of a stable sort by expert of the pairs in token
-        order: within an expert the pairs keep their tokens' order.
+        order: within an expert the pairs keep their tokens' order. Each pair's place is also
+        written at its token's rank (`token_pairs`), for the combine.
+
+    _combine_kernel, grid (T, hidden blocks): each token's pairs' rows times their weights, summed
+        over its experts in rank order in float32 and rounded once (the reference's five torch
+        launches are one).
 
 The expert choice and the order are the reference's exactly (but for ties of probability at the
 k-th place); the probabilities may differ from torch's softmax in the last bits (the exponential).
@@ -30,6 +36,7 @@ from punica.ops.moe import ExpertRouting
 
 BLOCK_PAIRS = 64  # pairs a block holds at most: BLOCK_T = the largest power of two with BLOCK_T * top_k <= it
 COUNT_ROWS = 32   # block_counts rows _route_sort_kernel sums at a time
+COMBINE_BLOCK_H = 512  # hidden features per _combine_kernel program: 4 a thread of 4 warps
 
 
 @triton.jit
@@ -69,7 +76,7 @@ def _route_topk_kernel(logits, topk_experts, topk_weights, block_counts, num_tok
 
 @triton.jit
 def _route_sort_kernel(topk_experts, topk_weights, block_counts, pair_tokens, pair_experts, pair_weights,
-                       expert_indptr, num_pairs, num_blocks, num_experts, TOP_K: tl.constexpr,
+                       expert_indptr, token_pairs, num_pairs, num_blocks, num_experts, TOP_K: tl.constexpr,
                        BLOCK_T: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_E: tl.constexpr,
                        COUNT_ROWS: tl.constexpr):
     block = tl.program_id(0)
@@ -96,6 +103,21 @@ def _route_sort_kernel(topk_experts, topk_weights, block_counts, pair_tokens, pa
     tl.store(pair_tokens + position, (offs_p // TOP_K).to(tl.int64), mask=p_mask)
     tl.store(pair_experts + position, expert.to(tl.int64), mask=p_mask)
     tl.store(pair_weights + position, tl.load(topk_weights + offs_p, mask=p_mask), mask=p_mask)
+    tl.store(token_pairs + offs_p, position.to(tl.int64), mask=p_mask)
+
+
+@triton.jit
+def _combine_kernel(out, down, token_pairs, pair_weights, hidden, stride_d, stride_o, TOP_K: tl.constexpr,
+                    BLOCK_H: tl.constexpr):
+    token = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    mask = offs < hidden
+    acc = tl.zeros([BLOCK_H], dtype=tl.float32)
+    for j in tl.static_range(TOP_K):
+        pair = tl.load(token_pairs + token * TOP_K + j)
+        row = tl.load(down + pair * stride_d + offs, mask=mask, other=0.0).to(tl.float32)
+        acc += tl.load(pair_weights + pair) * row
+    tl.store(out + token * stride_o + offs, acc.to(out.dtype.element_ty), mask=mask)
 
 
 def route_triton(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> ExpertRouting:
@@ -113,15 +135,29 @@ def route_triton(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> 
     pair_experts = torch.empty(num_pairs, dtype=torch.int64, device=device)
     pair_weights = torch.empty(num_pairs, dtype=torch.float32, device=device)
     expert_indptr = torch.empty(num_experts + 1, dtype=torch.int64, device=device)
+    token_pairs = torch.empty(num_pairs, dtype=torch.int64, device=device)
     if num_tokens:
         _route_topk_kernel[(num_blocks,)](
             router_logits, topk_experts, topk_weights, block_counts, num_tokens, num_experts,
             router_logits.stride(0), TOP_K=top_k, RENORMALIZE=renormalize, BLOCK_T=block_t, BLOCK_E=block_e)
         _route_sort_kernel[(num_blocks,)](
             topk_experts, topk_weights, block_counts, pair_tokens, pair_experts, pair_weights, expert_indptr,
-            num_pairs, num_blocks, num_experts, TOP_K=top_k, BLOCK_T=block_t,
+            token_pairs, num_pairs, num_blocks, num_experts, TOP_K=top_k, BLOCK_T=block_t,
             BLOCK_P=triton.next_power_of_2(block_t * top_k), BLOCK_E=block_e, COUNT_ROWS=COUNT_ROWS)
     else:
         expert_indptr.zero_()
     return ExpertRouting(pair_tokens=pair_tokens, pair_experts=pair_experts, pair_weights=pair_weights,
-                         expert_indptr=expert_indptr)
+                         expert_indptr=expert_indptr, token_pairs=token_pairs)
+
+
+def combine_triton(down: torch.Tensor, routing: ExpertRouting, num_tokens: int) -> torch.Tensor:
+    """punica.ops.moe.combine_ref in one launch."""
+    num_pairs, hidden = down.shape
+    top_k = num_pairs // max(1, num_tokens)
+    assert down.stride(1) == 1 and num_pairs == num_tokens * top_k == routing.token_pairs.numel(), down.shape
+    out = down.new_empty(num_tokens, hidden)
+    if num_tokens:
+        _combine_kernel[(num_tokens, triton.cdiv(hidden, COMBINE_BLOCK_H))](
+            out, down, routing.token_pairs, routing.pair_weights, hidden, down.stride(0), out.stride(0),
+            TOP_K=top_k, BLOCK_H=COMBINE_BLOCK_H)
+    return out

@@ -121,13 +121,13 @@ from punica.ops import moe_route_triton as rk
 
 
 def route_types(name, consts):
-    if name == "logits":
+    if name in ("logits", "out", "down"):
         return "*bf16"
     if name in ("topk_weights", "pair_weights"):
         return "*fp32"
     if name in ("topk_experts", "block_counts"):
         return "*i32"
-    return "*i64" if name in ("pair_tokens", "pair_experts", "expert_indptr") else "i32"
+    return "*i64" if name in ("pair_tokens", "pair_experts", "expert_indptr", "token_pairs") else "i32"
 
 
 for top_k, block_t in ((8, 8), (2, 32)):
@@ -135,6 +135,7 @@ for top_k, block_t in ((8, 8), (2, 32)):
                  route_types)
     compile_ttir(rk._route_sort_kernel, dict(TOP_K=top_k, BLOCK_T=block_t, BLOCK_P=64, BLOCK_E=128,
                                              COUNT_ROWS=rk.COUNT_ROWS), route_types)
+    compile_ttir(rk._combine_kernel, dict(TOP_K=top_k, BLOCK_H=rk.COMBINE_BLOCK_H), route_types)
 
 from punica.ops import lora_moe_triton as lk
 
