@@ -40,7 +40,7 @@ class ExpertRouting:
 
 def route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> ExpertRouting:
     """router_logits [T, E]  ->  the pairs of each token's top_k experts by softmax probability
-    (float32), their weights renormalised to sum 1 per token if `renormalize` (Mixtral's, and
+    (float32; of equal probabilities the lower expert first), their weights renormalised to sum 1 per token if `renormalize` (Mixtral's, and
     Qwen3-MoE's with norm_topk_prob), sorted by expert. On CUDA two Triton launches
     (punica.ops.moe_route_triton), else the reference."""
     if router_logits.is_cuda:
@@ -52,7 +52,8 @@ def route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> ExpertR
 def route_ref(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> ExpertRouting:
     num_tokens, num_experts = router_logits.shape
     probs = torch.softmax(router_logits.float(), dim=-1)
-    weights, experts = torch.topk(probs, top_k, dim=-1)
+    # the top_k by a stable sort: of equal probabilities (equal bf16 logits are common) the lower expert
+    weights, experts = (t[:, :top_k] for t in torch.sort(probs, dim=-1, descending=True, stable=True))
     if renormalize:
         weights = weights / weights.sum(dim=-1, keepdim=True)
     flat_experts = experts.reshape(-1)

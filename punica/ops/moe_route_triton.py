@@ -21,8 +21,8 @@ bytes by far. Here they are two launches over blocks of BLOCK_T tokens:
         over its experts in rank order in float32 and rounded once (the reference's five torch
         launches are one).
 
-The expert choice and the order are the reference's exactly (but for ties of probability at the
-k-th place); the probabilities may differ from torch's softmax in the last bits (the exponential).
+The expert choice and the order are the reference's exactly, ties included (the lower expert first);
+the probabilities may differ from torch's softmax in the last bits (the exponential).
 Every size follows from the shapes: no host syncs, safe under CUDA-graph capture.
 """
 
