@@ -234,9 +234,11 @@ def read_adapter(path: str | Path, config: ModelConfig, name: str | None = None,
     for (param, layer), sides in expert_names.items():
         num_experts, a, b = config.num_experts, tensors[sides["A"]], tensors[sides["B"]]
         a = _finite(sides["A"], a.to(dtype).view(num_experts, rank, a.shape[-1]), fail)  # rows e*rank .. (e+1)*rank
-        # columns e, e + E, ...: converted and permuted in one copy
-        b = _finite(sides["B"], torch.empty(num_experts, b.shape[0], rank, dtype=dtype).copy_(
-            b.view(b.shape[0], rank, num_experts).permute(2, 0, 1)), fail)
+        # columns e, e + E, ...: each row's [rank, E] block transposed and converted in one copy (a
+        # block at a time stays in cache), handed on as the [E, h_out, rank] view that pool.pack copies
+        rows_by_expert = torch.empty(b.shape[0], num_experts, rank, dtype=dtype)
+        rows_by_expert.copy_(b.view(b.shape[0], rank, num_experts).transpose(1, 2))
+        b = _finite(sides["B"], rows_by_expert.transpose(0, 1), fail)
         over = first_gain_over_limit(a, b, scale)
         if over is not None:
             expert, gain = over

@@ -228,11 +228,18 @@ class LoraPool:
         a, b = self._projection_views(*self._group_views(packed))
         magnitudes = self._magnitude_views(packed[:, self.lora_numel:self.slot_numel - self.expert_numel])
         expert_a, expert_b = self._expert_views(packed)
-        packed[:, self.slot_numel - self.expert_numel:].zero_()  # what the adapter does not cover
-        for (param, layer), (lora_a, lora_b) in adapter.experts.items():
-            i = self.config.moe_layers.index(layer)
-            expert_a[param][i, 0, :, :r].copy_(lora_a)
-            expert_b[param][i, 0, :, :, :r].copy_(lora_b)
+        for param in expert_a:  # each element written once: the adapter's, else zero
+            for i, layer in enumerate(self.config.moe_layers):
+                pair = adapter.experts.get((param, layer))
+                if pair is None:
+                    expert_a[param][i, 0].zero_()
+                    expert_b[param][i, 0].zero_()
+                    continue
+                expert_a[param][i, 0, :, :r].copy_(pair[0])
+                expert_b[param][i, 0, :, :, :r].copy_(pair[1])
+                if r < self.max_rank:
+                    expert_a[param][i, 0, :, r:].zero_()
+                    expert_b[param][i, 0, :, :, r:].zero_()
         for m in magnitudes.values():  # NaN: no magnitude (out_scales 1); a plain adapter's are never read
             m.fill_(float("nan") if adapter.dora else 0.0)
         columns = {p: (group, sum(self.config.projection_shapes()[q][1] for q in GROUPS[group][:i]))

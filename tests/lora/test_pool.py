@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from punica.config import preset_config
-from punica.lora.adapter import LoraAdapter
+from punica.lora.adapter import AdapterWeights, LoraAdapter
 from punica.lora.pool import GROUPS, LoraPool, pool_slots, slot_bytes
 
 
@@ -116,3 +116,32 @@ def test_pool_slots_are_the_fewer_of_max_loras_and_what_the_bytes_hold():
     assert pool_slots(config, 8, 16, torch.bfloat16, one) == 1
     with pytest.raises(ValueError, match=f"does not hold one adapter slot: a slot of rank 16 takes {one} bytes"):
         pool_slots(config, 8, 16, torch.bfloat16, one - 1)
+
+
+def test_pack_writes_every_expert_element_the_adapters_or_zero():
+    """Into a row of garbage: the adapter's experts where it has them (rank 4 of the pool's 8; B as a
+    strided view, as read_adapter hands it on), zero in the ranks above and for the (projection,
+    layer)s it lacks."""
+    config = preset_config("tiny-moe")
+    pool = LoraPool(config, max_loras=1, max_rank=8, dtype=torch.float32, device="cpu")
+    gen = torch.Generator().manual_seed(0)
+    first, last = config.moe_layers[0], config.moe_layers[-1]
+    experts = {}
+    for param, layer in (("gate_up", first), ("down", first), ("down", last)):
+        h_in, h_out = pool.expert_shapes[param]
+        b = torch.randn(h_out, config.num_experts, 4, generator=gen)
+        experts[param, layer] = (torch.randn(config.num_experts, 4, h_in, generator=gen), b.transpose(0, 1))
+    weights = AdapterWeights(name="x", rank=4, scale=1.0, pairs={}, experts=experts)
+    out = torch.full(pool.packed_shape, float("nan"))
+    pool.pack(weights, out=out)
+    a_views, b_views = pool._expert_views(out.view(1, -1))
+    for param in a_views:
+        for i, layer in enumerate(config.moe_layers):
+            a, b = a_views[param][i, 0], b_views[param][i, 0]
+            if (param, layer) in experts:
+                lora_a, lora_b = experts[param, layer]
+                assert torch.equal(a[:, :4], lora_a) and torch.equal(b[:, :, :4], lora_b)
+                assert not a[:, 4:].any() and not b[:, :, 4:].any()
+            else:
+                assert not a.any() and not b.any()
+    assert not out.isnan().any()
