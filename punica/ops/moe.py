@@ -40,9 +40,9 @@ class ExpertRouting:
 
 def route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> ExpertRouting:
     """router_logits [T, E]  ->  the pairs of each token's top_k experts by softmax probability
-    (float32; of equal probabilities the lower expert first), their weights renormalised to sum 1 per token if `renormalize` (Mixtral's, and
-    Qwen3-MoE's with norm_topk_prob), sorted by expert. On CUDA two Triton launches
-    (punica.ops.moe_route_triton), else the reference."""
+    (float32; of equal probabilities the lower expert first), their weights renormalised to sum 1
+    per token if `renormalize` (Mixtral's, and Qwen3-MoE's with norm_topk_prob), sorted by expert.
+    On CUDA two Triton launches (punica.ops.moe_route_triton), else the reference."""
     if router_logits.is_cuda:
         from punica.ops.moe_route_triton import route_triton
         return route_triton(router_logits, top_k, renormalize)
