@@ -45,7 +45,8 @@ from punica.lora.experts import LoraExperts
 from punica.lora.pool import ExpertWeights
 from punica.models.moe import Experts
 from punica.ops.layers import silu_and_mul
-from punica.ops.moe import ExpertRouting, grouped_matmul, grouped_matmul_ref, route
+from punica.ops.moe import grouped_matmul, grouped_matmul_ref, route
+from punica.ops.moe_routing import ExpertRouting
 
 MOE_PRESETS = [name for name in PRESETS if preset_config(name).moe_layers]
 VARIANTS = ("block", "gemms", "lora")

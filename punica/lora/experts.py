@@ -21,7 +21,8 @@ from punica.lora.batch import LoraBatch
 from punica.lora.pool import ExpertWeights
 from punica.ops.layers import silu_and_mul
 from punica.ops.lora_moe import add_expert_lora
-from punica.ops.moe import ExpertRouting, combine, grouped_matmul
+from punica.ops.moe import combine, grouped_matmul
+from punica.ops.moe_routing import ExpertRouting
 
 
 class LoraExperts(nn.Module):

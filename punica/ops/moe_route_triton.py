@@ -32,7 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
-from punica.ops.moe import ExpertRouting
+from punica.ops.moe_routing import ExpertRouting
 
 BLOCK_PAIRS = 64  # pairs a block holds at most: BLOCK_T = the largest power of two with BLOCK_T * top_k <= it
 COUNT_ROWS = 32   # block_counts rows _route_sort_kernel sums at a time

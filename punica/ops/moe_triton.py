@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from punica.ops.moe import ExpertRouting
+from punica.ops.moe_routing import ExpertRouting
 from punica.ops.triton_env import interpreting
 
 ALIGN_ROWS = 32  # layout rows per program of _align_blocks_kernel
