@@ -7,7 +7,8 @@ as punica.models.moe.MoeBlock runs its experts (punica.lora.experts.LoraExperts)
 
     block   punica.ops.moe.route + the experts: rows = x[pair_tokens], grouped_matmul by w_gate_up
             [E, 2I, H], silu_and_mul, grouped_matmul by w_down [E, H, I], combine
-    gemms   the two grouped_matmul calls alone (the same routings, rows and activations)
+    gemms   the two grouped_matmul calls alone (the same routings, rows and activations; each
+            routing's block layout is made before the graph is captured, and kept on the routing)
     lora    block with each token's expert LoRA (rank LORA_RANK, every token its own adapter slot, as
             the engine passes them: a LoraBatch of one slot per token and the pool's ExpertWeights)
 
