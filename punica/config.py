@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import re
 import typing
 from collections.abc import Callable
 from dataclasses import dataclass, field, fields
@@ -209,6 +210,24 @@ def bounded(kind: type, minimum: float, exclusive: bool = False) -> Callable[[st
     return parse
 
 
+BYTE_SIZE = re.compile(r"(\d+(?:\.\d*)?)(?:([kmgt])(i?)(b?))?", re.IGNORECASE)
+
+
+def byte_count(text: str) -> int:
+    """An argparse type for a size in bytes, at least 1: an integer, or a number with a unit, in
+    either case: K, M, G, T, or KiB, MiB, GiB, TiB (powers of 1024); KB, MB, GB, TB (of 1000)."""
+    match = BYTE_SIZE.fullmatch(text.strip())
+    if match is None:
+        raise argparse.ArgumentTypeError(f"invalid size {text!r}: bytes as an integer, or a number with a unit "
+                                         "(512M, 4G or 4GiB: powers of 1024; 4GB: of 1000)")
+    number, unit, binary, b = match.groups()
+    scale = (1000 if b and not binary else 1024) ** ("kmgt".index(unit.lower()) + 1) if unit else 1
+    value = int(number) * scale if number.isdigit() else int(float(number) * scale)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1 byte, got {text}")
+    return value
+
+
 def check_bounds(config) -> None:
     """ValueError naming the first field of the dataclass instance `config` whose value is out of the
     bounds its `minimum` metadata sets (None passes: the setting is off)."""
@@ -357,7 +376,8 @@ def add_arguments(parser: argparse.ArgumentParser, cls: type, skip: tuple[str, .
                   only: tuple[str, ...] | None = None, **defaults) -> None:
     """One flag per field of the dataclass `cls` (--max-batch-size for max_batch_size; all of them, or
     `only` those, less `skip`), with the field's help text and default (or the one given here);
-    booleans get a --no- form, bounded fields (`described`'s minimum) refuse values out of bounds."""
+    booleans get a --no- form, bounded fields (`described`'s minimum) refuse values out of bounds, and
+    sizes in bytes (fields named *_bytes) take units (`byte_count`: 4G, 512MiB, 8GB)."""
     hints = typing.get_type_hints(cls)
     for f in fields(cls):
         if f.name in skip or (only is not None and f.name not in only) or "help" not in f.metadata:
@@ -373,7 +393,9 @@ def add_arguments(parser: argparse.ArgumentParser, cls: type, skip: tuple[str, .
                                 help=f.metadata["help"])
             continue
         base = next((t for t in typing.get_args(kind) if t is not type(None)), kind)
-        if "minimum" in f.metadata:
+        if f.name.endswith("_bytes") and base is int:
+            base = byte_count
+        elif "minimum" in f.metadata:
             base = bounded(base, f.metadata["minimum"], f.metadata.get("exclusive", False))
         parser.add_argument(flag, type=base, default=default, choices=f.metadata.get("choices"),
                             help=f.metadata["help"] + (f" (default: {default})" if default is not None else ""))

@@ -1,6 +1,7 @@
 """`punica` refuses wrong arguments with one line and exit code 2 before anything loads or runs
 (the loaders are replaced by ones that fail the test if called), and tells its version."""
 
+import argparse
 import importlib.metadata
 import socket
 
@@ -10,6 +11,7 @@ import punica.cluster.report
 import punica.llm
 import punica.server.serve
 from punica.cli import main
+from punica.config import EngineArgs, add_arguments
 
 
 def free_port() -> int:
@@ -156,3 +158,27 @@ def test_simulate_refuses_an_out_that_is_a_file(monkeypatch, capsys, tmp_path):
     (tmp_path / "file").write_text("")
     assert main(["simulate", "--out", str(tmp_path / "file")]) == 2
     assert error_line(capsys) == f"punica: error: --out {tmp_path / 'file'} is a file, not a directory"
+
+
+@pytest.mark.parametrize("value, message", [
+    ("4X", "invalid size '4X': bytes as an integer, or a number with a unit"),
+    ("0", "must be >= 1 byte, got 0"),
+    ("-2G", "invalid size '-2G'"),
+])
+def test_serve_refuses_a_wrong_size_in_bytes_naming_the_flag(no_model, capsys, value, message):
+    with pytest.raises(SystemExit) as e:
+        main(["serve", f"--lora-host-bytes={value}"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and "--lora-host-bytes" in err and message in err, err
+
+
+@pytest.mark.parametrize("value, size", [
+    ("34359738368", 34359738368), ("32G", 32 << 30), ("32gib", 32 << 30), ("32Gi", 32 << 30),
+    ("32GB", 32 * 10**9), ("1.5G", 3 << 29), ("512M", 512 << 20), ("4k", 4096), ("4KB", 4000), ("1T", 1 << 40),
+])
+def test_sizes_in_bytes_take_units(value, size):
+    parser = argparse.ArgumentParser()
+    add_arguments(parser, EngineArgs, only=("lora_host_bytes", "max_lora_bytes", "kv_cache_bytes"))
+    args = parser.parse_args(["--lora-host-bytes", value, "--max-lora-bytes", value, "--kv-cache-bytes", value])
+    assert args.lora_host_bytes == args.max_lora_bytes == args.kv_cache_bytes == size
