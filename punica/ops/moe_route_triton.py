@@ -6,15 +6,16 @@ counts and their cumulative sum, three gathers); at decode they cost more than t
 bytes by far. Here they are two launches over blocks of BLOCK_T tokens:
 
     _route_topk_kernel, grid (token blocks,): each token's softmax over the experts in float32, its
-        top_k experts by probability (ties to the lower expert), their probabilities (divided by
-        their sum with `renormalize`), in the token's rank order; and each block's count of pairs
-        per expert (`block_counts` [blocks, BLOCK_E]).
+        top_k experts by probability (ties to the lower expert) and their probabilities, in the
+        token's rank order, and their sum; and each block's count of pairs per expert
+        (`block_counts` [blocks, BLOCK_E]).
     _route_sort_kernel, grid (token blocks,): each block sums the counts of every block (the
         experts' totals, whose cumulative sum is expert_indptr; block 0 writes it) and of the
         blocks before it, and places each of its pairs at its expert's start + the earlier blocks'
         pairs of that expert + the block's own earlier pairs of it (a cumulative sum over a one-hot
         [pairs, experts] tile). That is the order of a stable sort by expert of the pairs in token
-        order: within an expert the pairs keep their tokens' order. Each pair's place is also
+        order: within an expert the pairs keep their tokens' order. A pair's weight is its
+        probability, divided by its token's sum with `renormalize`. Each pair's place is also
         written at its token's rank (`token_pairs`), for the combine.
 
     _combine_kernel, grid (T, hidden blocks): each token's pairs' rows times their weights, summed
@@ -40,9 +41,8 @@ COMBINE_BLOCK_H = 512  # hidden features per _combine_kernel program: 4 a thread
 
 
 @triton.jit
-def _route_topk_kernel(logits, topk_experts, topk_weights, block_counts, num_tokens, num_experts, stride_l,
-                       TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr, BLOCK_T: tl.constexpr,
-                       BLOCK_E: tl.constexpr):
+def _route_topk_kernel(logits, topk_experts, topk_probs, token_totals, block_counts, num_tokens, num_experts,
+                       stride_l, TOP_K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr):
     block = tl.program_id(0)
     offs_t = block * BLOCK_T + tl.arange(0, BLOCK_T)
     offs_e = tl.arange(0, BLOCK_E)
@@ -53,32 +53,26 @@ def _route_topk_kernel(logits, topk_experts, topk_weights, block_counts, num_tok
     p = tl.exp(x - tl.max(x, axis=1)[:, None])
     probs = p / tl.sum(p, axis=1)[:, None]
     probs = tl.where(e_mask[None, :], probs, -1.0)  # below every probability: never chosen
-    total = tl.full([BLOCK_T], 1.0, tl.float32)
-    if RENORMALIZE:
-        total = tl.zeros([BLOCK_T], dtype=tl.float32)
-        left = probs
-        for _ in tl.static_range(TOP_K):
-            best = tl.max(left, axis=1)
-            total += best
-            chosen = tl.min(tl.where(left == best[:, None], offs_e[None, :], BLOCK_E), axis=1)
-            left = tl.where(offs_e[None, :] == chosen[:, None], -1.0, left)
+    total = tl.zeros([BLOCK_T], dtype=tl.float32)
     counts = tl.zeros([BLOCK_E], dtype=tl.int32)
     for j in tl.static_range(TOP_K):
         best = tl.max(probs, axis=1)
+        total += best
         chosen = tl.min(tl.where(probs == best[:, None], offs_e[None, :], BLOCK_E), axis=1)
         hit = offs_e[None, :] == chosen[:, None]
         probs = tl.where(hit, -1.0, probs)
         tl.store(topk_experts + offs_t * TOP_K + j, chosen, mask=t_mask)
-        tl.store(topk_weights + offs_t * TOP_K + j, best / total, mask=t_mask)
+        tl.store(topk_probs + offs_t * TOP_K + j, best, mask=t_mask)
         counts += tl.sum((hit & t_mask[:, None]).to(tl.int32), axis=0)
+    tl.store(token_totals + offs_t, total, mask=t_mask)
     tl.store(block_counts + block * BLOCK_E + offs_e, counts)
 
 
 @triton.jit
-def _route_sort_kernel(topk_experts, topk_weights, block_counts, pair_tokens, pair_experts, pair_weights,
-                       expert_indptr, token_pairs, num_pairs, num_blocks, num_experts, TOP_K: tl.constexpr,
-                       BLOCK_T: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_E: tl.constexpr,
-                       COUNT_ROWS: tl.constexpr):
+def _route_sort_kernel(topk_experts, topk_probs, token_totals, block_counts, pair_tokens, pair_experts,
+                       pair_weights, expert_indptr, token_pairs, num_pairs, num_blocks, num_experts,
+                       TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr, BLOCK_T: tl.constexpr,
+                       BLOCK_P: tl.constexpr, BLOCK_E: tl.constexpr, COUNT_ROWS: tl.constexpr):
     block = tl.program_id(0)
     offs_e = tl.arange(0, BLOCK_E)
     totals = tl.zeros([BLOCK_E], dtype=tl.int32)
@@ -102,7 +96,10 @@ def _route_sort_kernel(topk_experts, topk_weights, block_counts, pair_tokens, pa
     position = tl.sum(one_hot * place, axis=1)
     tl.store(pair_tokens + position, (offs_p // TOP_K).to(tl.int64), mask=p_mask)
     tl.store(pair_experts + position, expert.to(tl.int64), mask=p_mask)
-    tl.store(pair_weights + position, tl.load(topk_weights + offs_p, mask=p_mask), mask=p_mask)
+    weight = tl.load(topk_probs + offs_p, mask=p_mask)
+    if RENORMALIZE:
+        weight = weight / tl.load(token_totals + offs_p // TOP_K, mask=p_mask, other=1.0)
+    tl.store(pair_weights + position, weight, mask=p_mask)
     tl.store(token_pairs + offs_p, position.to(tl.int64), mask=p_mask)
 
 
@@ -129,7 +126,8 @@ def route_triton(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> 
     block_e = triton.next_power_of_2(num_experts)
     num_blocks = triton.cdiv(num_tokens, block_t)
     topk_experts = torch.empty(num_pairs, dtype=torch.int32, device=device)
-    topk_weights = torch.empty(num_pairs, dtype=torch.float32, device=device)
+    topk_probs = torch.empty(num_pairs, dtype=torch.float32, device=device)
+    token_totals = torch.empty(num_tokens, dtype=torch.float32, device=device)
     block_counts = torch.empty(num_blocks, block_e, dtype=torch.int32, device=device)
     pair_tokens = torch.empty(num_pairs, dtype=torch.int64, device=device)
     pair_experts = torch.empty(num_pairs, dtype=torch.int64, device=device)
@@ -138,11 +136,12 @@ def route_triton(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> 
     token_pairs = torch.empty(num_pairs, dtype=torch.int64, device=device)
     if num_tokens:
         _route_topk_kernel[(num_blocks,)](
-            router_logits, topk_experts, topk_weights, block_counts, num_tokens, num_experts,
-            router_logits.stride(0), TOP_K=top_k, RENORMALIZE=renormalize, BLOCK_T=block_t, BLOCK_E=block_e)
+            router_logits, topk_experts, topk_probs, token_totals, block_counts, num_tokens, num_experts,
+            router_logits.stride(0), TOP_K=top_k, BLOCK_T=block_t, BLOCK_E=block_e)
         _route_sort_kernel[(num_blocks,)](
-            topk_experts, topk_weights, block_counts, pair_tokens, pair_experts, pair_weights, expert_indptr,
-            token_pairs, num_pairs, num_blocks, num_experts, TOP_K=top_k, BLOCK_T=block_t,
+            topk_experts, topk_probs, token_totals, block_counts, pair_tokens, pair_experts, pair_weights,
+            expert_indptr, token_pairs, num_pairs, num_blocks, num_experts, TOP_K=top_k,
+            RENORMALIZE=renormalize, BLOCK_T=block_t,
             BLOCK_P=triton.next_power_of_2(block_t * top_k), BLOCK_E=block_e, COUNT_ROWS=COUNT_ROWS)
     else:
         expert_indptr.zero_()

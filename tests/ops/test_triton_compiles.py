@@ -123,7 +123,7 @@ from punica.ops import moe_route_triton as rk
 def route_types(name, consts):
     if name in ("logits", "out", "down"):
         return "*bf16"
-    if name in ("topk_weights", "pair_weights"):
+    if name in ("topk_probs", "token_totals", "pair_weights"):
         return "*fp32"
     if name in ("topk_experts", "block_counts"):
         return "*i32"
@@ -131,10 +131,9 @@ def route_types(name, consts):
 
 
 for top_k, block_t in ((8, 8), (2, 32)):
-    compile_ttir(rk._route_topk_kernel, dict(TOP_K=top_k, RENORMALIZE=True, BLOCK_T=block_t, BLOCK_E=128),
-                 route_types)
-    compile_ttir(rk._route_sort_kernel, dict(TOP_K=top_k, BLOCK_T=block_t, BLOCK_P=64, BLOCK_E=128,
-                                             COUNT_ROWS=rk.COUNT_ROWS), route_types)
+    compile_ttir(rk._route_topk_kernel, dict(TOP_K=top_k, BLOCK_T=block_t, BLOCK_E=128), route_types)
+    compile_ttir(rk._route_sort_kernel, dict(TOP_K=top_k, RENORMALIZE=True, BLOCK_T=block_t, BLOCK_P=64,
+                                             BLOCK_E=128, COUNT_ROWS=rk.COUNT_ROWS), route_types)
     compile_ttir(rk._combine_kernel, dict(TOP_K=top_k, BLOCK_H=rk.COMBINE_BLOCK_H), route_types)
 
 from punica.ops import lora_moe_triton as lk
