@@ -84,9 +84,10 @@ def combine(down: torch.Tensor, routing: ExpertRouting, num_tokens: int) -> torc
 
 
 def combine_ref(down: torch.Tensor, routing: ExpertRouting, num_tokens: int) -> torch.Tensor:
+    top_k = routing.num_pairs // max(1, num_tokens)
     weighted = down.float() * routing.pair_weights[:, None]
-    by_token = weighted[routing.token_pairs].view(num_tokens, -1, down.shape[1])
-    out = by_token[:, 0].clone()
-    for j in range(1, by_token.shape[1]):
+    by_token = weighted[routing.token_pairs].view(num_tokens, top_k, down.shape[1])
+    out = down.new_zeros(num_tokens, down.shape[1], dtype=torch.float32)
+    for j in range(top_k):
         out += by_token[:, j]
     return out.to(down.dtype)
