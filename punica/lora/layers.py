@@ -10,8 +10,8 @@ leading prefill segments, BGMV per token for the rest; on the CPU (fp32), in bat
 adapters, one grouped GEMM per shrink and expand slice over the whole batch (punica.ops.lora_cpu).
 On CUDA the shrink runs on a side stream beside the base GEMM (inside captured graphs too: two
 branches joined before the expand), so the GPU overlaps its launch and ramp with the GEMM's; in
-BGMV batches of up to
-SIDE_STREAM_DELTA_MAX_TOKENS tokens, such as decode steps, the expand's delta runs there too.
+BGMV batches of up to SIDE_STREAM_DELTA_MAX_TOKENS tokens, such as decode steps, the expand's delta
+runs there too.
 
 Its weights are its group's part of the adapter pool (punica.lora.pool.GroupWeights: views of one
 layer's A, B, scales and DoRA tensors), set by `attach_pool`; without them, and in steps where no
