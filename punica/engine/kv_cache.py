@@ -19,9 +19,10 @@ release their pages last page first, so a chain's tail leaves the cache before i
 
 Free pages are handed out from the two ends of one list: a request still in its prompt takes the
 lowest (at first; then the last freed, a freed request's pages in their order), a decoding one the
-highest. So a prompt prefilled in chunks beside running decodes holds consecutive pages, not pages
-interleaved with the decodes' new ones, and the CPU attention reads its context in place instead of
-copying it (punica.ops.attention_cpu).
+highest, unless the page at the low end follows its last page. So a prompt prefilled in chunks
+beside running decodes holds consecutive pages, not pages interleaved with the decodes' new ones,
+a long prompt's decode goes on in the pages after it while nobody took them, and the CPU attention
+reads such a context in place instead of copying it (punica.ops.attention_cpu).
 
 When an adapter is unregistered (`drop`), the pages its KV fills leave the cache at once: nobody
 can hit them again (a new registration is a new namespace), so they should not outlive live pages
@@ -104,8 +105,10 @@ class PageAllocator:
         for _ in range(needed):
             if not self._free:
                 page = self._evict()
+            elif not decoding or (request.pages and self._free[-1] == request.pages[-1] + 1):
+                page = self._free.pop()
             else:
-                page = self._free.popleft() if decoding else self._free.pop()
+                page = self._free.popleft()
             self._refs[page] = 1
             request.pages.append(page)
 
