@@ -77,17 +77,19 @@ class KVCache:
     @classmethod
     def empty(cls, num_layers: int, num_pages: int, page_size: int, num_kv_heads: int, head_dim: int,
               dtype: torch.dtype, device: torch.device | str, kv_cache_dtype: str = "auto") -> KVCache:
-        """Zeroed pages in `dtype` ("auto") or e4m3 with zero scales ("fp8"). On a CPU a layer's K
-        pages are one block of memory and its V pages another (stored [L, 2, P, ...], seen as
-        [L, P, 2, ...] through strides): the CPU attention reads a run of consecutive pages as a view
-        instead of copying it (punica.ops.attention_cpu)."""
+        """Zeroed pages in `dtype` ("auto") or e4m3 with zero scales ("fp8"). On a CPU each layer's K
+        pages of one KV head are one block of memory, and its V pages another (stored [L, 2, Hkv, P,
+        page_size, ...], seen as [L, P, 2, page_size, Hkv, ...] through strides): the CPU attention
+        reads a run of consecutive pages as a view whose keys of a head are contiguous rows, instead
+        of copying it (punica.ops.attention_cpu)."""
         shape = (num_layers, num_pages, 2, page_size, num_kv_heads, head_dim)
-        planes_outside = torch.device(device).type == "cpu"
+        heads_outside = torch.device(device).type == "cpu"
 
         def zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-            if planes_outside:
-                planes_first = (shape[0], shape[2], shape[1]) + shape[3:]
-                return torch.zeros(planes_first, dtype=dtype, device=device).transpose(1, 2)
+            if heads_outside:
+                stored = (shape[0], shape[2], shape[4], shape[1], shape[3]) + shape[5:]
+                seen = (0, 3, 1, 4, 2) + tuple(range(5, len(shape)))
+                return torch.zeros(stored, dtype=dtype, device=device).permute(seen)
             return torch.zeros(shape, dtype=dtype, device=device)
 
         if kv_cache_dtype == "auto":

@@ -139,9 +139,10 @@ def test_fp8_cache_matches_reference(window):
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
 @pytest.mark.parametrize("window", [0, 20])
 def test_consecutive_pages_of_a_cpu_cache_are_read_in_place(kv_cache_dtype, window):
-    """A CPU cache keeps each plane's pages in one block (KVCache.empty): requests whose pages are
-    consecutive (a chunk behind cached context, a fresh prompt, a decode) are read through a view of
-    it, the others gathered; both give the reference's output, on the fused kernel."""
+    """A CPU cache keeps each plane's pages of a KV head in one block (KVCache.empty): requests whose
+    pages are consecutive (a chunk behind cached context, a fresh prompt, a decode) are read through
+    a view of it, the others gathered; both hand each head's keys on as contiguous rows, and give
+    the reference's output, on the fused kernel."""
     gen = torch.Generator().manual_seed(5)
     page_size, num_kv_heads, head_dim = 8, 3, 32
     query_lens, context_lens = [6, 30, 1, 1], [50, 30, 70, 40]
@@ -161,6 +162,8 @@ def test_consecutive_pages_of_a_cpu_cache_are_read_in_place(kv_cache_dtype, wind
     gathered = attention_cpu._gather(pages, scales, torch.tensor([30, 24, 27]))
     shares = {t.untyped_storage().data_ptr() == pages.untyped_storage().data_ptr() for t in (in_place, gathered)}
     assert shares == ({True, False} if kv_cache_dtype == "auto" else {False})  # fp8 dequantizes: a copy either way
+    assert in_place.shape == (2, num_kv_heads, 7 * page_size, head_dim)
+    assert all(t.stride()[2:] == (head_dim, 1) for t in (in_place, gathered))
     torch.testing.assert_close(in_place, attention_cpu._gather(pages.contiguous(), scales, torch.arange(2, 9)),
                                rtol=0, atol=0)
 
