@@ -61,7 +61,9 @@ to rounding.
 from __future__ import annotations
 
 import math
+import weakref
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -85,27 +87,102 @@ def paged_attention_cpu(q: torch.Tensor, kv_layer: torch.Tensor, batch: AttnBatc
     whose keys and values hold a NaN or inf where some of its queries must not see it.
     `min_split_keys`: keys before a request's queries from which they are split (module docstring)."""
     out = torch.empty_like(q)
-    starts, context_lens = batch.query_start.tolist(), batch.context_lens.tolist()
-    for i in range(batch.num_prefills):
-        rows = slice(starts[i], starts[i + 1])
-        num_queries = rows.stop - rows.start
-        kv, first = _prefill_context(kv_layer, kv_scales, batch.page_table[i], num_queries, context_lens[i], window)
+    plan = _plan_of(batch, kv_layer.shape[2], window, max_decode_padding)
+    for p in plan.prefills:
+        kv = _gather(kv_layer, kv_scales, p.pages, p.consecutive)[:, :, p.first - p.offset:p.context_len - p.offset]
         # Keys every query sees (a cached prefix without a window) give the reference's outputs even
         # when non-finite; the others (the chunk's own, and under a window all) are checked in one
         # pass: a NaN or inf makes the sum non-finite (so does an overflowing sum of finite values,
         # which then runs the reference: exact, only slower).
+        num_queries = p.rows.stop - p.rows.start
         if math.isfinite(kv[:, :, -num_queries if not window else 0:].sum()):
-            out[rows] = _prefill(q[rows], kv[0], kv[1], first, context_lens[i], scale, window,
-                                 min_split_keys).to(q.dtype)
+            out[p.rows] = _prefill(q[p.rows], kv[0], kv[1], p.first, p.context_len, scale, window,
+                                   min_split_keys).to(q.dtype)
         else:
-            out[rows] = prefill_ref(q[rows], kv_layer, kv_scales, batch.page_table[i], context_lens[i], scale,
-                                    window).to(q.dtype)
-    num_prefills, decode_start = batch.num_prefills, starts[batch.num_prefills]
-    for group in decode_groups(context_lens[num_prefills:], window, max_decode_padding):
-        token_rows, requests = [decode_start + j for j in group], [num_prefills + j for j in group]
-        out[token_rows] = _decodes(q[token_rows], kv_layer, kv_scales, batch.page_table[requests],
-                                   [context_lens[i] for i in requests], scale, window, min_split_keys).to(q.dtype)
+            out[p.rows] = prefill_ref(q[p.rows], kv_layer, kv_scales, p.page_row, p.context_len, scale,
+                                      window).to(q.dtype)
+    for d in plan.decodes:
+        out[d.rows] = _decodes(q[d.rows], kv_layer, kv_scales, d, scale, window, min_split_keys).to(q.dtype)
     return out
+
+
+@dataclass(frozen=True)
+class _PrefillPlan:
+    rows: slice                # its query rows
+    page_row: torch.Tensor     # its row of the page table
+    pages: torch.Tensor        # [N] int64: the pages of the keys it sees
+    consecutive: bool
+    first: int                 # the first key it sees (its first query's window; 0 without one)
+    offset: int                # the position of pages[0]'s first key
+    context_len: int
+
+
+@dataclass(frozen=True)
+class _DecodesPlan:
+    rows: torch.Tensor         # [B] int64: their query rows
+    pages: torch.Tensor        # [B, N] int64: each one's pages from its first key's, padded
+    consecutive: bool          # B = 1: its pages are one run
+    firsts: list[int]          # the first key each sees
+    context_lens: list[int]
+    seen: torch.Tensor         # [B, N * page_size] bool: which of the padded keys each sees
+    unseen: tuple[torch.Tensor, torch.Tensor]  # seen's False entries (request, key)
+
+
+@dataclass(frozen=True)
+class _Plan:
+    prefills: list[_PrefillPlan]
+    decodes: list[_DecodesPlan]
+
+
+_last_plan: tuple[weakref.ref, tuple, _Plan] | None = None
+
+
+def _plan_of(batch: AttnBatch, page_size: int, window: int, max_decode_padding: float) -> _Plan:
+    """The host-side values of a batch that are the same for every layer (its lists, pages, decode
+    groups and masks), made at its first layer and kept for the others: a layer's call then costs
+    its tensor work, not these few dozen small ops again."""
+    global _last_plan
+    key = (page_size, window, max_decode_padding)
+    last = _last_plan
+    if last is not None and last[0]() is batch and last[1] == key:
+        return last[2]
+    starts, context_lens = batch.query_start.tolist(), batch.context_lens.tolist()
+    prefills = []
+    for i in range(batch.num_prefills):
+        num_queries, context_len = starts[i + 1] - starts[i], context_lens[i]
+        first = max(0, context_len - num_queries - window + 1) if window else 0
+        first_page = first // page_size
+        pages = batch.page_table[i, first_page:ceil_div(context_len, page_size)].long()
+        prefills.append(_PrefillPlan(slice(starts[i], starts[i + 1]), batch.page_table[i], pages,
+                                     _consecutive(pages), first, first_page * page_size, context_len))
+    num_prefills, decode_start = batch.num_prefills, starts[batch.num_prefills]
+    decodes = []
+    for group in decode_groups(context_lens[num_prefills:], window, max_decode_padding):
+        requests = [num_prefills + j for j in group]
+        decodes.append(_decodes_plan(torch.tensor([decode_start + j for j in group]), batch.page_table[requests],
+                                     [context_lens[i] for i in requests], page_size, window))
+    plan = _Plan(prefills, decodes)
+    _last_plan = (weakref.ref(batch), key, plan)
+    return plan
+
+
+def _decodes_plan(rows: torch.Tensor, page_table: torch.Tensor, context_lens: list[int], page_size: int,
+                  window: int) -> _DecodesPlan:
+    """A decode group's pages, from each one's first key seen, padded to the longest span (a late
+    window's span may run past the table: page 0 pads it, zeroed and masked like any key past a
+    context), and which of the padded keys each sees."""
+    firsts = [max(0, c - window) if window else 0 for c in context_lens]
+    first_pages = [f // page_size for f in firsts]
+    num_pages = max(ceil_div(c, page_size) - p for c, p in zip(context_lens, first_pages))
+    width = max(first_pages) + num_pages
+    if width > page_table.shape[1]:
+        page_table = F.pad(page_table, (0, width - page_table.shape[1]))
+    starts = torch.tensor(first_pages)
+    pages = page_table.gather(1, starts[:, None] + torch.arange(num_pages)).long()
+    key = torch.arange(num_pages * page_size) + starts[:, None] * page_size  # [B, keys]: positions
+    seen = (key >= torch.tensor(firsts)[:, None]) & (key < torch.tensor(context_lens)[:, None])
+    return _DecodesPlan(rows, pages, len(context_lens) == 1 and _consecutive(pages[0]), firsts, context_lens,
+                        seen, (~seen).nonzero(as_tuple=True))
 
 
 def decode_groups(context_lens: list[int], window: int = 0,
@@ -147,11 +224,15 @@ def _consecutive(pages: torch.Tensor) -> bool:
     return n > 0 and int(pages[-1]) - int(pages[0]) == n - 1 and bool((pages.diff() == 1).all())
 
 
-def _gather(kv_layer: torch.Tensor, kv_scales: torch.Tensor | None, pages: torch.Tensor) -> torch.Tensor:
+def _gather(kv_layer: torch.Tensor, kv_scales: torch.Tensor | None, pages: torch.Tensor,
+            consecutive: bool | None = None) -> torch.Tensor:
     """K and V of `pages` [N] in fp32, as [2, Hkv, N * page_size, D] (K at 0, V at 1): a view of the
-    cache where the pages are consecutive in a cache of the CPU's layout (each head's keys then
-    contiguous rows), else of the pages copied whole (the module docstring)."""
-    if _consecutive(pages) and _planes_outside_pages(kv_layer) and (
+    cache where the pages are consecutive (`consecutive`, if the caller knows) in a cache of the
+    CPU's layout (each head's keys then contiguous rows), else of the pages copied whole (the module
+    docstring)."""
+    if consecutive is None:
+        consecutive = _consecutive(pages)
+    if consecutive and _planes_outside_pages(kv_layer) and (
             kv_scales is None or _planes_outside_pages(kv_scales)):
         run = slice(int(pages[0]), int(pages[0]) + len(pages))
         values = kv_layer[run].permute(1, 3, 0, 2, 4).flatten(2, 3)  # [2, Hkv, N * page_size, D]
@@ -160,18 +241,6 @@ def _gather(kv_layer: torch.Tensor, kv_scales: torch.Tensor | None, pages: torch
         values = _select_pages(kv_layer, pages)
         scales = None if kv_scales is None else _select_pages(kv_scales, pages)
     return dequantize_kv_ref(values, scales)
-
-
-def _prefill_context(kv_layer: torch.Tensor, kv_scales: torch.Tensor | None, page_row: torch.Tensor,
-                     num_queries: int, context_len: int, window: int) -> tuple[torch.Tensor, int]:
-    """K and V [2, Hkv, keys, D] fp32 of the positions first .. context_len - 1 that one prefill
-    request's queries see, and `first`: from its first query's window (0 without one)."""
-    page_size = kv_layer.shape[2]
-    first = max(0, context_len - num_queries - window + 1) if window else 0
-    first_page = first // page_size
-    pages = page_row[first_page:ceil_div(context_len, page_size)].long()
-    offset = first_page * page_size
-    return _gather(kv_layer, kv_scales, pages)[:, :, first - offset:context_len - offset], first
 
 
 def _prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, first: int, context_len: int, scale: float,
@@ -245,36 +314,25 @@ def _merged(outputs: list[torch.Tensor], lses: list[torch.Tensor]) -> torch.Tens
     return sum(o * w for o, w in zip(outputs, weights))
 
 
-def _decodes(q: torch.Tensor, kv_layer: torch.Tensor, kv_scales: torch.Tensor | None, page_table: torch.Tensor,
-             context_lens: list[int], scale: float, window: int, min_split_keys: int) -> torch.Tensor:
-    """Decodes' queries q [B, Hq, D] over their pages (page_table [B, W]): one call over keys padded
-    to the longest span of the group, the padding zeroed and masked  ->  [B, Hq, D] fp32.
+def _decodes(q: torch.Tensor, kv_layer: torch.Tensor, kv_scales: torch.Tensor | None, plan: _DecodesPlan,
+             scale: float, window: int, min_split_keys: int) -> torch.Tensor:
+    """Decodes' queries q [B, Hq, D] over their pages (`plan`): one call over keys padded to the
+    longest span of the group, the padding zeroed and masked  ->  [B, Hq, D] fp32.
     Each query head of a KV head is a row of that head's query block (GQA folded into the rows)."""
     page_size, num_kv_heads, head_dim = kv_layer.shape[2], kv_layer.shape[3], kv_layer.shape[4]
     num_decodes, group = q.shape[0], q.shape[1] // num_kv_heads
-    firsts = [max(0, c - window) if window else 0 for c in context_lens]  # each one's first key seen
-    first_pages = [f // page_size for f in firsts]
-    num_pages = max(ceil_div(c, page_size) - p for c, p in zip(context_lens, first_pages))
     qg = q.float().view(num_decodes, num_kv_heads, group, head_dim)
     if num_decodes == 1:  # its keys alone: nothing to pad; the mask of all of them keeps a single
         # key's NaN in (without a mask SDPA skips the softmax of one key)
-        pages = page_table[0, first_pages[0]:first_pages[0] + num_pages].long()
-        offset = first_pages[0] * page_size
-        kv = _gather(kv_layer, kv_scales, pages)[:, :, firsts[0] - offset:context_lens[0] - offset]
-        if not window and context_lens[0] - 1 >= min_split_keys:
+        offset = plan.firsts[0] // page_size * page_size
+        kv = _gather(kv_layer, kv_scales, plan.pages[0], plan.consecutive)
+        kv = kv[:, :, plan.firsts[0] - offset:plan.context_lens[0] - offset]
+        if not window and plan.context_lens[0] - 1 >= min_split_keys:
             return _split_keys(q.float(), kv[0], kv[1], scale)
-        every = torch.ones(1, 1, 1, kv.shape[2], dtype=torch.bool)
+        every = plan.seen[:, plan.firsts[0] - offset:plan.context_lens[0] - offset][:, None, None, :]
         return F.scaled_dot_product_attention(qg, kv[0][None], kv[1][None], attn_mask=every, scale=scale).view_as(q)
-    width = max(first_pages) + num_pages  # a late window's span may run past the table: page 0 pads it,
-    if width > page_table.shape[1]:       # zeroed and masked below like any key past a context
-        page_table = F.pad(page_table, (0, width - page_table.shape[1]))
-    starts = torch.tensor(first_pages)
-    pages = page_table.gather(1, starts[:, None] + torch.arange(num_pages)).long()  # [B, num_pages]
-    kv = dequantize_kv_ref(_select_pages(kv_layer, pages),  # [2, B, Hkv, keys, D]
-                           None if kv_scales is None else _select_pages(kv_scales, pages))
-    key = torch.arange(num_pages * page_size) + starts[:, None] * page_size  # [B, keys]: positions
-    seen = (key >= torch.tensor(firsts)[:, None]) & (key < torch.tensor(context_lens)[:, None])
-    unseen_request, unseen_key = (~seen).nonzero(as_tuple=True)
-    kv[:, unseen_request, :, unseen_key] = 0  # before its window, and past its context: nothing
-    o = F.scaled_dot_product_attention(qg, kv[0], kv[1], attn_mask=seen[:, None, None, :], scale=scale)
+    kv = dequantize_kv_ref(_select_pages(kv_layer, plan.pages),  # [2, B, Hkv, keys, D]
+                           None if kv_scales is None else _select_pages(kv_scales, plan.pages))
+    kv[:, plan.unseen[0], :, plan.unseen[1]] = 0  # before its window, and past its context: nothing
+    o = F.scaled_dot_product_attention(qg, kv[0], kv[1], attn_mask=plan.seen[:, None, None, :], scale=scale)
     return o.reshape(num_decodes, num_kv_heads * group, head_dim)

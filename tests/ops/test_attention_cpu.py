@@ -96,6 +96,22 @@ def test_decodes_whose_windows_start_on_different_pages_of_tables_without_paddin
     torch.testing.assert_close(out, ops.paged_attention_ref(q, kv, batch, 0.25, window), rtol=1e-5, atol=1e-5)
 
 
+def test_a_batchs_plan_serves_its_layers_and_only_them():
+    """The host-side plan made at a batch's first layer is kept for its other layers (other layer
+    caches), and made again for another batch, or the same batch under another window or grouping:
+    each call the reference's outputs."""
+    rng = random.Random(3)
+    first, num_pages = make_batch(**MIXED, page_size=16, rng=rng)
+    second, _ = make_batch([3, 1, 1], [40, 200, 9], 1, 16, rng, spare_pages=num_pages)
+    layers = [random_inputs(first, num_pages + 40, 16, 9, 3, 32, torch.float32, seed=s)[1] for s in range(3)]
+    for batch, window, padding in [(first, 0, 2.0), (first, 0, 2.0), (second, 0, 2.0), (first, 30, 2.0),
+                                   (first, 30, 1e9), (second, 0, 2.0)]:
+        q = torch.randn(batch.num_tokens, 9, 32, generator=torch.Generator().manual_seed(window))
+        for kv in layers:
+            torch.testing.assert_close(fast(q, kv, batch, 0.2, window, max_decode_padding=padding),
+                                       ops.paged_attention_ref(q, kv, batch, 0.2, window), rtol=1e-5, atol=1e-5)
+
+
 def test_decode_groups():
     """Longest span first; a group takes the next span while it is at least its longest / max_padding;
     under a window a span is the context capped at the window."""
