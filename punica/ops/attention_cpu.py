@@ -39,14 +39,17 @@ A request whose pages are consecutive is read in place: the CPU cache keeps each
 a KV head in one block and its V pages in another (punica.ops.kv_cache.KVCache.empty), so a run of
 pages is a view [2, Hkv, keys, D] whose keys of a head are contiguous rows, which SDPA reads
 directly (punica.engine.kv_cache hands a prompt consecutive pages, and its decode the pages after
-them while they are free). Other requests' K and V are gathered a page of one head at a time,
-blocks of page_size x D, by one index_select a plane into the same layout; a decode group's
-requests all in that one call, padded to the group's longest span. On a 2-core CPU, one layer's
-attention, 30 layers' caches read in turn, the fastest of 7-9 rounds (a cache that kept a page's
-heads together, read through strided views and gathered request by request, in brackets): a decode
-after 2,000 keys in place 0.36 ms (0.62); 32 decodes after 100 keys each, gathered, 0.94 ms (2.4-2.5);
-an 8-token chunk after 3.3k keys 1.00 ms in place (0.99) and 1.36-1.44 ms gathered (1.05-1.27), where
-a head's page is a 4 KB block to copy instead of its three heads' 12 KB.
+them while they are free). A request whose pages make at most MAX_COPIED_RUNS runs (a prefix-cache
+hit and the pages after it, say) is copied a run at a time, each head's rows of a run one block.
+Other requests' K and V are gathered a page of one head at a time, blocks of page_size x D, by one
+index_select a plane into the same layout; a decode group's requests all in that one call, padded
+to the group's longest span. Copies go into tensors the batch's plan keeps for its layers
+(_scratch). On a 2-core CPU, one layer's attention, 30 layers' caches read in turn, the fastest of
+7-11 rounds (a cache that kept a page's heads together, read through strided views and gathered
+request by request into new tensors, in brackets): a decode after 2,000 keys in place 0.28-0.31 ms
+(0.62); 32 decodes after 100 keys each, gathered, 0.79-1.11 ms (2.4-2.5); an 8-token chunk after
+3.3k keys 0.97 ms in place (0.98-1.01), 0.95-0.97 with its pages in two runs, 1.09-1.10 with its
+pages drawn at random (1.05-1.27).
 
 Isolation: only positions inside a request's context are gathered; a decode group's padding (past
 a context, before a window) is set to zero in K and V and masked, so it contributes exactly
@@ -63,7 +66,7 @@ from __future__ import annotations
 import math
 import weakref
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -76,6 +79,7 @@ MAX_DECODE_PADDING = 2.0  # a decode group's longest key span over its shortest,
 MIN_SPLIT_KEYS = 3072     # keys before a request's queries from which they are split in parts
 MAX_SPLIT_QUERIES = 32    # queries of a request that may take the split keys
 PART_KEYS = 2048          # keys a part holds, about (at least two parts)
+MAX_COPIED_RUNS = 8       # runs of consecutive pages a request's keys are copied by, at most
 
 
 def paged_attention_cpu(q: torch.Tensor, kv_layer: torch.Tensor, batch: AttnBatch, scale: float, window: int,
@@ -89,7 +93,7 @@ def paged_attention_cpu(q: torch.Tensor, kv_layer: torch.Tensor, batch: AttnBatc
     out = torch.empty_like(q)
     plan = _plan_of(batch, kv_layer.shape[2], window, max_decode_padding)
     for p in plan.prefills:
-        kv = _gather(kv_layer, kv_scales, p.pages, p.consecutive)[:, :, p.first - p.offset:p.context_len - p.offset]
+        kv = _gather(kv_layer, kv_scales, p.pages, p.runs, p.buffers)[:, :, p.first - p.offset:p.context_len - p.offset]
         # Keys every query sees (a cached prefix without a window) give the reference's outputs even
         # when non-finite; the others (the chunk's own, and under a window all) are checked in one
         # pass: a NaN or inf makes the sum non-finite (so does an overflowing sum of finite values,
@@ -111,21 +115,23 @@ class _PrefillPlan:
     rows: slice                # its query rows
     page_row: torch.Tensor     # its row of the page table
     pages: torch.Tensor        # [N] int64: the pages of the keys it sees
-    consecutive: bool
+    runs: list[tuple[int, int]] | None  # those pages as runs (punica.ops.attention_cpu._runs)
     first: int                 # the first key it sees (its first query's window; 0 without one)
     offset: int                # the position of pages[0]'s first key
     context_len: int
+    buffers: dict = field(default_factory=dict)  # its gathered K and V, reused by every layer (_scratch)
 
 
 @dataclass(frozen=True)
 class _DecodesPlan:
     rows: torch.Tensor         # [B] int64: their query rows
     pages: torch.Tensor        # [B, N] int64: each one's pages from its first key's, padded
-    consecutive: bool          # B = 1: its pages are one run
+    runs: list[tuple[int, int]] | None  # B = 1: its pages as runs (_runs); B > 1: None
     firsts: list[int]          # the first key each sees
     context_lens: list[int]
     seen: torch.Tensor         # [B, N * page_size] bool: which of the padded keys each sees
     unseen: tuple[torch.Tensor, torch.Tensor]  # seen's False entries (request, key)
+    buffers: dict = field(default_factory=dict)  # their gathered K and V, reused by every layer (_scratch)
 
 
 @dataclass(frozen=True)
@@ -154,7 +160,7 @@ def _plan_of(batch: AttnBatch, page_size: int, window: int, max_decode_padding: 
         first_page = first // page_size
         pages = batch.page_table[i, first_page:ceil_div(context_len, page_size)].long()
         prefills.append(_PrefillPlan(slice(starts[i], starts[i + 1]), batch.page_table[i], pages,
-                                     _consecutive(pages), first, first_page * page_size, context_len))
+                                     _runs(pages), first, first_page * page_size, context_len))
     num_prefills, decode_start = batch.num_prefills, starts[batch.num_prefills]
     decodes = []
     for group in decode_groups(context_lens[num_prefills:], window, max_decode_padding):
@@ -181,7 +187,7 @@ def _decodes_plan(rows: torch.Tensor, page_table: torch.Tensor, context_lens: li
     pages = page_table.gather(1, starts[:, None] + torch.arange(num_pages)).long()
     key = torch.arange(num_pages * page_size) + starts[:, None] * page_size  # [B, keys]: positions
     seen = (key >= torch.tensor(firsts)[:, None]) & (key < torch.tensor(context_lens)[:, None])
-    return _DecodesPlan(rows, pages, len(context_lens) == 1 and _consecutive(pages[0]), firsts, context_lens,
+    return _DecodesPlan(rows, pages, _runs(pages[0]) if len(context_lens) == 1 else None, firsts, context_lens,
                         seen, (~seen).nonzero(as_tuple=True))
 
 
@@ -200,13 +206,26 @@ def decode_groups(context_lens: list[int], window: int = 0,
     return groups
 
 
-def _select_pages(x: torch.Tensor, pages: torch.Tensor) -> torch.Tensor:
+def _scratch(buffers: dict | None, x: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+    """An uninitialised tensor of x's dtype: from `buffers` (a request's, kept by its plan), where
+    every layer's call finds the one the first made, or new without them. A new one of a few MB a
+    layer costs its page faults again each time."""
+    if buffers is None:
+        return x.new_empty(shape)
+    key = (x.dim(), x.dtype)  # values and scales apart
+    out = buffers.get(key)
+    if out is None or out.shape != shape:
+        out = buffers[key] = x.new_empty(shape)
+    return out
+
+
+def _select_pages(x: torch.Tensor, pages: torch.Tensor, buffers: dict | None = None) -> torch.Tensor:
     """x [num_pages, 2, page_size, Hkv, ...] at `pages` [..., N], as [2, ..., Hkv, N * page_size, ...]:
     by one index_select a plane over its (head, page) blocks, contiguous page_size x D rows in the
-    CPU cache's layout (another layout is copied first)."""
+    CPU cache's layout (another layout is copied first), into a tensor of `buffers` (_scratch)."""
     num_pages, page_size, num_kv_heads = x.shape[0], x.shape[2], x.shape[3]
     blocks = torch.arange(num_kv_heads)[:, None] * num_pages + pages[..., None, :]  # page p of head h: h * P + p
-    out = x.new_empty((2, blocks.numel(), page_size) + x.shape[4:])
+    out = _scratch(buffers, x, (2, blocks.numel(), page_size) + x.shape[4:])
     for plane in range(2):
         heads_first = x[:, plane].movedim(2, 0).reshape((num_kv_heads * num_pages, page_size) + x.shape[4:])
         torch.index_select(heads_first, 0, blocks.flatten(), out=out[plane])
@@ -219,27 +238,45 @@ def _planes_outside_pages(x: torch.Tensor) -> bool:
     return x.stride(0) == x.shape[2] * x.stride(2)
 
 
-def _consecutive(pages: torch.Tensor) -> bool:
-    n = len(pages)
-    return n > 0 and int(pages[-1]) - int(pages[0]) == n - 1 and bool((pages.diff() == 1).all())
+def _runs(pages: torch.Tensor) -> list[tuple[int, int]] | None:
+    """`pages` [N] as runs of consecutive pages, (first page, pages), in order; None if they make
+    more than MAX_COPIED_RUNS (or none)."""
+    runs: list[list[int]] = []
+    for page in pages.tolist():
+        if runs and page == runs[-1][0] + runs[-1][1]:
+            runs[-1][1] += 1
+        elif len(runs) == MAX_COPIED_RUNS:
+            return None
+        else:
+            runs.append([page, 1])
+    return [(first, count) for first, count in runs] or None
+
+
+def _in_place(x: torch.Tensor, runs: list[tuple[int, int]], buffers: dict | None = None) -> torch.Tensor:
+    """x [P, 2, page_size, Hkv, ...] of the CPU cache's layout at the pages of `runs`, as [2, Hkv,
+    keys, ...]: a view of one run; the runs copied one after another (a copy a run, each head's rows
+    of a run one block) for several, into a tensor of `buffers` (_scratch)."""
+    views = [x[first:first + count].transpose(0, 1).movedim(3, 1).flatten(2, 3)
+             for first, count in runs]  # each [2, Hkv, count * page_size, ...]
+    if len(views) == 1:
+        return views[0]
+    shape = views[0].shape[:2] + (sum(v.shape[2] for v in views),) + views[0].shape[3:]
+    return torch.cat(views, dim=2, out=_scratch(buffers, x, shape))
 
 
 def _gather(kv_layer: torch.Tensor, kv_scales: torch.Tensor | None, pages: torch.Tensor,
-            consecutive: bool | None = None) -> torch.Tensor:
-    """K and V of `pages` [N] in fp32, as [2, Hkv, N * page_size, D] (K at 0, V at 1): a view of the
-    cache where the pages are consecutive (`consecutive`, if the caller knows) in a cache of the
-    CPU's layout (each head's keys then contiguous rows), else of the pages copied whole (the module
-    docstring)."""
-    if consecutive is None:
-        consecutive = _consecutive(pages)
-    if consecutive and _planes_outside_pages(kv_layer) and (
+            runs: list[tuple[int, int]] | None, buffers: dict | None = None) -> torch.Tensor:
+    """K and V of `pages` [N] (`runs`: the same pages as runs, or None) in fp32, as [2, Hkv,
+    N * page_size, D] (K at 0, V at 1), from a cache of the CPU's layout a view of one run or the
+    runs copied, else the pages copied a page of a head at a time (the module docstring); copies go
+    into tensors of `buffers` (_scratch)."""
+    if runs is not None and _planes_outside_pages(kv_layer) and (
             kv_scales is None or _planes_outside_pages(kv_scales)):
-        run = slice(int(pages[0]), int(pages[0]) + len(pages))
-        values = kv_layer[run].permute(1, 3, 0, 2, 4).flatten(2, 3)  # [2, Hkv, N * page_size, D]
-        scales = None if kv_scales is None else kv_scales[run].permute(1, 3, 0, 2).flatten(2, 3)
+        values = _in_place(kv_layer, runs, buffers)
+        scales = None if kv_scales is None else _in_place(kv_scales, runs, buffers)
     else:
-        values = _select_pages(kv_layer, pages)
-        scales = None if kv_scales is None else _select_pages(kv_scales, pages)
+        values = _select_pages(kv_layer, pages, buffers)
+        scales = None if kv_scales is None else _select_pages(kv_scales, pages, buffers)
     return dequantize_kv_ref(values, scales)
 
 
@@ -325,14 +362,14 @@ def _decodes(q: torch.Tensor, kv_layer: torch.Tensor, kv_scales: torch.Tensor | 
     if num_decodes == 1:  # its keys alone: nothing to pad; the mask of all of them keeps a single
         # key's NaN in (without a mask SDPA skips the softmax of one key)
         offset = plan.firsts[0] // page_size * page_size
-        kv = _gather(kv_layer, kv_scales, plan.pages[0], plan.consecutive)
+        kv = _gather(kv_layer, kv_scales, plan.pages[0], plan.runs, plan.buffers)
         kv = kv[:, :, plan.firsts[0] - offset:plan.context_lens[0] - offset]
         if not window and plan.context_lens[0] - 1 >= min_split_keys:
             return _split_keys(q.float(), kv[0], kv[1], scale)
         every = plan.seen[:, plan.firsts[0] - offset:plan.context_lens[0] - offset][:, None, None, :]
         return F.scaled_dot_product_attention(qg, kv[0][None], kv[1][None], attn_mask=every, scale=scale).view_as(q)
-    kv = dequantize_kv_ref(_select_pages(kv_layer, plan.pages),  # [2, B, Hkv, keys, D]
-                           None if kv_scales is None else _select_pages(kv_scales, plan.pages))
+    kv = dequantize_kv_ref(_select_pages(kv_layer, plan.pages, plan.buffers),  # [2, B, Hkv, keys, D]
+                           None if kv_scales is None else _select_pages(kv_scales, plan.pages, plan.buffers))
     kv[:, plan.unseen[0], :, plan.unseen[1]] = 0  # before its window, and past its context: nothing
     o = F.scaled_dot_product_attention(qg, kv[0], kv[1], attn_mask=plan.seen[:, None, None, :], scale=scale)
     return o.reshape(num_decodes, num_kv_heads * group, head_dim)

@@ -155,18 +155,20 @@ def test_fp8_cache_matches_reference(window):
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
 @pytest.mark.parametrize("window", [0, 20])
 def test_consecutive_pages_of_a_cpu_cache_are_read_in_place(kv_cache_dtype, window):
-    """A CPU cache keeps each plane's pages of a KV head in one block (KVCache.empty): requests whose
-    pages are consecutive (a chunk behind cached context, a fresh prompt, a decode) are read through
-    a view of it, the others gathered; both hand each head's keys on as contiguous rows, and give
-    the reference's output, on the fused kernel."""
+    """A CPU cache keeps each plane's pages of a KV head in one block (KVCache.empty): a request whose
+    pages are consecutive (a chunk behind cached context, a fresh prompt, a decode) is read through
+    a view of it, one whose pages make a few runs by a copy a run, the others a page at a time; each
+    way each head's keys are contiguous rows, and the outputs the reference's, on the fused kernel."""
     gen = torch.Generator().manual_seed(5)
     page_size, num_kv_heads, head_dim = 8, 3, 32
-    query_lens, context_lens = [6, 30, 1, 1], [50, 30, 70, 40]
-    tables = [list(range(2, 9)), list(range(9, 13)), list(range(13, 22)), [30, 24, 27, 22, 25]]
+    query_lens, context_lens = [6, 30, 1, 1, 1], [50, 30, 70, 40, 300]
+    scattered = [31, 2, 29, 4, 27, 6, 25, 8, 23, 10, 21, 12, 19, 14, 17, 16, 15, 18, 13, 20, 11, 22, 9, 24, 7,
+                 26, 5, 28, 3, 30, 1, 32, 0, 33, 34, 35, 36, 37]  # 38 pages, far more runs than MAX_COPIED_RUNS
+    tables = [[2, 3, 4, 5, 26, 27, 28], list(range(9, 13)), list(range(13, 22)), [30, 24, 27, 22, 25], scattered]
     batch = AttnBatch.build(query_lens, context_lens, tables, page_size, num_prefills=2)
-    cache = KVCache.empty(1, 32, page_size, num_kv_heads, head_dim, torch.float32, "cpu", kv_cache_dtype)
+    cache = KVCache.empty(1, 40, page_size, num_kv_heads, head_dim, torch.float32, "cpu", kv_cache_dtype)
     pages, scales = cache.pages[0], None if cache.scales is None else cache.scales[0]
-    rows = 32 * page_size
+    rows = 40 * page_size
     k, v = (torch.randn(rows, num_kv_heads, head_dim, generator=gen) for _ in range(2))
     ops.write_kv_ref(pages, k, v, torch.arange(rows), scales)
     q = torch.randn(batch.num_tokens, 9, head_dim, generator=gen)
@@ -174,14 +176,20 @@ def test_consecutive_pages_of_a_cpu_cache_are_read_in_place(kv_cache_dtype, wind
         out = ops.paged_attention(q, pages, batch, 0.2, window, kv_scales=scales)
     torch.testing.assert_close(out, ops.paged_attention_ref(q, pages, batch, 0.2, window, kv_scales=scales),
                                rtol=1e-5, atol=1e-5)
-    in_place = attention_cpu._gather(pages, scales, torch.arange(2, 9))
-    gathered = attention_cpu._gather(pages, scales, torch.tensor([30, 24, 27]))
-    shares = {t.untyped_storage().data_ptr() == pages.untyped_storage().data_ptr() for t in (in_place, gathered)}
-    assert shares == ({True, False} if kv_cache_dtype == "auto" else {False})  # fp8 dequantizes: a copy either way
-    assert in_place.shape == (2, num_kv_heads, 7 * page_size, head_dim)
-    assert all(t.stride()[2:] == (head_dim, 1) for t in (in_place, gathered))
-    torch.testing.assert_close(in_place, attention_cpu._gather(pages.contiguous(), scales, torch.arange(2, 9)),
-                               rtol=0, atol=0)
+
+    def gather(kv, page_list):
+        page_list = torch.tensor(page_list)
+        return attention_cpu._gather(kv, scales, page_list, attention_cpu._runs(page_list))
+
+    assert attention_cpu._runs(torch.tensor([30, 24, 25, 27])) == [(30, 1), (24, 2), (27, 1)]
+    assert attention_cpu._runs(torch.tensor(scattered)) is None
+    for page_list in (list(range(2, 9)), [30, 24, 25, 27], scattered):
+        got = gather(pages, page_list)
+        assert got.shape == (2, num_kv_heads, len(page_list) * page_size, head_dim)
+        assert got.stride()[2:] == (head_dim, 1)
+        in_place = got.untyped_storage().data_ptr() == pages.untyped_storage().data_ptr()
+        assert in_place == (kv_cache_dtype == "auto" and len(page_list) == 7)  # fp8 dequantizes: a copy either way
+        torch.testing.assert_close(got, gather(pages.contiguous(), page_list), rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("kv_cache_dtype,in_place", [("auto", True), ("auto", False), ("fp8", True)])
