@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import random
 from pathlib import Path
 
 from punica.config import ModelConfig, preset_config
@@ -25,6 +26,11 @@ def format_fields(label: str) -> dict[str, str]:
 
 def format_label(quantization: str, kv_cache_dtype: str) -> str:
     return quantization + ("+fp8kv" if kv_cache_dtype == "fp8" else "")
+
+
+def random_prompt(length: int, vocab: int, rng: random.Random) -> list[int]:
+    """`length` token ids drawn from 100 .. vocab - 1 (past the special tokens)."""
+    return [rng.randrange(100, vocab) for _ in range(length)]
 
 
 def percentile(values: list[float], q: float) -> float:

@@ -18,7 +18,7 @@ import statistics
 import time
 from pathlib import Path
 
-from benchmarks.common import format_table, write_results
+from benchmarks.common import format_table, random_prompt, write_results
 from punica import LLM, SamplingParams
 
 WARMUP_STEPS = 2
@@ -26,7 +26,7 @@ WARMUP_STEPS = 2
 
 def decode_steps(engine, context: int, steps: int, rng: random.Random) -> dict:
     vocab = engine.model_config.vocab_size
-    rid = engine.add_request([rng.randrange(100, vocab) for _ in range(context)],
+    rid = engine.add_request(random_prompt(context, vocab, rng),
                              SamplingParams(max_tokens=2 * (steps + WARMUP_STEPS), temperature=0, ignore_eos=True))
     while not any(r.request_id == rid and r.num_cached >= context for r in engine.scheduler.running):
         engine.step()

@@ -22,15 +22,11 @@ import statistics
 import time
 from pathlib import Path
 
-from benchmarks.common import format_table, write_results
+from benchmarks.common import format_table, random_prompt, write_results
 from punica import LLM, SamplingParams
 
 STEADY_TOKENS = 8
 STREAM_PROMPT = 40
-
-
-def random_prompt(length: int, vocab: int, rng: random.Random) -> list[int]:
-    return [rng.randrange(100, vocab) for _ in range(length)]
 
 
 def stream_stamps(engine, stream: str) -> list[float]:
