@@ -233,8 +233,9 @@ def _select_pages(x: torch.Tensor, pages: torch.Tensor, buffers: dict | None = N
 
 
 def _planes_outside_pages(x: torch.Tensor) -> bool:
-    """Whether x [P, 2, page_size, ...] holds each plane's pages one after another (the CPU cache's
-    layout, punica.ops.kv_cache.KVCache.empty), so that consecutive pages of a plane are one view."""
+    """Whether x [P, 2, page_size, ...] holds the pages of each plane (and head) one after another
+    (the CPU cache's layout, punica.ops.kv_cache.KVCache.empty), so that a run of consecutive pages
+    is one view."""
     return x.stride(0) == x.shape[2] * x.stride(2)
 
 
@@ -252,7 +253,7 @@ def _runs(pages: torch.Tensor) -> list[tuple[int, int]] | None:
     return [(first, count) for first, count in runs] or None
 
 
-def _in_place(x: torch.Tensor, runs: list[tuple[int, int]], buffers: dict | None = None) -> torch.Tensor:
+def _read_runs(x: torch.Tensor, runs: list[tuple[int, int]], buffers: dict | None = None) -> torch.Tensor:
     """x [P, 2, page_size, Hkv, ...] of the CPU cache's layout at the pages of `runs`, as [2, Hkv,
     keys, ...]: a view of one run; the runs copied one after another (a copy a run, each head's rows
     of a run one block) for several, into a tensor of `buffers` (_scratch)."""
@@ -272,8 +273,8 @@ def _gather(kv_layer: torch.Tensor, kv_scales: torch.Tensor | None, pages: torch
     into tensors of `buffers` (_scratch)."""
     if runs is not None and _planes_outside_pages(kv_layer) and (
             kv_scales is None or _planes_outside_pages(kv_scales)):
-        values = _in_place(kv_layer, runs, buffers)
-        scales = None if kv_scales is None else _in_place(kv_scales, runs, buffers)
+        values = _read_runs(kv_layer, runs, buffers)
+        scales = None if kv_scales is None else _read_runs(kv_scales, runs, buffers)
     else:
         values = _select_pages(kv_layer, pages, buffers)
         scales = None if kv_scales is None else _select_pages(kv_scales, pages, buffers)
