@@ -45,7 +45,7 @@ import torch
 
 from punica.config import ModelConfig
 from punica.lora.adapter_files import WeightsFile, confining_dirs, read_json
-from punica.lora.gains import MAX_LORA_GAIN, first_gain_over_limit, lora_gain
+from punica.lora.gains import MAX_LORA_GAIN, first_gain_over_limit, gain_bounds, lora_gain
 
 PROJECTIONS = ("q", "k", "v", "o", "gate", "up", "down")
 
@@ -233,13 +233,19 @@ def read_adapter(path: str | Path, config: ModelConfig, name: str | None = None,
     experts = {}
     for (param, layer), sides in expert_names.items():
         num_experts, a, b = config.num_experts, tensors[sides["A"]], tensors[sides["B"]]
-        a = _finite(sides["A"], a.to(dtype).view(num_experts, rank, a.shape[-1]), fail)  # rows e*rank .. (e+1)*rank
+        a = a.to(dtype).view(num_experts, rank, a.shape[-1])  # rows e*rank .. (e+1)*rank
         # columns e, e + E, ...: each row's [rank, E] block transposed and converted in one copy (a
         # block at a time stays in cache), handed on as the [E, h_out, rank] view that pool.pack copies
         rows_by_expert = torch.empty(b.shape[0], num_experts, rank, dtype=dtype)
         rows_by_expert.copy_(b.view(b.shape[0], rank, num_experts).transpose(1, 2))
-        b = _finite(sides["B"], rows_by_expert.transpose(0, 1), fail)
-        over = first_gain_over_limit(a, b, scale)
+        b = rows_by_expert.transpose(0, 1)
+        # the gain screen's norms are the finiteness check: only a non-finite bound (a NaN or inf
+        # weight, or an overflow) needs a look at the values
+        bound = gain_bounds(a, b, scale)
+        if not bool(bound.isfinite().all()):
+            _finite(sides["A"], a, fail)
+            _finite(sides["B"], b, fail)
+        over = first_gain_over_limit(a, b, scale, bound)
         if over is not None:
             expert, gain = over
             raise fail(f"layer {layer} expert {expert} {param} projection ({sides['A']}, {sides['B']}): the delta's "

@@ -53,17 +53,26 @@ def lora_gains(a: torch.Tensor, b: torch.Tensor, scale: float) -> torch.Tensor:
     return abs(scale) * squares.clamp(min=0).sqrt().reshape(batch)
 
 
-def first_gain_over_limit(a: torch.Tensor, b: torch.Tensor, scale: float) -> tuple[int, float] | None:
+def gain_bounds(a: torch.Tensor, b: torch.Tensor, scale: float) -> torch.Tensor:
+    """|scale| * ||A||_F ||B||_F >= |scale| * ||B @ A||_2 of each item of A [n, r, h_in], B [n, h_out, r]
+    ([n] float64): one pass over the weights, in their dtype (each norm rounded to it: bf16, 2^-9).
+    An item with a NaN or inf weight has a NaN or inf bound (inf times a zero norm is NaN); so
+    has one whose finite weights' squares overflow."""
+    return (abs(scale) * torch.linalg.vector_norm(a.flatten(1), dim=-1).double()
+            * torch.linalg.vector_norm(b.flatten(1), dim=-1).double())
+
+
+def first_gain_over_limit(a: torch.Tensor, b: torch.Tensor, scale: float,
+                          bound: torch.Tensor | None = None) -> tuple[int, float] | None:
     """The first item of A [n, r, h_in], B [n, h_out, r] whose `lora_gains` is over MAX_LORA_GAIN (or
-    NaN), with that gain; None if there is none. Screened by ||B @ A||_2 <= ||A||_F ||B||_F: the
-    Frobenius norms (one pass over the weights, in their dtype) clear the items far under the limit,
-    and only the others get the exact gain. The bounds of the demo adapters' projections are
-    2.3-6.7x their gains (at most ~23), random adapters' ~14x, far under the limit, so the exact
-    gains, whose float64 copies and eigenvalues took most of the time of reading a
-    mixture-of-experts adapter, are rarely computed."""
-    bound = (abs(scale) * torch.linalg.vector_norm(a.flatten(1), dim=-1).double()
-             * torch.linalg.vector_norm(b.flatten(1), dim=-1).double())
-    # the norms are rounded to their dtype (bf16: 2^-9 each); an overflow (inf) goes to the exact gains
+    NaN), with that gain; None if there is none. Screened by `gain_bounds` (`bound`, if given): the
+    Frobenius norms clear the items far under the limit, and only the others (an overflowing bound
+    among them) get the exact gain. The bounds of the demo adapters' projections are 2.3-6.7x their
+    gains (at most ~23), random adapters' ~14x, far under the limit, so the exact gains, whose
+    float64 copies and eigenvalues took most of the time of reading a mixture-of-experts adapter,
+    are rarely computed."""
+    if bound is None:
+        bound = gain_bounds(a, b, scale)
     suspects = (~(bound <= MAX_LORA_GAIN * BOUND_MARGIN)).nonzero().flatten()
     if not len(suspects):
         return None

@@ -270,6 +270,33 @@ def test_random_adapters_of_a_model_whose_every_layer_is_moe_name_no_dense_mlp_m
     assert set(adapter.experts) == {("gate_up", 0), ("down", 0), ("gate_up", 1), ("down", 1)}
 
 
+@pytest.mark.parametrize("side, expert, value, zero_other, message", [
+    ("A", 2, float("nan"), False, r"tensor .*layers\.1\.mlp\.experts\.lora_A\.weight has non-finite values"),
+    ("B", 6, float("-inf"), False, r"tensor .*layers\.1\.mlp\.experts\.lora_B\.weight has non-finite values"),
+    # inf times the other side's zero norm: a NaN bound, still caught
+    ("A", 1, float("inf"), True, r"tensor .*layers\.1\.mlp\.experts\.lora_A\.weight has non-finite values"),
+    # finite, but the squares overflow the norm: no finiteness error, the exact gain refuses it
+    ("B", 4, 1e30, False, r"layer 1 expert 4 down projection .*the delta's gain"),
+])
+def test_an_experts_non_finite_weights_are_refused_by_tensor(tmp_path, side, expert, value, zero_other, message):
+    """The experts' NaN and inf are found by the gain screen's norms (no pass of their own) and
+    named by tensor, as a dense projection's are; a finite overflow goes to the exact gain."""
+    config = dataclasses.replace(preset_config("tiny-moe"), moe_layers=(0, 1))
+    path = save_random_adapter(tmp_path / "ad", config, rank=4, seed=0, dtype=torch.float32)
+    key = f"base_model.model.model.layers.1.mlp.experts.lora_{side}.weight"  # down_proj
+    other = key.replace(f"lora_{side}", "lora_B" if side == "A" else "lora_A")
+    tensors = load_file(str(path / "adapter_model.safetensors"))
+    if side == "A":  # rows e * r .. (e + 1) * r
+        tensors[key][expert * 4 + 1, 3] = value
+        if zero_other:
+            tensors[other][:, expert::8] = 0
+    else:  # columns e, e + E, ...
+        tensors[key][5, expert + 8] = value
+    save_file(tensors, str(path / "adapter_model.safetensors"))
+    with pytest.raises(AdapterError, match=message):
+        load_adapter(path, config)
+
+
 def test_an_expert_whose_gain_is_over_the_limit_is_refused_by_name_among_fine_ones(tmp_path):
     """The gains of a layer's experts are checked in one batch; the first expert over the limit is
     named with its gain, as checking them one by one would."""
