@@ -17,7 +17,8 @@ loaded before the clock starts (on-demand loading is benchmarks/adapter_load.py'
 they do not fit (a MoE preset's adapters adapt every expert: ~1.3 GB each on qwen3-30b-a3b), the
 first adapters the run uses are loaded before the clock starts, as many as the slots hold, and the
 others load on demand during the run, as a server's would; `adapter_slots` in the meta says how
-many slots there were.
+many slots there were. Each row counts the adapter reads (disk -> host tier) and copies (host tier
+-> GPU slot) during its run, with their mean seconds from start to taken in by the engine.
 
 --quantizations: the engine's runs (every workload) once per format, on the same dummy weights:
 base weights none (the dtype's) or fp8 (e4m3, per-channel scales: punica.models.quantized), and
@@ -106,6 +107,23 @@ def run(engine: Engine, requests: list[tuple[list[int], int, str | None]]) -> di
     return {"requests": len(outs), "tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds,
             "ttft_mean_ms": 1e3 * statistics.mean(ttft), "ttft_p99_ms": 1e3 * percentile(ttft, 0.99),
             "tpot_mean_ms": 1e3 * statistics.mean(tpot), "tpot_p99_ms": 1e3 * percentile(tpot, 0.99)}
+
+
+def adapter_loads(engine: Engine) -> dict[str, tuple[int, float]]:
+    """Per tier ("host": reads from disk, "gpu": copies into slots), the loads so far and their
+    seconds from start to taken in, summed over the engine's adapters (its residency counters)."""
+    adapters = engine.adapter_snapshot()["adapters"].values()
+    return {tier: (sum(a["loads"][tier] for a in adapters), sum(a["load_seconds"][tier] for a in adapters))
+            for tier in ("host", "gpu")}
+
+
+def loads_between(before: dict[str, tuple[int, float]], after: dict[str, tuple[int, float]]) -> dict:
+    """The adapter reads and copies between two `adapter_loads`, with their mean seconds (None: none)."""
+    row = {}
+    for tier, count, mean in (("host", "reads", "read_s_mean"), ("gpu", "copies", "copy_s_mean")):
+        n, seconds = after[tier][0] - before[tier][0], after[tier][1] - before[tier][1]
+        row[count], row[mean] = n, (round(seconds / n, 4) if n else None)
+    return row
 
 
 def hf_llama(config: ModelConfig, dtype: torch.dtype, device: str):
@@ -238,11 +256,15 @@ def engine_runs(engine_args: EngineArgs, config: ModelConfig, dtype: torch.dtype
             # during the run)
             slots = engine.adapter_snapshot()["gpu_slots"]["total"]
             warm_up(engine, list(dict.fromkeys(adapters))[:slots] if workload != "backbone" else [None] * 32)
+            before = adapter_loads(engine)
             rows.append({"system": "punica", "workload": workload, "adapters": kind if adapters[0] else "none",
                          "quantization": quantization,
                          **run(engine, [(p, o, a) for p, (_, o), a in zip(prompts, lengths, adapters)])})
+            rows[-1].update(loads_between(before, adapter_loads(engine)))
             print(f"punica {workload} ({rows[-1]['adapters']}, {quantization}): "
-                  f"{rows[-1]['tokens_per_s']:.1f} tokens/s", flush=True)
+                  f"{rows[-1]['tokens_per_s']:.1f} tokens/s; during the run {rows[-1]['reads']} adapter reads "
+                  f"(mean {rows[-1]['read_s_mean']} s), {rows[-1]['copies']} copies into slots "
+                  f"(mean {rows[-1]['copy_s_mean']} s)", flush=True)
             del engine
             if device == "cuda":
                 torch.cuda.empty_cache()
@@ -324,8 +346,8 @@ def main() -> None:
     hf_rows = [r for r in rows if r["system"] == "hf+peft"]
     if engine_rows:
         print(format_table(engine_rows, ["workload", "adapters", "quantization", "requests", "tokens", "seconds",
-                                         "tokens_per_s",
-                                         "ttft_mean_ms", "ttft_p99_ms", "tpot_mean_ms", "tpot_p99_ms"]))
+                                         "tokens_per_s", "ttft_mean_ms", "ttft_p99_ms", "tpot_mean_ms", "tpot_p99_ms",
+                                         "reads", "read_s_mean", "copies", "copy_s_mean"]))
     if hf_rows:
         print(format_table(hf_rows, ["system", "workload", "requests", "tokens", "seconds", "tokens_per_s"]))
     first = args.quantizations[0]
