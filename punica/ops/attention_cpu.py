@@ -130,7 +130,7 @@ class _DecodesPlan:
     firsts: list[int]          # the first key each sees
     context_lens: list[int]
     seen: torch.Tensor         # [B, N * page_size] bool: which of the padded keys each sees
-    unseen: tuple[torch.Tensor, torch.Tensor]  # seen's False entries (request, key)
+    unseen: tuple[torch.Tensor, torch.Tensor] | None  # B > 1: seen's False entries (request, key), zeroed
     buffers: dict = field(default_factory=dict)  # their gathered K and V, reused by every layer (_scratch)
 
 
@@ -187,8 +187,9 @@ def _decodes_plan(rows: torch.Tensor, page_table: torch.Tensor, context_lens: li
     pages = page_table.gather(1, starts[:, None] + torch.arange(num_pages)).long()
     key = torch.arange(num_pages * page_size) + starts[:, None] * page_size  # [B, keys]: positions
     seen = (key >= torch.tensor(firsts)[:, None]) & (key < torch.tensor(context_lens)[:, None])
-    return _DecodesPlan(rows, pages, _runs(pages[0]) if len(context_lens) == 1 else None, firsts, context_lens,
-                        seen, (~seen).nonzero(as_tuple=True))
+    alone = len(context_lens) == 1  # its keys read as they are: no padding to zero
+    return _DecodesPlan(rows, pages, _runs(pages[0]) if alone else None, firsts, context_lens, seen,
+                        None if alone else (~seen).nonzero(as_tuple=True))
 
 
 def decode_groups(context_lens: list[int], window: int = 0,
