@@ -84,9 +84,10 @@ def fp8_linear_scaled_mm(x: torch.Tensor, weight: torch.Tensor, scales: torch.Te
     """x @ W^T (+ bias) on the fp8 tensor cores: per-token activation scales times per-channel
     weight scales, applied by torch._scaled_mm to its fp32 accumulator; output in bf16 (x's dtype).
     Fast accumulation: cuBLASLt leaves the sums in the fp8 tensor cores' accumulator instead of
-    adding them into a full fp32 one at intervals, 8% faster over a 7B layer's four GEMMs at 2,048 tokens on
-    an H100 (1.65x bf16 against 1.52x), with the same error against bf16 to three digits, which
-    the activations' rounding to e4m3 sets (docs/benchmarks.md#fp8-prefill-gemms-fast-accumulation)."""
+    adding them into a full fp32 one at intervals, 8% faster over a 7B layer's four GEMMs at 2,048
+    tokens on an H100 (1.65x bf16 against 1.52x), with the same error against bf16 to three digits,
+    which the activations' rounding to e4m3 sets
+    (docs/benchmarks.md#fp8-prefill-gemms-fast-accumulation)."""
     from punica.ops.fp8_quant_triton import quantize_per_token_triton
     x8, x_scales = quantize_per_token_triton(x)
     out = torch._scaled_mm(x8, weight.t(), scale_a=x_scales, scale_b=scales[None, :], out_dtype=x.dtype,
