@@ -14,11 +14,7 @@ computes them where W lives, when the adapter is copied into its slot (punica.lo
     delta_y of a token routed to expert e = scale * (x @ A[e].T) @ B[e].T   (punica.lora.experts)
 
 A mixture-of-experts layer's experts are adapted as PEFT adapts transformers 5's fused expert
-parameters (`target_parameters` mlp.experts.gate_up_proj / down_proj, each one LoRA per expert of
-the adapter's rank): lora_A [E * rank, h_in] holds expert e's A in rows e*rank .. (e+1)*rank, lora_B
-[h_out, E * rank] expert e's B in columns e, e + E, e + 2E, ... (PEFT's ParamWrapper). Both
-parameters of one layer nest (`experts.base_layer.lora_A` and `experts.lora_A`); which is which
-follows from their shapes, which differ for every model.
+parameters (`target_parameters`), read by punica.lora.adapter_experts.
 
 Only targeted projections are keys; layers the adapter does not touch are zeros. Phi-3's fused
 modules (qkv_proj, gate_up_proj), in checkpoints and adapters of models with `fused_projections`,
@@ -44,8 +40,10 @@ from typing import Any
 import torch
 
 from punica.config import ModelConfig
+from punica.lora.adapter_checks import check_shape, finite
+from punica.lora.adapter_experts import expert_tensors, read_experts
 from punica.lora.adapter_files import WeightsFile, confining_dirs, read_json
-from punica.lora.gains import MAX_LORA_GAIN, first_gain_over_limit, gain_bounds, lora_gain
+from punica.lora.gains import MAX_LORA_GAIN, lora_gain
 
 PROJECTIONS = ("q", "k", "v", "o", "gate", "up", "down")
 
@@ -66,12 +64,6 @@ TENSOR_NAME = re.compile(
     r"^(?:base_model\.model\.)?(?:model\.)?layers\.(\d+)\.(\w+\.\w+)\."
     r"(?:lora_([AB])(?:\.[^.]+)?\.weight|lora_(magnitude)_vector(?:\.[^.]+)?(?:\.weight)?)$"
 )
-# a MoE layer's fused experts adapted through PEFT's target_parameters (punica.models.moe): the
-# wrappers of gate_up_proj and down_proj nest, so one of them is under `.base_layer`
-EXPERT_TENSOR = re.compile(
-    r"^(?:base_model\.model\.)?(?:model\.)?layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts((?:\.base_layer)*)\."
-    r"lora_([AB])(?:\.[^.]+)?\.weight$")
-PER_EXPERT_TENSOR = re.compile(r"\.experts\.\d+\.")
 # config options that change the math in ways the canonical layout cannot express
 UNSUPPORTED_OPTIONS = {
     "lora_bias": "a bias on lora_B (lora_bias)",
@@ -224,33 +216,13 @@ def read_adapter(path: str | Path, config: ModelConfig, name: str | None = None,
         raise fail(f"DoRA on a mixture-of-experts model ({config.family}) is not supported")
     with WeightsFile(path, dirs, _max_weights_bytes(config, rank), _max_header_bytes(config), fail) as weights:
         shapes = weights.shapes()
-        expert_names = _expert_tensors(shapes, cfg, config, rank, fail)
+        expert_names = expert_tensors(shapes, cfg, config, rank, fail)
         expert_keys = {key for sides in expert_names.values() for key in sides.values()}
         shapes = {k: v for k, v in shapes.items() if k not in expert_keys}
         pairs = _pair_tensors(shapes, config.num_layers, cfg.get("layers_to_transform"), dora, fail)
         layout = _check_layout(pairs, shapes, config, rank, dora, fail)
         tensors = weights.tensors()
-    experts = {}
-    for (param, layer), sides in expert_names.items():
-        num_experts, a, b = config.num_experts, tensors[sides["A"]], tensors[sides["B"]]
-        a = a.to(dtype).view(num_experts, rank, a.shape[-1])  # rows e*rank .. (e+1)*rank
-        # columns e, e + E, ...: each row's [rank, E] block transposed and converted in one copy (a
-        # block at a time stays in cache), handed on as the [E, h_out, rank] view that pool.pack copies
-        rows_by_expert = torch.empty(b.shape[0], num_experts, rank, dtype=dtype)
-        rows_by_expert.copy_(b.view(b.shape[0], rank, num_experts).transpose(1, 2))
-        b = rows_by_expert.transpose(0, 1)
-        # the gain screen's norms are the finiteness check: only a non-finite bound (a NaN or inf
-        # weight, or an overflow) needs a look at the values
-        bound = gain_bounds(a, b, scale)
-        if not bool(bound.isfinite().all()):
-            _finite(sides["A"], a, fail)
-            _finite(sides["B"], b, fail)
-        over = first_gain_over_limit(a, b, scale, bound)
-        if over is not None:
-            expert, gain = over
-            raise fail(f"layer {layer} expert {expert} {param} projection ({sides['A']}, {sides['B']}): the delta's "
-                       f"gain |scale| * ||B @ A||_2 is {gain:.3g}, over the limit of {MAX_LORA_GAIN:g}")
-        experts[param, layer] = (a, b)
+    experts = read_experts(expert_names, tensors, config, rank, scale, dtype, fail)
     checked, magnitude = {}, {}
     for proj, layer, parts, bounds, sides in layout:
         a = _converted(sides["A"], tensors[sides["A"]], dtype, fail)
@@ -278,57 +250,6 @@ def read_adapter(path: str | Path, config: ModelConfig, name: str | None = None,
                           magnitude=magnitude, experts=experts)
 
 
-def _expert_tensors(shapes: dict[str, tuple[tuple[int, ...], Any]], cfg: dict[str, Any], config: ModelConfig,
-                    rank: int, fail: Fail) -> dict[tuple[str, int], dict[str, str]]:
-    """("gate_up" or "down", layer) -> {"A": name, "B": name} of the adapter's tensors on MoE layers'
-    fused experts (EXPERT_TENSOR), each tensor's dtype and shape checked; target_parameters other
-    than the experts' and per-expert modules refused by name. No tensor read."""
-    targets = cfg.get("target_parameters") or []
-    for target in targets:
-        # PEFT matches a parameter by its name's suffix, and makes the bare names of target_modules that
-        # name an expert parameter ("down_proj") target_parameters
-        parts = target.split(".") if isinstance(target, str) else [""]
-        if parts[-1] not in ("gate_up_proj", "down_proj") or (len(parts) > 1 and parts[-2] != "experts"):
-            raise fail(f"target_parameters names {target!r}; punica adapts only the MoE experts' gate_up_proj "
-                       "and down_proj")
-    h, inter, num_experts = config.hidden_size, config.moe_intermediate_size, config.num_experts
-    # (A, B) shapes of each expert parameter: they differ (gate_up's outputs 2I, down's inputs I)
-    expected = {"gate_up": ((num_experts * rank, h), (2 * inter, num_experts * rank)),
-                "down": ((num_experts * rank, inter), (h, num_experts * rank))}
-    found: dict[tuple[str, int], dict[str, str]] = {}
-    by_wrapper: dict[tuple[int, str], dict[str, str]] = {}
-    for key in shapes:
-        if PER_EXPERT_TENSOR.search(key):
-            raise fail(f"tensor {key} adapts one expert's module; punica serves LoRA on the fused experts "
-                       "(PEFT's target_parameters mlp.experts.gate_up_proj and down_proj)")
-        match = EXPERT_TENSOR.match(key)
-        if match is None:
-            continue
-        layer = int(match[1])
-        if layer >= config.num_layers or not config.is_moe(layer):
-            raise fail(f"tensor {key} adapts experts, but layer {layer} of the base model has none")
-        by_wrapper.setdefault((layer, match[2]), {})[match[3]] = key
-    for (layer, _), sides in by_wrapper.items():
-        if set(sides) != {"A", "B"}:
-            raise fail(f"tensor {next(iter(sides.values()))} has no lora_{'B' if 'A' in sides else 'A'} beside it")
-        got = tuple(shapes[sides[side]][0] for side in ("A", "B"))
-        param = next((p for p, shape in expected.items() if got == shape), None)
-        if param is None:
-            raise fail(f"tensors {sides['A']} and {sides['B']} have shapes {got[0]} and {got[1]}; the experts of "
-                       f"a rank-{rank} adapter need {expected['gate_up']} (gate_up_proj) or {expected['down']} "
-                       "(down_proj)")
-        if (param, layer) in found:
-            raise fail(f"layer {layer} has two LoRAs of the experts' {param}_proj ({sides['A']})")
-        for side in ("A", "B"):
-            _check_shape(sides[side], *shapes[sides[side]], got[side == "B"], None, f"experts' {param}", fail)
-        found[param, layer] = sides
-    for target in targets:
-        param = target.rsplit(".", 1)[-1].removesuffix("_proj")
-        if not any(p == param for p, _ in found):
-            raise fail(f"target_parameters names {target} but the weights have no tensors for it")
-    return found
-
-
 def _check_layout(pairs: dict[tuple[str, int], dict[str, str]], shapes: dict[str, tuple[tuple[int, ...], Any]],
                   config: ModelConfig, rank: int, dora: bool, fail: Fail
                   ) -> list[tuple[str, int, tuple[str, ...], list[int], dict[str, str]]]:
@@ -353,13 +274,13 @@ def _check_layout(pairs: dict[tuple[str, int], dict[str, str]], shapes: dict[str
         bounds = [0]
         for part in parts:
             bounds.append(bounds[-1] + model_shapes[part][1])
-        _check_shape(sides["A"], *shapes[sides["A"]], (rank, h_in), 0, proj, fail)
-        _check_shape(sides["B"], *shapes[sides["B"]], (bounds[-1], rank), 1, proj, fail)
+        check_shape(sides["A"], *shapes[sides["A"]], (rank, h_in), 0, proj, fail)
+        check_shape(sides["B"], *shapes[sides["B"]], (bounds[-1], rank), 1, proj, fail)
         if dora and config.qkv_bias and any(part in ("q", "k", "v") for part in parts):
             raise fail(f"DoRA on the biased {proj} projection of a {config.family} model is not supported "
                        f"(tensor {sides['magnitude']}): DoRA scales the projection's output without its bias")
         if dora:
-            _check_shape(sides["magnitude"], *shapes[sides["magnitude"]], (bounds[-1],), None, proj, fail)
+            check_shape(sides["magnitude"], *shapes[sides["magnitude"]], (bounds[-1],), None, proj, fail)
         for part in parts:
             if (part, layer) in covered:
                 raise fail(f"layer {layer} has tensors for the {part} projection both fused and on its own")
@@ -494,31 +415,9 @@ def _max_header_bytes(config: ModelConfig) -> int:
     return 512 * (3 * len(PROJECTIONS) * config.num_layers + 4 * len(config.moe_layers)) + (1 << 16)
 
 
-def _check_shape(key: str, shape: tuple[int, ...], dtype: torch.dtype | str, expected: tuple[int, ...],
-                 rank_dim: int | None, proj: str, fail: Fail) -> None:
-    """A tensor's dtype, rank and shape against the base model. PEFT stores lora_A as [r, h_in] and
-    lora_B as [h_out, r] whatever fan_in_fan_out says (that flag describes the base layer's layout,
-    not LoRA's)."""
-    if not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
-        raise fail(f"tensor {key} has dtype {dtype}, not a floating-point type")
-    if rank_dim is not None and len(shape) == 2 and shape[rank_dim] != expected[rank_dim]:
-        raise fail(f"tensor {key} has rank {shape[rank_dim]}, but adapter_config.json says r={expected[rank_dim]}")
-    if shape != expected:
-        raise fail(f"tensor {key} has shape {shape}, but the base model's {proj} projection needs {expected}")
-
-
 def _converted(key: str, tensor: torch.Tensor, dtype: torch.dtype, fail: Fail) -> torch.Tensor:
     """The tensor in `dtype`, after checking that its values are finite there."""
-    return _finite(key, tensor.to(dtype), fail)
-
-
-def _finite(key: str, tensor: torch.Tensor, fail: Fail) -> torch.Tensor:
-    """`tensor`, after checking that its values are finite: one reduction in its own dtype, no
-    temporary tensor (the min and max are NaN where any value is, else +-inf where one is)."""
-    low, high = torch.aminmax(tensor)
-    if not (torch.isfinite(low) and torch.isfinite(high)):
-        raise fail(f"tensor {key} has non-finite values (NaN or inf) in {tensor.dtype}")
-    return tensor
+    return finite(key, tensor.to(dtype), fail)
 
 
 def _magnitude(key: str, tensor: torch.Tensor, dtype: torch.dtype, fail: Fail) -> torch.Tensor:
