@@ -281,8 +281,9 @@ class EngineConfig:
               "~1.3 GB at rank 16 on Qwen3-30B-A3B in bf16)")
     max_lora_rank: int = described(16, "rank of every GPU adapter slot (raised to the largest adapter given at "
                                        "start); adapters of lower rank are zero-padded")
-    lora_host_bytes: int = described(4 << 30, "host tier for adapters read from disk, in bytes "
-                                              "(page-locked at start on CUDA)")
+    lora_host_bytes: int | None = described(
+        None, "host tier for adapters read from disk, in bytes, page-locked at start on CUDA (default: room for as "
+              "many adapters as the GPU has slots, and at least 4 GiB, within a quarter of the host's memory)")
     enforce_eager: bool = described(False, "CUDA: run every step eagerly, not as captured CUDA graphs")
     overlap_steps: bool | None = described(
         None, "schedule step t+1 before step t's tokens reach the host (default: on a GPU, which computes a step "
@@ -303,10 +304,10 @@ class EngineConfig:
     def __post_init__(self):
         object.__setattr__(self, "adapter_dirs", tuple(str(d) for d in self.adapter_dirs))
         for name in ("max_batch_size", "page_size", "max_num_batched_tokens", "max_loras", "max_lora_rank",
-                     "lora_host_bytes", "max_grammar_chars"):
+                     "max_grammar_chars"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("kv_cache_tokens", "kv_cache_bytes", "max_model_len", "max_lora_bytes"):
+        for name in ("kv_cache_tokens", "kv_cache_bytes", "max_model_len", "max_lora_bytes", "lora_host_bytes"):
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"{name} must be >= 1, got {value}")

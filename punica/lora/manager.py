@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import os
 import time
 import weakref
 from collections import Counter, OrderedDict
@@ -44,6 +45,22 @@ from punica.lora.adapter import adapter_rank, adapter_uses_dora, read_adapter
 from punica.lora.names import check_adapter_name
 from punica.lora.pool import LoraPool
 from punica.lora.residency import AdapterCounters
+
+MIN_HOST_BYTES = 4 << 30   # the default host tier holds at least this much (~50 Llama-2-7B adapters of rank 16)
+HOST_MEMORY_SHARE = 4      # and takes at most 1 / this of the host's memory
+
+
+def host_tier_rows(capacity_bytes: int | None, slots: int, row_bytes: int) -> int:
+    """Adapters the host tier holds: as many as `capacity_bytes` fits, at least one. By default
+    (None) room for as many as the GPU has slots, and at least MIN_HOST_BYTES, within a
+    HOST_MEMORY_SHARE-th of the host's memory: the queue's adapters are read ahead into free rows,
+    so with fewer rows than slots, slots wait on reads that could have run ahead. An adapter on
+    every expert of a mixture-of-experts model takes 1.3 GB (rank 16, Qwen3-30B-A3B): 4 GiB
+    would hold 3."""
+    if capacity_bytes is None:
+        memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        capacity_bytes = min(max(MIN_HOST_BYTES, slots * row_bytes), memory // HOST_MEMORY_SHARE)
+    return max(1, capacity_bytes // row_bytes)
 
 
 def _cuda_check(error: int, call: str) -> None:
@@ -113,14 +130,14 @@ class _Copy:
 
 
 class AdapterManager:
-    def __init__(self, config: ModelConfig, pool: LoraPool, host_capacity_bytes: int, io_threads: int = 2,
+    def __init__(self, config: ModelConfig, pool: LoraPool, host_capacity_bytes: int | None, io_threads: int = 2,
                  adapter_dirs: tuple[str, ...] = ()):
         self.config, self.pool = config, pool
         self.adapter_dirs = adapter_dirs  # an adapter inside one reads only files inside it (read_adapter)
         self.dtype, self.device = pool.buffer.dtype, pool.buffer.device
         self.row_bytes = row_bytes = math.prod(pool.packed_shape) * pool.buffer.element_size()
-        self.arena = HostArena(max(1, host_capacity_bytes // row_bytes), pool.packed_shape, self.dtype,
-                               pin=self.device.type == "cuda")
+        rows = host_tier_rows(host_capacity_bytes, pool.max_loras, row_bytes)
+        self.arena = HostArena(rows, pool.packed_shape, self.dtype, pin=self.device.type == "cuda")
         self.registry: dict[str, Path] = {}                           # name -> directory
         self.current: dict[str, Registration] = {}                    # name -> its registration
         self._versions = itertools.count()

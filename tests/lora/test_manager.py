@@ -13,7 +13,7 @@ from punica.lora.adapter import AdapterError, load_adapter, read_adapter
 from punica.lora.batch import LoraBatch
 from punica.lora.dummy import save_random_adapter
 from punica.lora.layers import attach_pool
-from punica.lora.manager import AdapterManager
+from punica.lora.manager import MIN_HOST_BYTES, AdapterManager, host_tier_rows
 from punica.lora.pool import LoraPool
 from punica.models.forward_batch import ForwardBatch
 from punica.models.loader import load_hf_dir
@@ -108,6 +108,19 @@ def test_200_adapters_through_8_slots_each_request_gets_its_own(base, host_rows)
     for i in check:
         assert outs[ids[i]].token_ids == reference_greedy(reference, paths[names[i]], prompts[i], 3), names[i]
     assert engine.allocator.num_used == 0 and not engine.adapters.refs
+
+
+def test_the_default_host_tier_holds_every_gpu_slot_at_least_4_gib_within_a_quarter_of_memory(monkeypatch):
+    gib = 1 << 30
+    assert host_tier_rows(3 * gib, slots=36, row_bytes=gib) == 3           # as given, whatever the slots
+    assert host_tier_rows(gib // 2, slots=8, row_bytes=gib) == 1            # never none
+    pages = {"SC_PAGE_SIZE": 4096, "SC_PHYS_PAGES": (128 * gib) // 4096}   # a host of 128 GiB
+    monkeypatch.setattr("os.sysconf", pages.__getitem__)
+    assert host_tier_rows(None, slots=8, row_bytes=80 << 20) == MIN_HOST_BYTES // (80 << 20)  # 51 small adapters
+    assert host_tier_rows(None, slots=20, row_bytes=gib) == 20              # a row for every slot
+    assert host_tier_rows(None, slots=36, row_bytes=gib) == 32              # within 32 GiB
+    pages["SC_PHYS_PAGES"] = (8 * gib) // 4096                              # a host of 8 GiB: 2 GiB
+    assert host_tier_rows(None, slots=8, row_bytes=80 << 20) == (2 * gib) // (80 << 20)
 
 
 def manager_with(base, n, slots):
