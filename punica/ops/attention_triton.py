@@ -74,9 +74,12 @@ PREFILL_MIN_PARTITION = 512  # fewest keys a prefill partition covers
 # CUDA graphs' buckets of 512 tokens and more hold up to 64 prefills, so an eager step of up to 64
 # prompts (one long prompt past the largest bucket) runs a variant their capture compiled
 MIN_PREFILL_SLOTS = 64
-# bf16/fp16 tiles for head_dim <= 128, from the sweep of benchmarks/attention.py (docs/benchmarks.md)
-PREFILL_CONFIG = (128, 64, 8, 3)  # BLOCK_M, BLOCK_N, num_warps, num_stages
-DECODE_CONFIG = (64, 2, 3)        # BLOCK_N, num_warps, num_stages
+# bf16/fp16 tiles for head_dim <= 128, and those over an fp8 cache (widened to bf16/fp16), from the
+# sweeps of benchmarks/attention.py and benchmarks/fp8_kv_attention.py (docs/benchmarks.md)
+PREFILL_CONFIG = (64, 64, 4, 3)       # BLOCK_M, BLOCK_N, num_warps, num_stages
+FP8_PREFILL_CONFIG = (64, 128, 4, 2)
+DECODE_CONFIG = (64, 2, 3)            # BLOCK_N, num_warps, num_stages
+FP8_DECODE_CONFIG = (64, 2, 3)
 
 
 def _precision(dtype: torch.dtype) -> str:
@@ -84,24 +87,29 @@ def _precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
-def _prefill_blocks(head_dim: int, dtype: torch.dtype) -> tuple[int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, num_warps, num_stages). Small tiles under the interpreter, so that
-    small test shapes cross several query and key tiles, and for fp32 (whose full-precision
-    dot runs on CUDA cores and needs more registers; it spills some even so)."""
+def _prefill_blocks(head_dim: int, dtype: torch.dtype, fp8: bool = False) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages); `fp8`: over an fp8 cache, widened to `dtype`.
+    Small tiles under the interpreter, so that small test shapes cross several query and key
+    tiles, and for fp32 (whose full-precision dot runs on CUDA cores and needs more registers; it
+    spills some even so)."""
     if interpreting():
         return 32, 16, 4, 1
     if dtype == torch.float32:
         return 32, 32, 8, 2
-    return PREFILL_CONFIG if head_dim <= 128 else (64, 32, 8, 2)
+    if head_dim > 128:
+        return 64, 32, 8, 2
+    return FP8_PREFILL_CONFIG if fp8 else PREFILL_CONFIG
 
 
-def _decode_blocks(head_dim: int, dtype: torch.dtype) -> tuple[int, int, int]:
-    """(BLOCK_N, num_warps, num_stages)."""
+def _decode_blocks(head_dim: int, dtype: torch.dtype, fp8: bool = False) -> tuple[int, int, int]:
+    """(BLOCK_N, num_warps, num_stages); `fp8`: over an fp8 cache, widened to `dtype`."""
     if interpreting():
         return 16, 4, 1
     if dtype == torch.float32:
         return 16, 4, 2
-    return DECODE_CONFIG if head_dim <= 128 else (32, 4, 2)
+    if head_dim > 128:
+        return 32, 4, 2
+    return FP8_DECODE_CONFIG if fp8 else DECODE_CONFIG
 
 
 def decode_partition(num_decodes: int, num_kv_heads: int, max_context: int, block_n: int,
@@ -174,7 +182,7 @@ def paged_attention_triton(q: torch.Tensor, kv_layer: torch.Tensor, batch: AttnB
                   UPCAST=interpreting(), PRECISION=_precision(q.dtype), FP8=fp8)
     qk_scale = scale if softcap else scale * LOG2E  # a softcapped score goes to the log2 domain after the cap
     if num_prefills:
-        block_m, block_n, warps, stages = _prefill_blocks(head_dim, tile_dtype)
+        block_m, block_n, warps, stages = _prefill_blocks(head_dim, tile_dtype, fp8)
         num_prefill_tokens = num_tokens - num_decodes
         num_tiles = num_prefill_tokens // block_m + num_prefills
         max_context = batch.page_table.shape[1] * page_size
@@ -194,7 +202,7 @@ def paged_attention_triton(q: torch.Tensor, kv_layer: torch.Tensor, batch: AttnB
                 HEAD_DIM=head_dim, BLOCK_S=max(2, triton.next_power_of_2(splits)), num_warps=4,
             )
     if num_decodes:
-        block_n, warps, stages = _decode_blocks(head_dim, tile_dtype)
+        block_n, warps, stages = _decode_blocks(head_dim, tile_dtype, fp8)
         max_context = batch.page_table.shape[1] * page_size
         partition, splits = decode_partition(num_decodes, num_kv_heads, max_context, block_n, q.device,
                                              num_splits)
