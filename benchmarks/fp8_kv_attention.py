@@ -15,6 +15,7 @@ own cache first.
   bytes / copy bandwidth (bf16: 2 bytes an element; fp8: 1, plus 4 bytes of scale a row).
 * chunk: one prompt's chunk of 512 queries over 2,048 cached tokens (context 2,560), the prefill
   kernel.
+* decode's split count over the keys on both caches at batch 1 and 8 (few programs, few bytes each).
 * sweeps of the tiles on both caches: decode's (BLOCK_N, num_warps, num_stages) at batch 32 and 1,
   context 2,048; the prefill kernel's (BLOCK_M, BLOCK_N, num_warps, num_stages) on the chunk and
   on a fresh prompt of 2,048 tokens (punica.ops.attention_triton's DECODE_CONFIG, PREFILL_CONFIG and
@@ -41,6 +42,8 @@ from punica.ops.kv_cache import SCALE_BYTES, quantize_kv_ref
 DECODE_BATCHES = (1, 8, 32)
 DECODE_CONTEXTS = (512, 2048)
 CHUNK, CHUNK_CACHED = 512, 2048
+SPLITS = (1, 2, 4, 8, 16)
+SPLIT_POINTS = ((1, 2048), (8, 2048), (8, 512))  # (batch, context): decode bound by latency, not bytes
 # kind -> (module constants for bf16 and fp8 pages, configurations, points as (batch, queries each, context))
 SWEEPS = {
     "decode": (("DECODE_CONFIG", "FP8_DECODE_CONFIG"), ((64, 2, 3), (64, 4, 3), (128, 4, 3), (128, 4, 4)),
@@ -59,8 +62,9 @@ def caches(copies):
     return {"bf16": (kv, None), "fp8": (values, scales)}
 
 
-def run(copy, pages, scales):
-    return kernels.paged_attention_triton(copy.q, pages, copy.batch, copy.scale, kv_scales=scales)
+def run(copy, pages, scales, num_splits=None):
+    return kernels.paged_attention_triton(copy.q, pages, copy.batch, copy.scale, kv_scales=scales,
+                                          num_splits=num_splits)
 
 
 def max_error(copy, pages, scales) -> float:
@@ -110,11 +114,28 @@ def sweep(kind, l2, device, rng, gen) -> list[dict]:
     return rows
 
 
+def split_sweep(l2, device, rng, gen) -> list[dict]:
+    """Decode's split count over the keys (punica.ops.attention_triton.decode_partition) on both
+    caches, where few programs read few bytes each."""
+    rows = []
+    for num_requests, context in SPLIT_POINTS:
+        copies, _ = make_copies(num_requests, 1, context, 0, l2, device, rng, gen)
+        block_n = kernels._decode_blocks(HEAD_DIM, torch.bfloat16)[0]
+        default = kernels.decode_partition(num_requests, NUM_KV_HEADS, context, block_n, device)[1]
+        for cache, (pages, scales) in caches(copies).items():
+            row = dict(kind="splits", cache=cache, batch=num_requests, context=context, default_splits=default)
+            for splits in SPLITS:
+                row[f"splits{splits}_us"] = graph_us(copies, lambda c, p=pages, s=scales: run(c, p, s, splits))
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    return rows
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default="results/fp8_kv_attention")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--sweeps", nargs="*", choices=list(SWEEPS), default=list(SWEEPS),
+    parser.add_argument("--sweeps", nargs="*", choices=[*SWEEPS, "splits"], default=[*SWEEPS, "splits"],
                         help="the fp8 tile sweeps to run (none: --sweeps with no value)")
     args = parser.parse_args()
     out = Path(args.out)
@@ -128,12 +149,13 @@ def main():
     points = [point("decode", b, 1, c, 0, bandwidth, l2, device, rng, gen)
               for c in DECODE_CONTEXTS for b in DECODE_BATCHES]
     points.append(point("chunk", 1, CHUNK, CHUNK_CACHED + CHUNK, 1, bandwidth, l2, device, rng, gen))
-    tiles = [row for kind in args.sweeps for row in sweep(kind, l2, device, rng, gen)]
+    tiles = [row for kind in args.sweeps if kind in SWEEPS for row in sweep(kind, l2, device, rng, gen)]
+    splits = split_sweep(l2, device, rng, gen) if "splits" in args.sweeps else []
     result = dict(device=props.name, date=time.strftime("%Y-%m-%d"), torch=torch.__version__,
                   triton=triton.__version__, copy_bandwidth_Bps=bandwidth, l2_bytes=l2,
                   fp8_decode_config=list(kernels.FP8_DECODE_CONFIG),
                   fp8_prefill_config=list(kernels.FP8_PREFILL_CONFIG), seconds=time.time() - started,
-                  points=points, sweep=tiles)
+                  points=points, sweep=tiles, splits=splits)
     (out / "fp8_kv_attention.json").write_text(json.dumps(result, indent=1))
     print(f"\nus per call, CUDA-graph replay; 32/32 heads, head_dim 128, page 16 ({props.name})")
     print(f"{'kind':7} {'batch':>5} {'context':>7} {'bf16':>8} {'fp8':>8} {'bf16/fp8':>8} {'fp8 floor':>9} "
@@ -148,6 +170,10 @@ def main():
         print(f"{mark} {row['cache']:4} {row['kind']:6} {row['batch']:3} x {row['queries']:4} / {row['context']:5} "
               f"{str(row['config']):17} "
               + (f"{row['us']:8.1f} err {row['max_abs_err']:.1e}" if "us" in row else row["error"][:40]))
+    for row in splits:
+        times = "  ".join(f"{n}: {row[f'splits{n}_us']:6.1f}" for n in SPLITS)
+        print(f"  {row['cache']:4} decode {row['batch']:3} x {row['context']:5} splits "
+              f"(default {row['default_splits']}) {times}")
 
 
 if __name__ == "__main__":
