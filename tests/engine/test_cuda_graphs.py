@@ -150,7 +150,7 @@ def test_graph_engine_generates_what_eager_engine_does(setup, monkeypatch, greed
 
 @pytest.mark.cuda
 def test_graph_engine_applies_each_requests_lora_scale_as_the_eager_engine_does(setup, monkeypatch, make_engine,
-                                                                                 workload):
+                                                                                 workload, run_all, greedy):
     """Requests of one adapter at different lora_scales (0 among them) in graph-replayed steps give
     the eager engine's tokens; scale 0 gives the base model's."""
     replays = []
@@ -164,12 +164,17 @@ def test_graph_engine_applies_each_requests_lora_scale_as_the_eager_engine_does(
 
     monkeypatch.setattr(CudaGraphs, "run", spy)
     scales = [0.0, 0.5, 1.0, 1.7]
-    requests = [(prompt, adapter, max_tokens, scales[i % 4] if adapter else 1.0)
+    # the workload cycles base, a, b, c: each run of four takes the next scale, so every adapter
+    # runs at every scale
+    requests = [(prompt, adapter, max_tokens, scales[i // 4 % 4] if adapter else 1.0)
                 for i, (prompt, adapter, max_tokens) in enumerate(workload(16, seed=13))]
     requests += [(prompt, None, max_tokens, 1.0) for prompt, adapter, max_tokens, scale in requests if scale == 0]
     outputs = {}
     for eager in (True, False):
         engine = make_engine(setup, device="cuda", max_batch_size=8, kv_cache_tokens=4096, enforce_eager=eager)
+        # the adapters resident first: the batches' shapes then do not depend on when a load completes
+        run_all(engine, [([5, 6, 7], name, 1) for name in ("a", "b", "c")], greedy)
+        replays.clear()
         ids = [engine.add_request(p, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True, lora_scale=s), a)
                for p, a, n, s in requests]
         done = {}
@@ -178,5 +183,6 @@ def test_graph_engine_applies_each_requests_lora_scale_as_the_eager_engine_does(
         outputs[eager] = [done[i] for i in ids]
     assert outputs[False] == outputs[True]
     zero = [i for i, r in enumerate(requests) if r[3] == 0]
+    assert len(zero) == 3
     assert [outputs[False][i] for i in zero] == outputs[False][len(requests) - len(zero):]
     assert any(len(s) > 2 for s in replays), "a replayed step mixed several scales"
