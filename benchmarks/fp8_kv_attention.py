@@ -15,7 +15,7 @@ own cache first.
   bytes / copy bandwidth (bf16: 2 bytes an element; fp8: 1, plus 4 bytes of scale a row).
 * chunk: one prompt's chunk of 512 queries over 2,048 cached tokens (context 2,560), the prefill
   kernel.
-* decode's split count over the keys on both caches at batch 1 and 8 (few programs, few bytes each).
+* decode's split count over the keys on both caches at batch 1-16 (few programs, few bytes each).
 * sweeps of the tiles on both caches: decode's (BLOCK_N, num_warps, num_stages) at batch 32 and 1,
   context 2,048; the prefill kernel's (BLOCK_M, BLOCK_N, num_warps, num_stages) on the chunk and
   on a fresh prompt of 2,048 tokens (punica.ops.attention_triton's DECODE_CONFIG, PREFILL_CONFIG and
@@ -42,8 +42,9 @@ from punica.ops.kv_cache import SCALE_BYTES, quantize_kv_ref
 DECODE_BATCHES = (1, 8, 32)
 DECODE_CONTEXTS = (512, 2048)
 CHUNK, CHUNK_CACHED = 512, 2048
-SPLITS = (1, 2, 4, 8, 16)
-SPLIT_POINTS = ((1, 2048), (8, 2048), (8, 512))  # (batch, context): decode bound by latency, not bytes
+SPLITS = (1, 2, 3, 4, 6, 8, 16)
+# (batch, context): decode with few programs (batch x 32 KV heads x splits), bound by latency, not bytes
+SPLIT_POINTS = ((1, 2048), (4, 2048), (8, 2048), (16, 2048), (8, 512))
 # kind -> (module constants for bf16 and fp8 pages, configurations, points as (batch, queries each, context))
 SWEEPS = {
     "decode": (("DECODE_CONFIG", "FP8_DECODE_CONFIG"), ((64, 2, 3), (64, 4, 3), (128, 4, 3), (128, 4, 4)),
