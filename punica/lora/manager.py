@@ -48,18 +48,33 @@ from punica.lora.residency import AdapterCounters
 
 MIN_HOST_BYTES = 4 << 30   # the default host tier holds at least this much (~50 Llama-2-7B adapters of rank 16)
 HOST_MEMORY_SHARE = 4      # and takes at most 1 / this of the host's memory
+# a container's memory limit (cgroup v2, then v1): "max" or a huge number where there is none
+CGROUP_MEMORY_LIMITS = (Path("/sys/fs/cgroup/memory.max"), Path("/sys/fs/cgroup/memory/memory.limit_in_bytes"))
+
+
+def host_memory_bytes() -> int:
+    """The memory this process may use: the host's physical memory, or its container's limit where
+    lower."""
+    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    for path in CGROUP_MEMORY_LIMITS:
+        try:
+            limit = path.read_text().strip()
+        except OSError:
+            continue
+        if limit.isdigit():
+            memory = min(memory, int(limit))
+    return memory
 
 
 def host_tier_rows(capacity_bytes: int | None, slots: int, row_bytes: int) -> int:
     """Adapters the host tier holds: as many as `capacity_bytes` fits, at least one. By default
     (None) room for as many as the GPU has slots, and at least MIN_HOST_BYTES, within a
-    HOST_MEMORY_SHARE-th of the host's memory: the queue's adapters are read ahead into free rows,
+    HOST_MEMORY_SHARE-th of the host's memory (host_memory_bytes): the queue's adapters are read ahead into free rows,
     so with fewer rows than slots, slots wait on reads that could have run ahead. An adapter on
     every expert of a mixture-of-experts model takes 1.3 GB (rank 16, Qwen3-30B-A3B): 4 GiB
     would hold 3."""
     if capacity_bytes is None:
-        memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-        capacity_bytes = min(max(MIN_HOST_BYTES, slots * row_bytes), memory // HOST_MEMORY_SHARE)
+        capacity_bytes = min(max(MIN_HOST_BYTES, slots * row_bytes), host_memory_bytes() // HOST_MEMORY_SHARE)
     return max(1, capacity_bytes // row_bytes)
 
 

@@ -6,6 +6,7 @@ import random
 import pytest
 import torch
 
+import punica.lora.manager as manager_module
 from punica.config import EngineConfig
 from punica.engine.sampling_params import SamplingParams
 from punica.factory import engine_on_model
@@ -110,8 +111,9 @@ def test_200_adapters_through_8_slots_each_request_gets_its_own(base, host_rows)
     assert engine.allocator.num_used == 0 and not engine.adapters.refs
 
 
-def test_the_default_host_tier_holds_every_gpu_slot_at_least_4_gib_within_a_quarter_of_memory(monkeypatch):
+def test_the_default_host_tier_holds_every_gpu_slot_at_least_4_gib_within_a_quarter_of_memory(monkeypatch, tmp_path):
     gib = 1 << 30
+    monkeypatch.setattr(manager_module, "CGROUP_MEMORY_LIMITS", (tmp_path / "memory.max",))
     assert host_tier_rows(3 * gib, slots=36, row_bytes=gib) == 3           # as given, whatever the slots
     assert host_tier_rows(gib // 2, slots=8, row_bytes=gib) == 1            # never none
     pages = {"SC_PAGE_SIZE": 4096, "SC_PHYS_PAGES": (128 * gib) // 4096}   # a host of 128 GiB
@@ -121,6 +123,11 @@ def test_the_default_host_tier_holds_every_gpu_slot_at_least_4_gib_within_a_quar
     assert host_tier_rows(None, slots=36, row_bytes=gib) == 32              # within 32 GiB
     pages["SC_PHYS_PAGES"] = (8 * gib) // 4096                              # a host of 8 GiB: 2 GiB
     assert host_tier_rows(None, slots=8, row_bytes=80 << 20) == (2 * gib) // (80 << 20)
+    pages["SC_PHYS_PAGES"] = (128 * gib) // 4096
+    (tmp_path / "memory.max").write_text("max\n")                          # a container without a limit
+    assert host_tier_rows(None, slots=36, row_bytes=gib) == 32
+    (tmp_path / "memory.max").write_text(f"{16 * gib}\n")                   # a container of 16 GiB: 4 GiB
+    assert host_tier_rows(None, slots=36, row_bytes=gib) == 4
 
 
 def manager_with(base, n, slots):
