@@ -34,7 +34,7 @@ import torch
 import triton
 
 from benchmarks.attention import HEAD_DIM, NUM_KV_HEADS, graph_us, make_copies
-from benchmarks.common import copy_bandwidth
+from benchmarks.common import copy_bandwidth, save_figure, style_axes
 from punica.ops import attention_triton as kernels
 from punica.ops.attention import paged_attention_ref
 from punica.ops.kv_cache import SCALE_BYTES, quantize_kv_ref
@@ -132,6 +132,26 @@ def split_sweep(l2, device, rng, gen) -> list[dict]:
     return rows
 
 
+def plot(result: dict, path: Path) -> None:
+    """Decode us against batch on both caches with the fp8 floor, one panel per context."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    decodes = [p for p in result["points"] if p["kind"] == "decode"]
+    contexts = sorted({p["context"] for p in decodes})
+    fig, axes = plt.subplots(1, len(contexts), figsize=(4.5 * len(contexts), 3.4))
+    for ax, context in zip(axes, contexts):
+        rows = sorted((p for p in decodes if p["context"] == context), key=lambda p: p["batch"])
+        batches = [p["batch"] for p in rows]
+        for key, label, style in (("bf16_us", "bf16 pages", "o-"), ("fp8_us", "fp8 pages", "s-"),
+                                  ("fp8_floor_us", "fp8 floor", "k--")):
+            ax.plot(batches, [p[key] for p in rows], style, label=label)
+        style_axes(ax, f"decode, context {context}", "batch", "us per call", log_y=True)
+        ax.legend(fontsize=7)
+    save_figure(fig, path, f"paged attention on an fp8 KV cache ({result['device']})")
+    plt.close(fig)
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default="results/fp8_kv_attention")
@@ -158,6 +178,7 @@ def main():
                   fp8_prefill_config=list(kernels.FP8_PREFILL_CONFIG), seconds=time.time() - started,
                   points=points, sweep=tiles, splits=splits)
     (out / "fp8_kv_attention.json").write_text(json.dumps(result, indent=1))
+    plot(result, out / "fp8_kv_attention.png")
     print(f"\nus per call, CUDA-graph replay; 32/32 heads, head_dim 128, page 16 ({props.name})")
     print(f"{'kind':7} {'batch':>5} {'context':>7} {'bf16':>8} {'fp8':>8} {'bf16/fp8':>8} {'fp8 floor':>9} "
           f"{'fp8/floor':>9}")
