@@ -20,6 +20,8 @@ own cache first.
   context 2,048; the prefill kernel's (BLOCK_M, BLOCK_N, num_warps, num_stages) on the chunk and
   on a fresh prompt of 2,048 tokens (punica.ops.attention_triton's DECODE_CONFIG, PREFILL_CONFIG and
   their FP8_ twins are the defaults).
+
+Writes fp8_kv_attention.json and fp8_kv_attention.png (decode on both caches) under --out.
 """
 
 from __future__ import annotations
