@@ -283,7 +283,8 @@ class EngineConfig:
                                        "start); adapters of lower rank are zero-padded")
     lora_host_bytes: int | None = described(
         None, "host tier for adapters read from disk, in bytes, page-locked at start on CUDA (default: room for as "
-              "many adapters as the GPU has slots, and at least 4 GiB, within a quarter of the host's memory)")
+              "many adapters as the GPU has slots, and at least 4 GiB, within a quarter of the host's memory "
+              "shared by its GPUs)")
     enforce_eager: bool = described(False, "CUDA: run every step eagerly, not as captured CUDA graphs")
     overlap_steps: bool | None = described(
         None, "schedule step t+1 before step t's tokens reach the host (default: on a GPU, which computes a step "

@@ -50,6 +50,7 @@ MIN_HOST_BYTES = 4 << 30   # the default host tier holds at least this much (~50
 HOST_MEMORY_SHARE = 4      # and takes at most 1 / this of the host's memory
 # a container's memory limit (cgroup v2, then v1): "max" or a huge number where there is none
 CGROUP_MEMORY_LIMITS = (Path("/sys/fs/cgroup/memory.max"), Path("/sys/fs/cgroup/memory/memory.limit_in_bytes"))
+NVIDIA_GPUS = Path("/proc/driver/nvidia/gpus")  # an entry per GPU of the host, whatever CUDA_VISIBLE_DEVICES says
 
 
 def host_memory_bytes() -> int:
@@ -66,15 +67,25 @@ def host_memory_bytes() -> int:
     return memory
 
 
+def gpus_on_host() -> int:
+    """The host's NVIDIA GPUs, at least 1: the engines of one host (a Ray worker a GPU) share its
+    memory."""
+    try:
+        return max(1, sum(1 for _ in NVIDIA_GPUS.iterdir()))
+    except OSError:
+        return 1
+
+
 def host_tier_rows(capacity_bytes: int | None, slots: int, row_bytes: int) -> int:
     """Adapters the host tier holds: as many as `capacity_bytes` fits, at least one. By default
-    (None) room for as many as the GPU has slots, and at least MIN_HOST_BYTES, within a
-    HOST_MEMORY_SHARE-th of the host's memory (host_memory_bytes): the queue's adapters are read ahead into free rows,
-    so with fewer rows than slots, slots wait on reads that could have run ahead. An adapter on
-    every expert of a mixture-of-experts model takes 1.3 GB (rank 16, Qwen3-30B-A3B): 4 GiB
-    would hold 3."""
+    (None) room for as many as the GPU has slots, and at least MIN_HOST_BYTES, within this GPU's
+    part (gpus_on_host) of a HOST_MEMORY_SHARE-th of the host's memory (host_memory_bytes). The
+    queue's adapters are read ahead into free rows, so with fewer rows than slots, slots wait on
+    reads that could have run ahead. An adapter on every expert of a mixture-of-experts model
+    takes 1.3 GB (rank 16, Qwen3-30B-A3B): 4 GiB would hold 3."""
     if capacity_bytes is None:
-        capacity_bytes = min(max(MIN_HOST_BYTES, slots * row_bytes), host_memory_bytes() // HOST_MEMORY_SHARE)
+        share = host_memory_bytes() // (HOST_MEMORY_SHARE * gpus_on_host())
+        capacity_bytes = min(max(MIN_HOST_BYTES, slots * row_bytes), share)
     return max(1, capacity_bytes // row_bytes)
 
 
