@@ -32,7 +32,7 @@ from punica.engine.sampling_params import SamplingParams
 from punica.factory import engine_on_model
 from punica.lora.adapter import read_adapter
 from punica.lora.dummy import save_random_adapter
-from punica.lora.manager import HostArena
+from punica.lora.host_arena import HostArena
 from punica.lora.pool import LoraPool
 from punica.models.loader import dummy_model
 

@@ -6,7 +6,6 @@ import random
 import pytest
 import torch
 
-import punica.lora.manager as manager_module
 from punica.config import EngineConfig
 from punica.engine.sampling_params import SamplingParams
 from punica.factory import engine_on_model
@@ -14,7 +13,7 @@ from punica.lora.adapter import AdapterError, load_adapter, read_adapter
 from punica.lora.batch import LoraBatch
 from punica.lora.dummy import save_random_adapter
 from punica.lora.layers import attach_pool
-from punica.lora.manager import MIN_HOST_BYTES, AdapterManager, host_tier_rows
+from punica.lora.manager import AdapterManager
 from punica.lora.pool import LoraPool
 from punica.models.forward_batch import ForwardBatch
 from punica.models.loader import load_hf_dir
@@ -109,30 +108,6 @@ def test_200_adapters_through_8_slots_each_request_gets_its_own(base, host_rows)
     for i in check:
         assert outs[ids[i]].token_ids == reference_greedy(reference, paths[names[i]], prompts[i], 3), names[i]
     assert engine.allocator.num_used == 0 and not engine.adapters.refs
-
-
-def test_the_default_host_tier_holds_every_gpu_slot_at_least_4_gib_within_a_quarter_of_memory(monkeypatch, tmp_path):
-    gib = 1 << 30
-    monkeypatch.setattr(manager_module, "CGROUP_MEMORY_LIMITS", (tmp_path / "memory.max",))
-    monkeypatch.setattr(manager_module, "NVIDIA_GPUS", tmp_path / "gpus")  # none: a CPU host
-    assert host_tier_rows(3 * gib, slots=36, row_bytes=gib) == 3           # as given, whatever the slots
-    assert host_tier_rows(gib // 2, slots=8, row_bytes=gib) == 1            # never none
-    pages = {"SC_PAGE_SIZE": 4096, "SC_PHYS_PAGES": (128 * gib) // 4096}   # a host of 128 GiB
-    monkeypatch.setattr("os.sysconf", pages.__getitem__)
-    assert host_tier_rows(None, slots=8, row_bytes=80 << 20) == MIN_HOST_BYTES // (80 << 20)  # 51 small adapters
-    assert host_tier_rows(None, slots=20, row_bytes=gib) == 20              # a row for every slot
-    assert host_tier_rows(None, slots=36, row_bytes=gib) == 32              # within 32 GiB
-    pages["SC_PHYS_PAGES"] = (8 * gib) // 4096                              # a host of 8 GiB: 2 GiB
-    assert host_tier_rows(None, slots=8, row_bytes=80 << 20) == (2 * gib) // (80 << 20)
-    pages["SC_PHYS_PAGES"] = (128 * gib) // 4096
-    (tmp_path / "memory.max").write_text("max\n")                          # a container without a limit
-    assert host_tier_rows(None, slots=36, row_bytes=gib) == 32
-    (tmp_path / "memory.max").write_text(f"{16 * gib}\n")                   # a container of 16 GiB: 4 GiB
-    assert host_tier_rows(None, slots=36, row_bytes=gib) == 4
-    (tmp_path / "memory.max").write_text("max\n")
-    for gpu in range(8):                                                    # 8 GPUs share the 32 GiB
-        (tmp_path / "gpus" / f"0000:0{gpu}:00.0").mkdir(parents=True)
-    assert host_tier_rows(None, slots=36, row_bytes=gib) == 4
 
 
 def manager_with(base, n, slots):
