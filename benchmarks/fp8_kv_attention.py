@@ -35,11 +35,11 @@ from pathlib import Path
 import torch
 import triton
 
-from benchmarks.attention import HEAD_DIM, NUM_KV_HEADS, graph_us, make_copies
+from benchmarks.attention import DTYPE, HEAD_DIM, NUM_KV_HEADS, graph_us, make_copies
 from benchmarks.common import copy_bandwidth, save_figure, style_axes
 from punica.ops import attention_triton as kernels
 from punica.ops.attention import paged_attention_ref
-from punica.ops.kv_cache import SCALE_BYTES, quantize_kv_ref
+from punica.ops.kv_cache import kv_bytes_per_token, quantize_kv_ref
 
 DECODE_BATCHES = (1, 8, 32)
 DECODE_CONTEXTS = (512, 2048)
@@ -75,11 +75,6 @@ def max_error(copy, pages, scales) -> float:
     return (run(copy, pages, scales).float() - ref).abs().max().item()
 
 
-def cache_bytes(num_requests: int, context: int, kind: str) -> int:
-    rows = num_requests * context * 2 * NUM_KV_HEADS
-    return rows * (HEAD_DIM + SCALE_BYTES if kind == "fp8" else 2 * HEAD_DIM)
-
-
 def point(label, num_requests, query_len, context, num_prefills, bandwidth, l2, device, rng, gen) -> dict:
     copies, _ = make_copies(num_requests, query_len, context, num_prefills, l2, device, rng, gen)
     row = dict(kind=label, batch=num_requests, context=context, copies=len(copies))
@@ -87,7 +82,8 @@ def point(label, num_requests, query_len, context, num_prefills, bandwidth, l2, 
         row[f"{kind}_max_abs_err"] = max_error(copies[0], pages, scales)
         row[f"{kind}_us"] = graph_us(copies, lambda c, p=pages, s=scales: run(c, p, s))
         if label == "decode":
-            row[f"{kind}_floor_us"] = cache_bytes(num_requests, context, kind) / bandwidth * 1e6
+            per_token = kv_bytes_per_token(1, NUM_KV_HEADS, HEAD_DIM, DTYPE, "fp8" if kind == "fp8" else "auto")
+            row[f"{kind}_floor_us"] = num_requests * context * per_token / bandwidth * 1e6
     row["bf16_over_fp8"] = row["bf16_us"] / row["fp8_us"]
     print(json.dumps(row), flush=True)
     return row
@@ -123,9 +119,9 @@ def split_sweep(l2, device, rng, gen) -> list[dict]:
     rows = []
     for num_requests, context in SPLIT_POINTS:
         copies, _ = make_copies(num_requests, 1, context, 0, l2, device, rng, gen)
-        block_n = kernels._decode_blocks(HEAD_DIM, torch.bfloat16)[0]
-        default = kernels.decode_partition(num_requests, NUM_KV_HEADS, context, block_n, device)[1]
         for cache, (pages, scales) in caches(copies).items():
+            block_n = kernels._decode_blocks(HEAD_DIM, DTYPE, cache == "fp8")[0]
+            default = kernels.decode_partition(num_requests, NUM_KV_HEADS, context, block_n, device)[1]
             row = dict(kind="splits", cache=cache, batch=num_requests, context=context, default_splits=default)
             for splits in SPLITS:
                 row[f"splits{splits}_us"] = graph_us(copies, lambda c, p=pages, s=scales: run(c, p, s, splits))
