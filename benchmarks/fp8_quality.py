@@ -41,7 +41,8 @@ from punica.config import KV_CACHE_DTYPES, QUANTIZATIONS, EngineConfig
 from punica.demo import demo_adapters
 from punica.engine.sampling_params import SamplingParams
 from punica.factory import engine_on_model, load_tokenizer
-from punica.lora.adapter import adapter_rank, load_adapter
+from punica.lora.adapter import load_adapter
+from punica.lora.adapter_config import adapter_rank
 from punica.lora.batch import LoraBatch
 from punica.lora.layers import attach_pool
 from punica.lora.pool import LoraPool

@@ -19,7 +19,7 @@ from punica.demo import demo_adapters
 from punica.engine.engine import Engine
 from punica.engine.executor import Executor, LocalExecutor
 from punica.engine.worker import ModelWorker, kv_cache_pages
-from punica.lora.adapter import adapter_rank
+from punica.lora.adapter_config import adapter_rank
 from punica.models.decoder import DecoderForCausalLM
 from punica.models.loader import DummyWeights, default_dtype, load_weights, resolve_model_dir
 from punica.parallel.executor import start_tensor_parallel

@@ -19,20 +19,19 @@ parameters (`target_parameters`), read by punica.lora.adapter_experts.
 Only targeted projections are keys; layers the adapter does not touch are zeros. Phi-3's fused
 modules (qkv_proj, gate_up_proj), in checkpoints and adapters of models with `fused_projections`,
 split exactly: one lora_A shared by q, k and v (gate and up), lora_B split by output rows, so
-each part is a LoRA of the same rank and scale on its projection. Anything the
-canonical layout cannot express exactly is rejected with an AdapterError, never dropped; so is
-an adapter that could overflow the activations of its requests (a non-finite value, a scale
-over MAX_LORA_SCALE, a layer's delta with a gain over punica.lora.gains.MAX_LORA_GAIN, a DoRA
-magnitude over it).
+each part is a LoRA of the same rank and scale on its projection. Anything the canonical layout
+cannot express exactly is rejected with an AdapterError (punica.lora.adapter_config, which reads
+and checks adapter_config.json), never dropped; so is an adapter that could overflow the
+activations of its requests (a non-finite value, a scale over MAX_LORA_SCALE, a layer's delta
+with a gain over punica.lora.gains.MAX_LORA_GAIN, a DoRA magnitude over it).
 What can be refused from adapter_config.json and the safetensors header is refused before any
 tensor is read (punica.lora.adapter_files, which also keeps the reads inside --adapter-dir).
 """
 
 from __future__ import annotations
 
-import math
 import re
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -41,8 +40,9 @@ import torch
 
 from punica.config import ModelConfig
 from punica.lora.adapter_checks import check_shape, finite
+from punica.lora.adapter_config import Fail, adapter_fail, check_config, read_config
 from punica.lora.adapter_experts import expert_tensors, read_experts
-from punica.lora.adapter_files import WeightsFile, confining_dirs, read_json
+from punica.lora.adapter_files import WeightsFile, confining_dirs
 from punica.lora.gains import MAX_LORA_GAIN, lora_gain
 
 PROJECTIONS = ("q", "k", "v", "o", "gate", "up", "down")
@@ -64,32 +64,6 @@ TENSOR_NAME = re.compile(
     r"^(?:base_model\.model\.)?(?:model\.)?layers\.(\d+)\.(\w+\.\w+)\."
     r"(?:lora_([AB])(?:\.[^.]+)?\.weight|lora_(magnitude)_vector(?:\.[^.]+)?(?:\.weight)?)$"
 )
-# config options that change the math in ways the canonical layout cannot express
-UNSUPPORTED_OPTIONS = {
-    "lora_bias": "a bias on lora_B (lora_bias)",
-    "use_qalora": "QA-LoRA (use_qalora)",
-    "alora_invocation_tokens": "activated LoRA (alora_invocation_tokens)",
-    "layer_replication": "layer_replication",
-    "trainable_token_indices": "trainable token embeddings (trainable_token_indices)",
-    "modules_to_save": "modules_to_save (fully trained copies of base modules)",
-    "rank_pattern": "rank_pattern (per-module ranks)",
-    "alpha_pattern": "alpha_pattern (per-module lora_alpha)",
-}
-
-
-# |lora_alpha / r| (or / sqrt(r)): float32 (the pool's scales) holds it with room to spare; real
-# adapters use ~0.1-100, so a larger scale means a broken config (e.g. lora_alpha 1e300).
-MAX_LORA_SCALE = 1e6
-MAX_CONFIG_BYTES = 1 << 20  # adapter_config.json: PEFT writes about 1 kB
-
-
-class AdapterError(ValueError):
-    """An adapter directory that cannot be served; the message names the path and the problem."""
-
-
-Fail = Callable[[str], AdapterError]  # builds the error for one adapter from a problem description
-
-
 @dataclass(frozen=True)
 class LoraAdapter:
     name: str
@@ -201,13 +175,10 @@ def read_adapter(path: str | Path, config: ModelConfig, name: str | None = None,
     `max_rank` is refused from adapter_config.json, and tensor names, shapes and dtypes from the
     safetensors header, before any tensor is read."""
     path = Path(path)
-
-    def fail(problem: str) -> AdapterError:
-        return AdapterError(f"LoRA adapter {path}: {problem}")
-
+    fail = adapter_fail(path)
     dirs = confining_dirs(path, adapter_dirs)
-    cfg = _read_config(path, fail, dirs)
-    rank, scale = _check_config(cfg, fail)
+    cfg = read_config(path, fail, dirs)
+    rank, scale = check_config(cfg, fail)
     if max_rank is not None and rank > max_rank:
         raise fail(f"its rank {rank} is over this engine's max_lora_rank {max_rank} (start it with "
                    f"--max-lora-rank >= {rank})")
@@ -289,26 +260,6 @@ def _check_layout(pairs: dict[tuple[str, int], dict[str, str]], shapes: dict[str
     return layout
 
 
-def adapter_rank(path: str | Path, adapter_dirs: Iterable[str | Path] = ()) -> int:
-    """The rank an adapter directory declares, from its config alone (no weights read; as
-    `read_adapter` reads it, inside `adapter_dirs`)."""
-    return _check_config(*_config_of(path, adapter_dirs))[0]
-
-
-def adapter_uses_dora(path: str | Path, adapter_dirs: Iterable[str | Path] = ()) -> bool:
-    """Whether an adapter directory's config sets use_dora (after `adapter_rank` has checked it)."""
-    return bool(_config_of(path, adapter_dirs)[0].get("use_dora"))
-
-
-def _config_of(path: str | Path, adapter_dirs: Iterable[str | Path]) -> tuple[dict[str, Any], Fail]:
-    path = Path(path)
-
-    def fail(problem: str) -> AdapterError:
-        return AdapterError(f"LoRA adapter {path}: {problem}")
-
-    return _read_config(path, fail, confining_dirs(path, adapter_dirs)), fail
-
-
 def _pair_tensors(shapes: dict[str, Any], num_layers: int, layers_to_transform: int | list[int] | None,
                   dora: bool, fail: Fail) -> dict[tuple[str, int], dict[str, str]]:
     """(projection, layer) -> {"A": name, "B": name} and, with DoRA, "magnitude": name, for the
@@ -348,56 +299,6 @@ def _pair_tensors(shapes: dict[str, Any], num_layers: int, layers_to_transform: 
 
 def _label(side: str) -> str:
     return "lora_magnitude_vector" if side == "magnitude" else f"lora_{side}"
-
-
-def _read_config(path: Path, fail: Fail, dirs: tuple[Path, ...]) -> dict[str, Any]:
-    if not path.is_dir():
-        raise fail("directory not found")
-    config_file = path / "adapter_config.json"
-    if not config_file.is_file():
-        raise fail("no adapter_config.json")
-    try:
-        cfg = read_json(config_file, dirs, MAX_CONFIG_BYTES, fail)
-    except OSError as e:
-        raise fail(f"adapter_config.json is unreadable: {e}") from e
-    if not isinstance(cfg, dict):
-        raise fail("adapter_config.json is not a JSON object")
-    return cfg
-
-
-def _check_config(cfg: dict[str, Any], fail: Fail) -> tuple[int, float]:
-    """Reject what the canonical layout cannot express; return (rank, scale)."""
-    if cfg.get("peft_type") != "LORA":
-        raise fail(f"peft_type {cfg.get('peft_type')!r} is not supported (only LORA)")
-    for option, what in UNSUPPORTED_OPTIONS.items():
-        if cfg.get(option):
-            raise fail(f"{what} is not supported (adapter_config.json: {option}={cfg[option]!r})")
-    if cfg.get("bias", "none") != "none":
-        raise fail(f"bias={cfg['bias']!r} is not supported (only 'none')")
-    targets = cfg.get("target_modules") or []
-    for module in ("embed_tokens", "lm_head"):
-        if module in (targets if isinstance(targets, str) else " ".join(targets)):
-            raise fail(f"LoRA on {module} is not supported (target_modules={targets!r})")
-    rank, alpha = cfg.get("r", 8), cfg.get("lora_alpha", 8)
-    if isinstance(rank, bool) or not isinstance(rank, int) or rank <= 0:
-        raise fail(f"r={rank!r} must be a positive integer")
-    # json reads NaN and Infinity, and integers of any size (which float() cannot always convert)
-    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not _is_finite(alpha):
-        raise fail(f"lora_alpha={alpha!r:.40} must be a finite number")
-    rslora = bool(cfg.get("use_rslora"))
-    scale = float(alpha) / (math.sqrt(rank) if rslora else rank)
-    if not abs(scale) <= MAX_LORA_SCALE:
-        divisor = ("sqrt(r)", f"sqrt({rank})") if rslora else ("r", rank)
-        raise fail(f"the scale lora_alpha / {divisor[0]} = {alpha:g} / {divisor[1]} = {scale:.3g} is over the "
-                   f"limit of {MAX_LORA_SCALE:g}")
-    return rank, scale
-
-
-def _is_finite(value: float) -> bool:
-    try:
-        return math.isfinite(value)
-    except OverflowError:  # an int beyond float's range
-        return False
 
 
 def _max_weights_bytes(config: ModelConfig, rank: int) -> int:

@@ -39,7 +39,8 @@ from pathlib import Path
 import torch
 
 from punica.config import ModelConfig
-from punica.lora.adapter import adapter_rank, adapter_uses_dora, read_adapter
+from punica.lora.adapter import read_adapter
+from punica.lora.adapter_config import adapter_rank, adapter_uses_dora
 from punica.lora.host_arena import HostArena, host_tier_rows
 from punica.lora.names import check_adapter_name
 from punica.lora.pool import LoraPool

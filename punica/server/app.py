@@ -17,7 +17,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from punica.engine.tenancy import TenantLimitError
-from punica.lora.adapter import AdapterError
+from punica.lora.adapter_config import AdapterError
 from punica.server.adapter_paths import resolved_inside, top_folder
 from punica.server.args import DEFAULT_MAX_REQUEST_BYTES
 from punica.server.backend import Backend

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from punica.config import EngineArgs
 from punica.factory import build_engine, load_tokenizer, model_source, resolve_device, startup_adapters
-from punica.lora.adapter import adapter_rank
+from punica.lora.adapter_config import adapter_rank
 from punica.lora.names import check_adapter_name
 from punica.server.adapter_paths import resolved_inside
 from punica.server.app import ServerState, build_app

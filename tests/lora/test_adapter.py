@@ -9,7 +9,8 @@ from safetensors.torch import load_file, save_file
 
 from punica.config import ModelConfig
 from punica.demo import demo_adapters
-from punica.lora.adapter import PROJECTIONS, UNSUPPORTED_OPTIONS, AdapterError, load_adapter, read_adapter
+from punica.lora.adapter import PROJECTIONS, load_adapter, read_adapter
+from punica.lora.adapter_config import UNSUPPORTED_OPTIONS, AdapterError
 from punica.lora.dummy import save_random_adapter
 from punica.lora.gains import MAX_LORA_GAIN, first_gain_over_limit, lora_gain, lora_gains
 from punica.lora.names import check_adapter_name

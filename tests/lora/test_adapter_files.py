@@ -11,7 +11,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from punica.lora.adapter import AdapterError, adapter_rank, read_adapter
+from punica.lora.adapter import read_adapter
+from punica.lora.adapter_config import AdapterError, adapter_rank
 from punica.lora.adapter_files import WeightsFile, open_confined
 from punica.lora.dummy import save_random_adapter
 from punica.lora.gains import MAX_LORA_GAIN

@@ -9,7 +9,8 @@ import torch
 from punica.config import EngineConfig
 from punica.engine.sampling_params import SamplingParams
 from punica.factory import engine_on_model
-from punica.lora.adapter import AdapterError, load_adapter, read_adapter
+from punica.lora.adapter import load_adapter, read_adapter
+from punica.lora.adapter_config import AdapterError
 from punica.lora.batch import LoraBatch
 from punica.lora.dummy import save_random_adapter
 from punica.lora.layers import attach_pool

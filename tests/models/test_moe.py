@@ -16,7 +16,8 @@ from safetensors.torch import load_file, save_file
 from punica.config import EngineConfig, ModelConfig, preset_config
 from punica.factory import engine_on_model
 from punica.families import UnsupportedModel
-from punica.lora.adapter import AdapterError, load_adapter
+from punica.lora.adapter import load_adapter
+from punica.lora.adapter_config import AdapterError
 from punica.lora.dummy import save_random_adapter
 from punica.lora.gains import MAX_LORA_GAIN, lora_gain
 from punica.lora.pool import LoraPool
