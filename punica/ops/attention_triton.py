@@ -14,8 +14,8 @@
   `num_splits` partitions of whole key tiles; one program per (decode request, KV head,
   partition) attends all query heads of its KV head, so K and V are read once per group, and
   writes an unnormalised partial output with its running max and sum. A second kernel merges
-  each request's partitions. The split count depends on shapes only: enough programs to fill
-  the SMs, partitions of at least MIN_PARTITION tokens and at most MAX_PARTITION (in at most
+  each request's partitions. The split count depends on shapes only: as many programs as one
+  wave over the SMs holds, partitions of at least MIN_PARTITION tokens and at most MAX_PARTITION (in at most
   MAX_SPLITS), so that one long context is read by many programs even in a batch whose short
   ones fill the SMs (read by one program a KV head, a 16k context made a 7B decode step of 32
   requests take 24 ms against 6.5 on the H200). A request whose context one partition holds
@@ -116,14 +116,17 @@ def decode_partition(num_decodes: int, num_kv_heads: int, max_context: int, bloc
                      device: torch.device, num_splits: int | None = None) -> tuple[int, int]:
     """(partition_size, num_splits) for decode over contexts up to max_context tokens.
 
-    By default: split until num_decodes * num_kv_heads * splits reaches DECODE_PROGRAMS_PER_SM
-    programs per SM, keeping partitions of at least MIN_PARTITION tokens, and whatever the batch
-    into partitions of at most MAX_PARTITION tokens, in at most MAX_SPLITS; partitions are whole
-    key tiles. A split costs the programs of every request, most of which exit (contexts shorter
-    than the bound): ~0.6 us per 1,024 programs on the H200.
+    By default: the most splits whose num_decodes * num_kv_heads * splits programs stay within one
+    wave of DECODE_PROGRAMS_PER_SM per SM, keeping partitions of at least MIN_PARTITION tokens, and
+    whatever the batch into partitions of at most MAX_PARTITION tokens, in at most MAX_SPLITS;
+    partitions are whole key tiles. A split costs the programs of every request, most of which exit
+    (contexts shorter than the bound): ~0.6 us per 1,024 programs on the H200. A split that starts
+    a second wave costs more than it saves: on the H100 at context 2,048, batch 8 on fp8 pages took
+    93 us with 3 splits (768 programs past the 528 of one wave) against 78 with 2, and batch 16 on
+    bf16 pages 200 us with 2 against 193 with 1.
     """
     if num_splits is None:
-        wanted = triton.cdiv(DECODE_PROGRAMS_PER_SM * num_sms(device), num_decodes * num_kv_heads)
+        wanted = DECODE_PROGRAMS_PER_SM * num_sms(device) // (num_decodes * num_kv_heads)
         num_splits = max(1, min(wanted, max_context // MIN_PARTITION),
                          min(MAX_SPLITS, triton.cdiv(max_context, MAX_PARTITION)))
     partition = triton.cdiv(triton.cdiv(max_context, num_splits), block_n) * block_n

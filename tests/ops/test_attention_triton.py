@@ -155,20 +155,25 @@ def test_sliding_window_reference_sees_only_the_window():
 
 
 def test_decode_partition_policy():
-    """Splits until the programs fill the SMs, never below MIN_PARTITION tokens, and into partitions
-    of at most MAX_PARTITION tokens up to MAX_SPLITS of them; partitions are whole key tiles and
-    cover the context bound."""
-    sms = num_sms(torch.device(DEVICE))
-    for num_decodes, num_kv_heads, max_context in [(1, 1, 4096), (1, 8, 512), (64, 32, 4096), (2, 2, 100)]:
+    """The most splits whose programs stay within one wave over the SMs, never below MIN_PARTITION
+    tokens, and into partitions of at most MAX_PARTITION tokens up to MAX_SPLITS of them; partitions
+    are whole key tiles and cover the context bound."""
+    wave = kernels.DECODE_PROGRAMS_PER_SM * num_sms(torch.device(DEVICE))
+    for num_decodes, num_kv_heads, max_context in [(1, 1, 4096), (1, 8, 512), (64, 32, 4096), (2, 2, 100),
+                                                   (3, 1, 4096)]:
         partition, splits = kernels.decode_partition(num_decodes, num_kv_heads, max_context, 64,
                                                      torch.device(DEVICE))
         assert partition % 64 == 0 and (splits - 1) * partition < max_context <= splits * partition
         assert splits == 1 or partition >= kernels.MIN_PARTITION
         assert partition <= kernels.MAX_PARTITION or splits == kernels.MAX_SPLITS
-        programs = num_decodes * num_kv_heads * splits
-        assert programs >= kernels.DECODE_PROGRAMS_PER_SM * sms or splits >= max_context // kernels.MIN_PARTITION
+        per_split = num_decodes * num_kv_heads
+        if partition < kernels.MAX_PARTITION:
+            assert splits == 1 or per_split * splits <= wave
+            assert per_split * (splits + 1) > wave or splits >= max_context // kernels.MIN_PARTITION
     assert kernels.decode_partition(1, 1, 4096, 64, torch.device("cpu")) == (512, 8)
     assert kernels.decode_partition(64, 32, 2048, 64, torch.device("cpu")) == (2048, 1)
+    # 3 requests a split: 2 splits fill 6 of one wave's 8 programs, a third would start a second wave
+    assert kernels.decode_partition(3, 1, 4096, 64, torch.device("cpu")) == (2048, 2)
     # the batch fills the SMs, but a context of 16k would be read by one program a KV head; past
     # MAX_SPLITS partitions grow instead
     assert kernels.decode_partition(64, 32, 16384, 64, torch.device("cpu")) == (2048, 8)
