@@ -15,7 +15,8 @@ own cache first.
   bytes / copy bandwidth (bf16: 2 bytes an element; fp8: 1, plus 4 bytes of scale a row).
 * chunk: one prompt's chunk of 512 queries over 2,048 cached tokens (context 2,560), the prefill
   kernel.
-* decode's split count over the keys on both caches at batch 1-16 (few programs, few bytes each).
+* decode's split count over the keys on both caches at batch 1-16 (few programs, few bytes each),
+  and the prefill's on chunks of 64-512 queries over 2-8k cached tokens.
 * sweeps of the tiles on both caches: decode's (BLOCK_N, num_warps, num_stages) at batch 32 and 1,
   context 2,048; the prefill kernel's (BLOCK_M, BLOCK_N, num_warps, num_stages) on the chunk and
   on a fresh prompt of 2,048 tokens (punica.ops.attention_triton's DECODE_CONFIG, PREFILL_CONFIG and
@@ -35,7 +36,7 @@ from pathlib import Path
 import torch
 import triton
 
-from benchmarks.attention import DTYPE, HEAD_DIM, NUM_KV_HEADS, graph_us, make_copies
+from benchmarks.attention import DTYPE, HEAD_DIM, NUM_HEADS, NUM_KV_HEADS, PAGE_SIZE, graph_us, make_copies
 from benchmarks.common import copy_bandwidth, save_figure, style_axes
 from punica.ops import attention_triton as kernels
 from punica.ops.attention import paged_attention_ref
@@ -47,6 +48,8 @@ CHUNK, CHUNK_CACHED = 512, 2048
 SPLITS = (1, 2, 3, 4, 6, 8, 16)
 # (batch, context): decode with few programs (batch x 32 KV heads x splits), bound by latency, not bytes
 SPLIT_POINTS = ((1, 2048), (4, 2048), (8, 2048), (16, 2048), (8, 512))
+# (chunk queries, cached tokens): a prompt's chunk beside decodes, few query tiles over a long context
+PREFILL_SPLIT_POINTS = ((CHUNK, CHUNK_CACHED), (128, 4096), (64, 8192))
 # kind -> (module constants for bf16 and fp8 pages, configurations, points as (batch, queries each, context))
 SWEEPS = {
     "decode": (("DECODE_CONFIG", "FP8_DECODE_CONFIG"), ((64, 2, 3), (64, 4, 3), (128, 4, 3), (128, 4, 4)),
@@ -65,9 +68,9 @@ def caches(copies):
     return {"bf16": (kv, None), "fp8": (values, scales)}
 
 
-def run(copy, pages, scales, num_splits=None):
+def run(copy, pages, scales, num_splits=None, prefill_splits=None):
     return kernels.paged_attention_triton(copy.q, pages, copy.batch, copy.scale, kv_scales=scales,
-                                          num_splits=num_splits)
+                                          num_splits=num_splits, prefill_splits=prefill_splits)
 
 
 def max_error(copy, pages, scales) -> float:
@@ -115,7 +118,8 @@ def sweep(kind, l2, device, rng, gen) -> list[dict]:
 
 def split_sweep(l2, device, rng, gen) -> list[dict]:
     """Decode's split count over the keys (punica.ops.attention_triton.decode_partition) on both
-    caches, where few programs read few bytes each."""
+    caches, where few programs read few bytes each; then the prefill's (prefill_partition) on
+    chunks over long cached contexts, each forced count's output checked first."""
     rows = []
     for num_requests, context in SPLIT_POINTS:
         copies, _ = make_copies(num_requests, 1, context, 0, l2, device, rng, gen)
@@ -125,6 +129,21 @@ def split_sweep(l2, device, rng, gen) -> list[dict]:
             row = dict(kind="splits", cache=cache, batch=num_requests, context=context, default_splits=default)
             for splits in SPLITS:
                 row[f"splits{splits}_us"] = graph_us(copies, lambda c, p=pages, s=scales: run(c, p, s, splits))
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    for chunk, cached in PREFILL_SPLIT_POINTS:
+        context = chunk + cached
+        copies, _ = make_copies(1, chunk, context, 1, l2, device, rng, gen)
+        for cache, (pages, scales) in caches(copies).items():
+            block_m, block_n = kernels._prefill_blocks(HEAD_DIM, DTYPE, cache == "fp8")[:2]
+            max_context = copies[0].batch.page_table.shape[1] * PAGE_SIZE
+            default = kernels.prefill_partition(chunk, block_m, NUM_HEADS, max_context, block_n, device)[1]
+            row = dict(kind="prefill_splits", cache=cache, queries=chunk, context=context, default_splits=default)
+            ref = paged_attention_ref(copies[0].q, pages, copies[0].batch, copies[0].scale, kv_scales=scales).float()
+            for splits in SPLITS:
+                row[f"splits{splits}_max_abs_err"] = (run(copies[0], pages, scales, prefill_splits=splits).float()
+                                                      - ref).abs().max().item()
+                row[f"splits{splits}_us"] = graph_us(copies, lambda c, p=pages, s=scales: run(c, p, s, None, splits))
             rows.append(row)
             print(json.dumps(row), flush=True)
     return rows
@@ -192,7 +211,8 @@ def main():
               + (f"{row['us']:8.1f} err {row['max_abs_err']:.1e}" if "us" in row else row["error"][:40]))
     for row in splits:
         times = "  ".join(f"{n}: {row[f'splits{n}_us']:6.1f}" for n in SPLITS)
-        print(f"  {row['cache']:4} decode {row['batch']:3} x {row['context']:5} splits "
+        kind, count = ("decode", row["batch"]) if row["kind"] == "splits" else ("chunk ", row["queries"])
+        print(f"  {row['cache']:4} {kind} {count:3} x {row['context']:5} splits "
               f"(default {row['default_splits']}) {times}")
 
 
