@@ -73,9 +73,15 @@ def run(copy, pages, scales, num_splits=None, prefill_splits=None):
                                           num_splits=num_splits, prefill_splits=prefill_splits)
 
 
-def max_error(copy, pages, scales) -> float:
-    ref = paged_attention_ref(copy.q, pages, copy.batch, copy.scale, kv_scales=scales).float()
-    return (run(copy, pages, scales).float() - ref).abs().max().item()
+def reference(copy, pages, scales) -> torch.Tensor:
+    return paged_attention_ref(copy.q, pages, copy.batch, copy.scale, kv_scales=scales).float()
+
+
+def max_error(copy, pages, scales, ref=None, **splits) -> float:
+    """The kernel's largest error against `ref` (the reference's output, computed when not given),
+    with `splits` (run's num_splits, prefill_splits) forced."""
+    ref = reference(copy, pages, scales) if ref is None else ref
+    return (run(copy, pages, scales, **splits).float() - ref).abs().max().item()
 
 
 def point(label, num_requests, query_len, context, num_prefills, bandwidth, l2, device, rng, gen) -> dict:
@@ -139,10 +145,9 @@ def split_sweep(l2, device, rng, gen) -> list[dict]:
             max_context = copies[0].batch.page_table.shape[1] * PAGE_SIZE
             default = kernels.prefill_partition(chunk, block_m, NUM_HEADS, max_context, block_n, device)[1]
             row = dict(kind="prefill_splits", cache=cache, queries=chunk, context=context, default_splits=default)
-            ref = paged_attention_ref(copies[0].q, pages, copies[0].batch, copies[0].scale, kv_scales=scales).float()
+            ref = reference(copies[0], pages, scales)
             for splits in SPLITS:
-                row[f"splits{splits}_max_abs_err"] = (run(copies[0], pages, scales, prefill_splits=splits).float()
-                                                      - ref).abs().max().item()
+                row[f"splits{splits}_max_abs_err"] = max_error(copies[0], pages, scales, ref, prefill_splits=splits)
                 row[f"splits{splits}_us"] = graph_us(copies, lambda c, p=pages, s=scales: run(c, p, s, None, splits))
             rows.append(row)
             print(json.dumps(row), flush=True)
