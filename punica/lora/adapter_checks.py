@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from punica.lora.adapter_files import Fail
+from punica.lora.adapter_config import Fail
 
 
 def check_shape(key: str, shape: tuple[int, ...], dtype: torch.dtype | str, expected: tuple[int, ...],

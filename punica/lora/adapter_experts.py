@@ -20,7 +20,7 @@ import torch
 
 from punica.config import ModelConfig
 from punica.lora.adapter_checks import check_shape, finite
-from punica.lora.adapter_files import Fail
+from punica.lora.adapter_config import Fail
 from punica.lora.gains import MAX_LORA_GAIN, first_gain_over_limit, gain_bounds
 
 # the wrappers of gate_up_proj and down_proj nest, so one of them is under `.base_layer`
