@@ -67,7 +67,8 @@ class HostArena:
     stalls every CUDA call of the process, the engine's steps too, for as long as it runs: on
     the H200 host, ~70 ms for each 80 MB adapter pinned while serving (through PyTorch's pinned
     allocator, which also rounds 80 MB up to 128 MB). Done once here, it costs start-up time
-    instead, in proportion to the budget: 0.5 s for 1 GiB, 1.5 s for the default 4 GiB there.
+    instead, in proportion to the budget: 0.5 s for 1 GiB, 1.5 s for 4 GiB there (the least the
+    default holds; host_tier_rows).
     """
 
     def __init__(self, num_rows: int, row_shape: tuple[int, ...], dtype: torch.dtype, pin: bool):
