@@ -102,13 +102,18 @@ def test_prefill_splits_merge_to_the_reference(prefill_splits, window, softcap):
 
 
 def test_prefill_partition_policy():
-    """A chunk of one query tile over a long context bound is split until its programs fill the
-    SMs, never below PREFILL_MIN_PARTITION keys; many tiles are not split."""
+    """A chunk of one query tile over a long context bound is split into the most partitions whose
+    programs fit one wave of PREFILL_PROGRAMS_PER_SM per SM, never below PREFILL_MIN_PARTITION
+    keys; many tiles are not split. Three heads on the CPU (a wave of 4) stay unsplit: 2 splits
+    would start a second wave."""
     sms, device = num_sms(torch.device(DEVICE)), torch.device(DEVICE)
-    partition, splits = kernels.prefill_partition(136, 128, 32, 18432, 64, device)
-    assert splits == min(-(-kernels.PREFILL_PROGRAMS_PER_SM * sms // 32), 18432 // kernels.PREFILL_MIN_PARTITION)
-    assert partition % 64 == 0 and partition >= kernels.PREFILL_MIN_PARTITION
-    assert (splits - 1) * partition < 18432 <= splits * partition
+    wave = kernels.PREFILL_PROGRAMS_PER_SM * sms
+    for heads in (1, 3, 32):
+        partition, splits = kernels.prefill_partition(136, 128, heads, 18432, 64, device)
+        assert splits == max(1, min(wave // heads, 18432 // kernels.PREFILL_MIN_PARTITION)), heads
+        assert splits == 1 or splits * heads <= wave, (heads, splits)
+        assert partition % 64 == 0 and partition >= kernels.PREFILL_MIN_PARTITION
+        assert (splits - 1) * partition < 18432 <= splits * partition
     assert kernels.prefill_partition(4096, 128, 32, 18432, 64, device) == (18432, 1)
     assert kernels.prefill_partition(136, 128, 32, 1000, 64, device) == (1024, 1)
     assert kernels.prefill_partition(30, 32, 4, 160, 16, device, num_splits=5) == (32, 5)
