@@ -34,12 +34,13 @@ import torch.nn.functional as F
 
 from punica.ops.fp8_format import FP8_DTYPE, FP8_MAX, MIN_ACTIVATION_AMAX
 
-# The paths by token count (per-channel scales, bf16 activations), from benchmarks.decode_gemm
-# --weights fp8 on the H200 (docs/benchmarks.md; CUDA graphs, weights read from memory), summed
-# over a 7B layer's four projections: at 16 tokens the weight-only GEMM takes 93.1 us against the
-# W8A8 Triton GEMM's 98.5; at 32-128 tokens the W8A8 GEMM takes 99.7-116.9 us, against 115.4 for
-# the weight-only GEMM at 32 and 125.9-135.7 for torch._scaled_mm.
-WEIGHT_ONLY_MAX_TOKENS = 16
+# The paths by token count (per-channel scales, bf16 activations), summed over a 7B layer's four
+# projections (docs/benchmarks.md; CUDA graphs, weights read from memory). benchmarks.decode_gemm
+# --weights fp8 on the H200: at 32-128 tokens the W8A8 Triton GEMM takes 99.7-116.9 us, against
+# 125.9-135.7 for torch._scaled_mm. A chain of 32 such layers on the H100: at 24 and 32 tokens the
+# weight-only GEMM takes 101.4 and 102.2 us a layer against the W8A8 GEMM's 108.0 and 109.5
+# (activations quantized included), at 48 and 64 tokens 136.2 and 141.9 against 111.2 and 114.1.
+WEIGHT_ONLY_MAX_TOKENS = 32
 W8A8_MAX_TOKENS = 128
 
 

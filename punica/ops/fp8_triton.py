@@ -101,22 +101,27 @@ def block_k_for(block_size: tuple[int, int] | None) -> int | None:
 
 def fp8_tile(num_tokens: int, n: int, k: int, per_channel: bool, sms: int) -> Fp8Tile:
     """The tile for x [num_tokens, k] @ W^T (W [n, k]) on a device of `sms` SMs, from
-    benchmarks.decode_gemm --weights fp8 on the H200 (docs/benchmarks.md; each GEMM in a CUDA graph
-    reading its weight from memory). Up to 64 tokens, a split over K into SPLIT_K slices where K
-    holds SPLIT_K x 1,024 columns: a 4096 x 4096 weight has only 128 tiles of 32 outputs for 132
-    SMs. Up to 16 tokens only where the grid has fewer tiles than SMs: qkv (384 tiles) and gate_up
-    (688) of a 7B take 19.6-19.8 and 33.4-33.8 us unsplit against 21.3-22.0 and 35.1-35.5 split; o
-    and down (128 tiles) gain from it. Up to 16 tokens with per-channel scales, K steps of
-    DECODE_BLOCK_K. Over 16 tokens this kernel runs block scales and what the fp8 tensor cores do
-    not take (punica.ops.fp8's paths); over 64 tokens 64 x 64 tiles, unsplit."""
+    benchmarks.decode_gemm --weights fp8 on the H200 and a chain of a 7B's layers on the H100
+    (docs/benchmarks.md; CUDA graphs reading the weights from memory).
+
+    Up to 16 tokens 16 x 32 tiles, K steps of DECODE_BLOCK_K with per-channel scales; 17-32 tokens
+    32 x 64 tiles; 33-64 and over 64 tokens 64 x 64 tiles (the weight-only path runs over 32 tokens
+    only for block scales and what the fp8 tensor cores do not take: punica.ops.fp8's paths). Up
+    to 64 tokens K is split into SPLIT_K slices where it holds SPLIT_K x 1,024 columns; up to 32
+    tokens only where the grid has fewer tiles than SMs. A 4096 x 4096 weight has only 128 tiles
+    of 32 outputs for 132 SMs and gains from the split; qkv (384 tiles) and gate_up (688) of a 7B
+    take 19.6-19.8 and 33.4-33.8 us unsplit at 1-16 tokens against 21.3-22.0 and 35.1-35.5 split
+    (H200), and a layer at 32 tokens 102.2 us a layer with the split on o and down alone against
+    110.9 with every GEMM split (H100)."""
     split_k = SPLIT_K if k >= SPLIT_K * 1024 else 1
-    if num_tokens <= 16:
-        block_n = 32
+    if num_tokens <= 32:
+        decode = num_tokens <= 16
+        block_n = 32 if decode else 64
         if triton.cdiv(n, block_n) >= sms:
             split_k = 1
-        return Fp8Tile(16, block_n, DECODE_BLOCK_K if per_channel else MAX_BLOCK_K, split_k, 4, 3)
-    if num_tokens <= 32:
-        return Fp8Tile(32, 64, MAX_BLOCK_K, split_k, 4, 4)
+        if decode:
+            return Fp8Tile(16, block_n, DECODE_BLOCK_K if per_channel else MAX_BLOCK_K, split_k, 4, 3)
+        return Fp8Tile(32, block_n, MAX_BLOCK_K, split_k, 4, 4)
     if num_tokens <= 64:
         return Fp8Tile(64, 64, MAX_BLOCK_K, split_k, 4, 4)
     return Fp8Tile(64, 64, MAX_BLOCK_K, 1, 4, 3)

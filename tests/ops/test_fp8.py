@@ -83,6 +83,17 @@ def test_decode_tiles_split_k_only_for_grids_smaller_than_the_sms():
     assert kernels.fp8_tile(16, 12288, 4096, True, 1000).split_k == kernels.SPLIT_K
 
 
+def test_tiles_of_17_to_32_tokens_split_k_only_for_grids_smaller_than_the_sms():
+    """At 17-32 tokens (32 x 64 tiles) likewise: o and down of a 7B split on 132 SMs, qkv and
+    gate_up (192 and 344 tiles) not."""
+    splits = {(n, k): kernels.fp8_tile(32, n, k, True, 132)
+              for n, k in [(4096, 4096), (4096, 11008), (12288, 4096), (22016, 4096)]}
+    assert {key: tile.split_k for key, tile in splits.items()} == {
+        (4096, 4096): kernels.SPLIT_K, (4096, 11008): kernels.SPLIT_K, (12288, 4096): 1, (22016, 4096): 1}
+    assert {(tile.block_m, tile.block_n) for tile in splits.values()} == {(32, 64)}
+    assert kernels.fp8_tile(17, 12288, 4096, True, 132).split_k == 1
+
+
 def test_block_k_divides_the_scale_blocks():
     assert kernels.block_k_for(None) == kernels.MAX_BLOCK_K
     assert [kernels.block_k_for((128, b1)) for b1 in (128, 256, 64, 48, 24)] == [128, 128, 64, 16, None]
