@@ -111,7 +111,7 @@ def fp8_tile(num_tokens: int, n: int, k: int, per_channel: bool, sms: int) -> Fp
     tokens only where the grid has fewer tiles than SMs. A 4096 x 4096 weight has only 128 tiles
     of 32 outputs for 132 SMs and gains from the split; qkv (384 tiles) and gate_up (688) of a 7B
     take 19.6-19.8 and 33.4-33.8 us unsplit at 1-16 tokens against 21.3-22.0 and 35.1-35.5 split
-    (H200), and a layer at 32 tokens 102.2 us a layer with the split on o and down alone against
+    (H200), and a layer at 32 tokens takes 102.2 us with the split on o and down alone against
     110.9 with every GEMM split (H100)."""
     split_k = SPLIT_K if k >= SPLIT_K * 1024 else 1
     if num_tokens <= 32:
