@@ -12,9 +12,9 @@ from punica.engine.cuda_graphs import CudaGraphs, fed_token_ids
 from punica.engine.step_input import StepInput
 from punica.models.decoder import DecoderForCausalLM
 from punica.models.forward_batch import ForwardBatch
-from punica.models.quantized import pack_cpu_linears
+from punica.models.quantized import pack_cpu_linears, packed_linears
 from punica.ops.kv_cache import kv_bytes_per_token as layer_bytes_per_token
-from punica.ops.linear import CPU_SKINNY_BLOCK, MAX_CPU_SKINNY_ROWS, cpu_packing_available
+from punica.ops.linear import CPU_SKINNY_BLOCK, MAX_CPU_SKINNY_ROWS, choose_few_rows_paths, cpu_packing_available
 from punica.ops.transfer import to_device
 
 log = logging.getLogger(__name__)
@@ -51,7 +51,9 @@ class ModelRunner:
     plus one scratch page (the last) that padded rows of graph batches write to.
 
     On a CPU, the projections' fp32 weights get packed copies for steps of many rows
-    (punica.ops.linear), if the copies take at most MAX_PACKED_FRACTION of the memory available.
+    (punica.ops.linear), if the copies take at most MAX_PACKED_FRACTION of the memory available;
+    then the GEMMs of 1-2 rows take, per weight shape, the path that ran fastest here
+    (punica.ops.linear.choose_few_rows_paths).
     """
 
     def __init__(self, model: DecoderForCausalLM, num_pages: int, page_size: int, max_batch_size: int,
@@ -68,6 +70,10 @@ class ModelRunner:
             self.packed_bytes = pack_cpu_linears(model, budget)
             if self.packed_bytes:
                 log.info("packed %.0f MB of CPU weights for oneDNN", self.packed_bytes / 2**20)
+                start = time.perf_counter()
+                chosen = choose_few_rows_paths(packed_linears(model))
+                log.info("CPU GEMMs of 1-2 rows, by weight shape: %s (timed in %.2f s)",
+                         ", ".join(f"{n}x{k} {path}" for (n, k), path in chosen.items()), time.perf_counter() - start)
             else:
                 log.info("CPU weights not packed: over %.0f MB of memory", budget / 2**20)
         if self.device.type == "cuda" and not eager:

@@ -92,6 +92,12 @@ def pack_cpu_linears(model: nn.Module, max_bytes: int) -> int:
     return size
 
 
+def packed_linears(model: nn.Module) -> list[tuple[torch.Tensor, PackedWeight]]:
+    """(weight, packed copy) of every Linear of `model` that has one (pack_cpu_linears)."""
+    return [(module.weight, module.packed) for module in model.modules()
+            if isinstance(module, Linear) and module.packed is not None]
+
+
 def projection(in_features: int, out_features: int, bias: bool, fmt: Fp8Format | None, dtype: torch.dtype,
                device: torch.device | str) -> Linear | Fp8Linear:
     """One of a layer's fused projections: Linear in `dtype`, or Fp8Linear in format `fmt`."""

@@ -1,7 +1,7 @@
 """The base projections' GEMM: x @ W^T + bias, with decode's few-row case on a skinny kernel.
 
 `linear(x, weight, bias, packed)` = F.linear(x, weight, bias), its reference and the path of every
-case but three:
+case but four:
 * on CUDA, a bf16/fp16 x of at most MAX_SKINNY_TOKENS rows whose shape gets a tile from
   punica.ops.linear_tiles.skinny_tile runs punica.ops.linear_triton's kernel (fp32 accumulation,
   one rounding to x's dtype, as cuBLAS's). The choice depends on shapes and dtypes only, so a
@@ -24,12 +24,24 @@ case but three:
   fastest of 5 rounds on a 2-core AVX-512 CPU (`python -m benchmarks.cpu_linear`,
   docs/results/cpu_linear_packed_cpu_2026-12-05.json): 15.5-19.4 ms at 3-8 rows against
   20.8-35.9 (W @ x^T), 19.3-25.2 at 9-16 against 45.5-46.6, 40.5 at 32 against 64.8 (F.linear),
-  1.95 s at 2,048 rows against 2.22 (222 GFLOP/s). At 1-2 rows W @ x^T over two columns stays faster (15.8-16.7 ms
-  against 20.0-22.0), so a packed weight is a second copy, not a replacement.
+  1.95 s at 2,048 rows against 2.22 (222 GFLOP/s).
+* on a CPU, an fp32 x of fewer than MIN_CPU_PACKED_ROWS rows beside a `PackedWeight` runs the path
+  of FEW_ROWS_PATHS its `few_rows` names: W @ x^T ("skinny", above), F.linear ("mkl") or the packed
+  copy ("packed"). Which is fastest depends on the CPU: on the 2-core AMD EPYC above W @ x^T (15.8-16.7
+  ms at 1-2 rows against 20.0-22.0 packed and 32.7 or more with F.linear); on a 2-core Intel Xeon
+  with AMX F.linear (12.6-14.5 ms, against 16.1-16.8 packed and 37.0-38.0 with W @ x^T; the
+  embedded model's lm_head 2.7-2.9 against 7.7-8.5). So `choose_few_rows_paths` times the three
+  over a model's weights of each shape where the engine starts (punica.engine.runner) and keeps
+  the fastest for the process; a packed weight is a second copy, not a replacement.
 Outputs differ from F.linear's by the summation order only.
 """
 
 from __future__ import annotations
+
+import math
+import time
+from collections import defaultdict
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -40,6 +52,11 @@ MAX_CPU_SKINNY_ROWS = 16  # fp32 rows on a CPU that run as W @ x^T (module docst
 CPU_SKINNY_BLOCK = 8      # columns of W @ x^T whose cost is one step (module docstring)
 MIN_CPU_PACKED_ROWS = 3   # fp32 rows on a CPU from which a packed weight runs them (module docstring)
 PACKED_ROWS_HINT = 8      # the rows oneDNN picks its blocked layout for: 2-512 give one layout, 1 a slower one
+FEW_ROWS_PATHS = ("skinny", "mkl", "packed")  # what fp32 x of fewer than MIN_CPU_PACKED_ROWS rows may run
+TIMING_ROUNDS = 3         # passes over a shape's weights that choose_few_rows_paths times per path and row count
+MIN_TIMED_BYTES = 16 << 20  # a shape's weights under this many bytes keep W @ x^T untimed (cached: microseconds)
+# each shape's path as first timed in this process: every engine of the process computes alike
+CHOSEN_PATHS: dict[tuple[int, int], str] = {}
 
 
 def cpu_packing_available() -> bool:
@@ -53,12 +70,14 @@ class PackedWeight:
     """A CPU fp32 weight [N, K] reordered into oneDNN's blocked layout for `linear`; reordered
     again when the weight it was made from has changed (another tensor, or written in place). A
     pickled or deep-copied one leaves the reordered copy out (an opaque oneDNN tensor has no
-    storage to copy) and makes it again at its first use."""
+    storage to copy) and makes it again at its first use. `few_rows`: the path of FEW_ROWS_PATHS
+    that x of fewer than MIN_CPU_PACKED_ROWS rows runs (W @ x^T until choose_few_rows_paths says)."""
 
     def __init__(self, weight: torch.Tensor):
         assert weight.device.type == "cpu" and weight.dtype == torch.float32 and weight.dim() == 2, weight
         self._key: tuple[int, int] | None = None
         self._packed: torch.Tensor | None = None
+        self.few_rows = "skinny"
         self.of(weight)
 
     def of(self, weight: torch.Tensor) -> torch.Tensor:
@@ -70,7 +89,7 @@ class PackedWeight:
         return self._packed
 
     def __getstate__(self) -> dict:
-        return {"_key": None, "_packed": None}
+        return {"_key": None, "_packed": None, "few_rows": self.few_rows}
 
 
 def cpu_skinny_columns(rows: int) -> int:
@@ -85,6 +104,73 @@ def packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     return torch.ops.mkldnn._linear_pointwise(x, packed.of(weight), bias, "none", [], "")
 
 
+def skinny_linear_cpu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x [T, K] fp32 (T <= MAX_CPU_SKINNY_ROWS) @ weight^T + bias as W @ x^T over
+    cpu_skinny_columns(T) columns (module docstring)."""
+    rows, columns = x.shape[0], cpu_skinny_columns(x.shape[0])
+    xt = torch.cat((x, x)) if rows == 1 else F.pad(x, (0, 0, 0, columns - rows))
+    # contiguous like F.linear's output (tensor parallelism all-reduces it in place)
+    out = torch.mm(weight, xt.t())[:, :rows].t().contiguous()
+    return out + bias if bias is not None else out
+
+
+def few_rows_linear(path: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                    packed: PackedWeight) -> torch.Tensor:
+    """x [T, K] fp32 of fewer than MIN_CPU_PACKED_ROWS rows @ weight^T + bias by `path` of FEW_ROWS_PATHS."""
+    if path == "packed":
+        return packed_linear(x, weight, bias, packed)
+    if path == "mkl":
+        return F.linear(x, weight, bias)
+    return skinny_linear_cpu(x, weight, bias)
+
+
+def few_rows_path_times(group: Sequence[tuple[torch.Tensor, PackedWeight]],
+                        clock: Callable[[], float] = time.perf_counter) -> dict[str, float]:
+    """Seconds each path of FEW_ROWS_PATHS takes over the weights of `group` (one shape) in turn, at
+    each row count under MIN_CPU_PACKED_ROWS: the fastest of TIMING_ROUNDS passes after one that
+    warms, summed over the row counts."""
+    k = group[0][0].shape[1]
+    times = {}
+    for path in FEW_ROWS_PATHS:
+        times[path] = 0.0
+        for rows in range(1, MIN_CPU_PACKED_ROWS):
+            x = torch.ones(rows, k)  # the values do not change the time
+            fastest = math.inf
+            for round_ in range(TIMING_ROUNDS + 1):
+                start = clock()
+                for weight, packed in group:
+                    few_rows_linear(path, x, weight, None, packed)
+                if round_:
+                    fastest = min(fastest, clock() - start)
+            times[path] += fastest
+    return times
+
+
+def choose_few_rows_paths(linears: Sequence[tuple[torch.Tensor, PackedWeight]],
+                          path_times: Callable[[Sequence[tuple[torch.Tensor, PackedWeight]]], dict[str, float]]
+                          = few_rows_path_times,
+                          chosen: dict[tuple[int, int], str] | None = None) -> dict[tuple[int, int], str]:
+    """Set each PackedWeight's `few_rows` to the path of FEW_ROWS_PATHS that `path_times` finds
+    fastest over the weights of its shape (weights with their packed copies); shape -> path. A shape
+    in `chosen` keeps the path there, and one whose weights come to under MIN_TIMED_BYTES keeps W @
+    x^T, untimed: a later engine, or a small model's two, never computes otherwise because of a
+    timing's noise. What is timed goes into `chosen` (CHOSEN_PATHS by default)."""
+    chosen = CHOSEN_PATHS if chosen is None else chosen
+    groups: dict[tuple[int, int], list[tuple[torch.Tensor, PackedWeight]]] = defaultdict(list)
+    for weight, packed in linears:
+        groups[tuple(weight.shape)].append((weight, packed))
+    paths = {}
+    with torch.no_grad():
+        for shape, group in groups.items():
+            if shape not in chosen and sum(weight.nbytes for weight, _ in group) >= MIN_TIMED_BYTES:
+                times = path_times(group)
+                chosen[shape] = min(FEW_ROWS_PATHS, key=times.__getitem__)
+            paths[shape] = chosen.get(shape, "skinny")
+            for _, packed in group:
+                packed.few_rows = paths[shape]
+    return paths
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
            packed: PackedWeight | None = None) -> torch.Tensor:
     """A linear layer.
@@ -95,18 +181,16 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
             records the product (oneDNN's op has no backward)
     """
     if (packed is not None and x.device.type == "cpu" and x.dtype == torch.float32 and x.dim() == 2
-            and x.shape[0] >= MIN_CPU_PACKED_ROWS
             and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))):  # no backward
-        return packed_linear(x, weight, bias, packed)
+        if x.shape[0] >= MIN_CPU_PACKED_ROWS:
+            return packed_linear(x, weight, bias, packed)
+        if x.shape[0]:
+            return few_rows_linear(packed.few_rows, x, weight, bias, packed)
     if x.is_cuda and x.dim() == 2 and x.stride(1) == 1 and weight.is_contiguous():
         tile = skinny_tile(x.shape[0], weight.shape[0], weight.shape[1], x.dtype)
         if tile is not None:
             from punica.ops.linear_triton import skinny_linear_triton
             return skinny_linear_triton(x, weight, bias, tile)
     if x.device.type == "cpu" and x.dtype == torch.float32 and x.dim() == 2 and x.shape[0] <= MAX_CPU_SKINNY_ROWS:
-        rows, columns = x.shape[0], cpu_skinny_columns(x.shape[0])
-        xt = torch.cat((x, x)) if rows == 1 else F.pad(x, (0, 0, 0, columns - rows))
-        # contiguous like F.linear's output (tensor parallelism all-reduces it in place)
-        out = torch.mm(weight, xt.t())[:, :rows].t().contiguous()
-        return out + bias if bias is not None else out
+        return skinny_linear_cpu(x, weight, bias)
     return F.linear(x, weight, bias)

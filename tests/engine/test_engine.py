@@ -17,7 +17,7 @@ from punica.factory import engine_on_model
 from punica.lora.pool import slot_bytes
 from punica.models.loader import load_hf_dir
 from punica.models.quantized import Linear
-from punica.ops.linear import CPU_SKINNY_BLOCK, MAX_CPU_SKINNY_ROWS, cpu_packing_available
+from punica.ops.linear import CPU_SKINNY_BLOCK, FEW_ROWS_PATHS, MAX_CPU_SKINNY_ROWS, cpu_packing_available
 
 
 @pytest.mark.slow
@@ -59,6 +59,25 @@ def test_cpu_weights_are_packed_when_memory_allows(setup, greedy, make_engine, r
         assert (runner.packed_bytes > 0) == is_packed
         assert engine.executor.row_sizes == (() if is_packed else (CPU_SKINNY_BLOCK, MAX_CPU_SKINNY_ROWS))
     assert [o.token_ids for o in run_all(packed, requests, greedy)] == [o.token_ids for o in run_all(plain, requests,
+                                                                                                       greedy)]
+
+
+@pytest.mark.skipif(not cpu_packing_available(), reason="no oneDNN fp32 reorder on this CPU")
+@pytest.mark.parametrize("path", FEW_ROWS_PATHS)
+def test_cpu_gemms_of_few_rows_take_the_path_chosen_for_their_shape(setup, greedy, make_engine, run_all, workload,
+                                                                    monkeypatch, path):
+    """The runner gives each packed projection the path chosen for its shape in this process (here
+    set beforehand, so nothing is timed); the tokens are those of the unpacked engine."""
+    requests = workload(8, seed=5)
+    monkeypatch.setattr("punica.engine.runner.available_memory", lambda: 0)
+    plain = make_engine(setup, max_batch_size=4, page_size=4)
+    shapes = {tuple(m.weight.shape) for m in plain.executor.worker.runner.model.modules() if isinstance(m, Linear)}
+    monkeypatch.undo()  # memory to pack with again
+    monkeypatch.setattr("punica.ops.linear.CHOSEN_PATHS", dict.fromkeys(shapes, path))
+    engine = make_engine(setup, max_batch_size=4, page_size=4)
+    linears = [m for m in engine.executor.worker.runner.model.modules() if isinstance(m, Linear)]
+    assert linears and all(linear.packed.few_rows == path for linear in linears)
+    assert [o.token_ids for o in run_all(engine, requests, greedy)] == [o.token_ids for o in run_all(plain, requests,
                                                                                                        greedy)]
 
 

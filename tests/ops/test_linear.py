@@ -169,8 +169,9 @@ def test_a_packed_linear_pickles_and_copies_without_its_reordered_copy():
     layer.pack_cpu()
     x = torch.randn(5, 64, generator=gen)
     expected = F.linear(x, layer.weight, layer.bias)
+    layer.packed.few_rows = "mkl"
     for other in (pickle.loads(pickle.dumps(layer)), copy.deepcopy(layer)):
-        assert other.packed is not None and other.packed._packed is None
+        assert other.packed is not None and other.packed._packed is None and other.packed.few_rows == "mkl"
         with torch.no_grad():
             torch.testing.assert_close(other(x), expected, rtol=1e-5, atol=1e-5)
         assert other.packed._packed is not None
@@ -207,3 +208,58 @@ def test_real_shapes_each_tile(tile, n, k, tokens):
     out = skinny_linear_triton(x, weight, None, tile)
     expect = reference(x, weight, None)
     assert ((out.float() - expect.float()).norm() / expect.float().norm()).item() < 1e-2
+
+
+@needs_packing
+@pytest.mark.parametrize("path", ops.FEW_ROWS_PATHS)
+@pytest.mark.parametrize("rows", [1, 2])
+def test_each_few_rows_path_computes_f_linear(path, rows):
+    """A packed weight's `few_rows` path computes F.linear (up to the summation order), with and
+    without bias, on strided rows too; only "packed" reads the packed copy."""
+    gen = torch.Generator().manual_seed(rows)
+    x, weight = torch.randn(rows, 400, generator=gen)[:, ::2], torch.randn(70, 200, generator=gen)
+    bias = torch.randn(70, generator=gen)
+    packed = CountedPacking(weight)
+    packed.few_rows = path
+    for b in (None, bias):
+        calls = packed.calls
+        out = ops.linear(x, weight, b, packed)
+        assert out.shape == (rows, 70) and out.is_contiguous()
+        assert packed.calls == calls + (path == "packed")
+        torch.testing.assert_close(out, F.linear(x, weight, b), rtol=1e-5, atol=1e-5)
+
+
+@needs_packing
+def test_few_rows_paths_are_chosen_per_shape_by_their_times():
+    """Each shape takes the path its times make fastest, on every weight of that shape; a shape
+    already chosen keeps its path untimed, and one of few bytes keeps W @ x^T untimed."""
+    big = ops.MIN_TIMED_BYTES // (4 * 64 * 2) + 1  # rows of two [big, 64] fp32 weights past MIN_TIMED_BYTES
+    shapes = {(big, 64): {"skinny": 3.0, "mkl": 1.0, "packed": 2.0},
+              (64, big): {"skinny": 3.0, "mkl": 2.0, "packed": 1.0},
+              (big + 1, 64): {"skinny": 1.0, "mkl": 2.0, "packed": 3.0},
+              (8, 64): {"skinny": 3.0, "mkl": 1.0, "packed": 1.0}}
+    linears = [(w, ops.PackedWeight(w)) for shape in shapes for w in (torch.zeros(shape), torch.zeros(shape))]
+    timed = []
+
+    def path_times(group):
+        timed.append(tuple(group[0][0].shape))
+        return shapes[timed[-1]]
+
+    chosen = {(big + 1, 64): "packed"}
+    paths = ops.choose_few_rows_paths(linears, path_times, chosen)
+    assert paths == {(big, 64): "mkl", (64, big): "packed", (big + 1, 64): "packed", (8, 64): "skinny"}
+    assert timed == [(big, 64), (64, big)]
+    assert chosen == {(big, 64): "mkl", (64, big): "packed", (big + 1, 64): "packed"}
+    assert all(packed.few_rows == paths[tuple(w.shape)] for w, packed in linears)
+
+
+@needs_packing
+def test_few_rows_path_times_times_every_path_at_every_few_row_count():
+    """A clock that ticks once a call: each path's time is one pass a row count under
+    MIN_CPU_PACKED_ROWS (the fastest of TIMING_ROUNDS after a warm-up pass)."""
+    ticks = iter(range(10_000))
+    group = [(w, ops.PackedWeight(w)) for w in (torch.randn(16, 8), torch.randn(16, 8))]
+    times = ops.few_rows_path_times(group, clock=lambda: float(next(ticks)))
+    assert times == {path: float(ops.MIN_CPU_PACKED_ROWS - 1) for path in ops.FEW_ROWS_PATHS}
+    # a start and an end a timed pass, a start for the warm-up
+    assert next(ticks) == len(ops.FEW_ROWS_PATHS) * (ops.MIN_CPU_PACKED_ROWS - 1) * (2 * ops.TIMING_ROUNDS + 1)
