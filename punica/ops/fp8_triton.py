@@ -115,13 +115,11 @@ def fp8_tile(num_tokens: int, n: int, k: int, per_channel: bool, sms: int) -> Fp
     110.9 with every GEMM split (H100)."""
     split_k = SPLIT_K if k >= SPLIT_K * 1024 else 1
     if num_tokens <= 32:
-        decode = num_tokens <= 16
-        block_n = 32 if decode else 64
+        block_m, block_n, block_k, stages = ((16, 32, DECODE_BLOCK_K if per_channel else MAX_BLOCK_K, 3)
+                                             if num_tokens <= 16 else (32, 64, MAX_BLOCK_K, 4))
         if triton.cdiv(n, block_n) >= sms:
             split_k = 1
-        if decode:
-            return Fp8Tile(16, block_n, DECODE_BLOCK_K if per_channel else MAX_BLOCK_K, split_k, 4, 3)
-        return Fp8Tile(32, block_n, MAX_BLOCK_K, split_k, 4, 4)
+        return Fp8Tile(block_m, block_n, block_k, split_k, 4, stages)
     if num_tokens <= 64:
         return Fp8Tile(64, 64, MAX_BLOCK_K, split_k, 4, 4)
     return Fp8Tile(64, 64, MAX_BLOCK_K, 1, 4, 3)
