@@ -9,7 +9,9 @@ python -m benchmarks.textgen [--preset llama-2-7b] [--requests 64] [--max-total 
 Requests follow the paper's generator (prompt ~ lognorm(0.8, -1, 18), total ~ uniform up to
 --max-total, fixed seed), FCFS, max batch 32, greedy with ignore_eos so every request runs its
 full length. Throughput = (prompt + generated tokens) / wall time; also mean and p99 time to
-first token and time per output token. Workload "distinct" gives request i adapter i (one
+first token and time per output token. On one GPU, for models without experts, each row also has
+the run's memory floor as a throughput (`floor_tokens_per_s`, `floor_seconds`: its steps' weights
+and KV cache at the copy bandwidth) and `of_floor`, the row's share of it. Workload "distinct" gives request i adapter i (one
 adapter per request); the adapters' values come from --files files (values do not change the
 work; each name still gets its own GPU slot and copy). The engines have one GPU slot per request
 while those fit in --max-lora-bytes (48 GiB by default), and every adapter of the workload is
@@ -64,7 +66,17 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.common import FORMATS, format_fields, format_label, format_table, percentile, warm_up, write_results
+from benchmarks.common import (
+    FORMATS,
+    copy_bandwidth,
+    format_fields,
+    format_label,
+    format_table,
+    percentile,
+    warm_up,
+    write_results,
+)
+from benchmarks.roofline import weight_bytes
 from punica.config import (
     EngineArgs,
     EngineConfig,
@@ -74,6 +86,7 @@ from punica.config import (
     preset_config,
 )
 from punica.engine.engine import Engine
+from punica.engine.runner import kv_bytes_per_token
 from punica.engine.sampling_params import SamplingParams
 from punica.factory import build_engine, engine_on_model
 from punica.lora.dummy import save_random_adapter
@@ -107,6 +120,23 @@ def run(engine: Engine, requests: list[tuple[list[int], int, str | None]]) -> di
     return {"requests": len(outs), "tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds,
             "ttft_mean_ms": 1e3 * statistics.mean(ttft), "ttft_p99_ms": 1e3 * percentile(ttft, 0.99),
             "tpot_mean_ms": 1e3 * statistics.mean(tpot), "tpot_p99_ms": 1e3 * percentile(tpot, 0.99)}
+
+
+def floor_seconds(lengths: list[tuple[int, int]], weight_bytes: int, kv_bytes_per_token: int, bandwidth: float,
+                  max_batch: int = EngineConfig.max_batch_size) -> float:
+    """The run's memory floor: (prompt, output) lengths scheduled first come, first served, at most
+    max_batch requests at a time, each step computing one token of every running request (a request's
+    first step its prompt and first token), each step reading every weight once and every running
+    request's cached K and V, over `bandwidth` bytes per second. Adapters and compute are left out."""
+    queue, running, steps, keys = list(lengths), [], 0, 0
+    while queue or running:
+        while queue and len(running) < max_batch:
+            prompt, output = queue.pop(0)
+            running.append([prompt, output])
+        steps += 1
+        keys += sum(context for context, _ in running)
+        running = [[context + 1, left - 1] for context, left in running if left > 1]
+    return (steps * weight_bytes + keys * kv_bytes_per_token) / bandwidth
 
 
 def adapter_loads(engine: Engine) -> dict[str, tuple[int, float]]:
@@ -233,12 +263,18 @@ def plot(rows: list[dict], path: Path, title: str) -> None:
 
 def engine_runs(engine_args: EngineArgs, config: ModelConfig, dtype: torch.dtype, device: str,
                 runs: list[tuple[str, str]], names: dict[str, dict[str, str]], prompts: list[list[int]],
-                lengths: list[tuple[int, int]]) -> list[dict]:
+                lengths: list[tuple[int, int]], bandwidth: float | None = None) -> list[dict]:
     """The engine's rows of every (workload, adapter kind) run on one model (one tensor-parallel
-    engine with all names registered, or one model in this process under an engine per run)."""
+    engine with all names registered, or one model in this process under an engine per run). With
+    `bandwidth` (one GPU, no experts), each row's floor_tokens_per_s: its tokens over floor_seconds
+    of this model's weights and KV cache, and of_floor, its tokens per second over that."""
     tp, num_requests, rows = engine_args.tensor_parallel_size, len(prompts), []
     quantization = format_label(engine_args.quantization, engine_args.kv_cache_dtype)
     model = dummy_model(config, dtype, device, quantization=engine_args.quantization) if tp == 1 else None
+    floor = None
+    if bandwidth and model is not None and not config.moe_layers:
+        floor = floor_seconds(lengths, weight_bytes(model, 1), kv_bytes_per_token(model, engine_args.kv_cache_dtype),
+                              bandwidth)
     if tp > 1:
         parallel_engine = build_engine(engine_args, names["lora"])
     try:
@@ -261,6 +297,9 @@ def engine_runs(engine_args: EngineArgs, config: ModelConfig, dtype: torch.dtype
                          "quantization": quantization,
                          **run(engine, [(p, o, a) for p, (_, o), a in zip(prompts, lengths, adapters)])})
             rows[-1].update(loads_between(before, adapter_loads(engine)))
+            if floor:
+                rows[-1]["floor_tokens_per_s"] = rows[-1]["tokens"] / floor
+                rows[-1]["of_floor"] = rows[-1]["tokens_per_s"] / rows[-1]["floor_tokens_per_s"]
             print(f"punica {workload} ({rows[-1]['adapters']}, {quantization}): "
                   f"{rows[-1]['tokens_per_s']:.1f} tokens/s; during the run {rows[-1]['reads']} adapter reads "
                   f"(mean {rows[-1]['read_s_mean']} s), {rows[-1]['copies']} copies into slots "
@@ -303,6 +342,7 @@ def main() -> None:
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     tp = args.tensor_parallel_size
     config = preset_config(args.preset)
+    bandwidth = copy_bandwidth(device) if device == "cuda" and tp == 1 else None
     rng = random.Random(0)
     lengths = textgen_lengths(args.requests, rng, max_total=args.max_total)
     prompts = [[rng.randrange(3, config.vocab_size) for _ in range(p)] for p, _ in lengths]
@@ -321,7 +361,7 @@ def main() -> None:
                 for kind in (("lora",) if w == "backbone" else kinds)]
         for label in args.quantizations:
             rows += engine_runs(dataclasses.replace(engine_args, **format_fields(label)), config, dtype, device,
-                                runs, names, prompts, lengths)
+                                runs, names, prompts, lengths, bandwidth)
     hf_ran = not args.skip_hf and tp == 1 and config.family == "llama"
     if not args.skip_hf and tp > 1:
         print(f"HF+PEFT baseline skipped: it runs on one device, the engine on {tp}", flush=True)
@@ -346,8 +386,9 @@ def main() -> None:
     hf_rows = [r for r in rows if r["system"] == "hf+peft"]
     if engine_rows:
         print(format_table(engine_rows, ["workload", "adapters", "quantization", "requests", "tokens", "seconds",
-                                         "tokens_per_s", "ttft_mean_ms", "ttft_p99_ms", "tpot_mean_ms", "tpot_p99_ms",
-                                         "reads", "read_s_mean", "copies", "copy_s_mean"]))
+                                         "tokens_per_s", "floor_tokens_per_s", "of_floor", "ttft_mean_ms",
+                                         "ttft_p99_ms", "tpot_mean_ms", "tpot_p99_ms", "reads", "read_s_mean",
+                                         "copies", "copy_s_mean"]))
     if hf_rows:
         print(format_table(hf_rows, ["system", "workload", "requests", "tokens", "seconds", "tokens_per_s"]))
     first = args.quantizations[0]
