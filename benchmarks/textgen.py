@@ -11,16 +11,17 @@ Requests follow the paper's generator (prompt ~ lognorm(0.8, -1, 18), total ~ un
 full length. Throughput = (prompt + generated tokens) / wall time; also mean and p99 time to
 first token and time per output token. On one GPU, for models without experts, each row also has
 the run's memory floor as a throughput (`floor_tokens_per_s`, `floor_seconds`: its steps' weights
-and KV cache at the copy bandwidth) and `of_floor`, the row's share of it. Workload "distinct" gives request i adapter i (one
-adapter per request); the adapters' values come from --files files (values do not change the
-work; each name still gets its own GPU slot and copy). The engines have one GPU slot per request
-while those fit in --max-lora-bytes (48 GiB by default), and every adapter of the workload is
-loaded before the clock starts (on-demand loading is benchmarks/adapter_load.py's question). Where
-they do not fit (a MoE preset's adapters adapt every expert: ~1.3 GB each on qwen3-30b-a3b), the
-first adapters the run uses are loaded before the clock starts, as many as the slots hold, and the
-others load on demand during the run, as a server's would; `adapter_slots` in the meta says how
-many slots there were. Each row counts the adapter reads (disk -> host tier) and copies (host tier
--> GPU slot) during its run, with their mean seconds from start to taken in by the engine.
+and KV cache at the copy bandwidth) and `of_floor`, the row's share of it. Workload "distinct"
+gives request i adapter i (one adapter per request); the adapters' values come from --files files
+(values do not change the work; each name still gets its own GPU slot and copy). The engines have
+one GPU slot per request while those fit in --max-lora-bytes (48 GiB by default), and every adapter
+of the workload is loaded before the clock starts (on-demand loading is benchmarks/adapter_load.py's
+question). Where they do not fit (a MoE preset's adapters adapt every expert: ~1.3 GB each on
+qwen3-30b-a3b), the first adapters the run uses are loaded before the clock starts, as many as the
+slots hold, and the others load on demand during the run, as a server's would; `adapter_slots` in
+the meta says how many slots there were. Each row counts the adapter reads (disk -> host tier) and
+copies (host tier -> GPU slot) during its run, with their mean seconds from start to taken in by the
+engine.
 
 --quantizations: the engine's runs (every workload) once per format, on the same dummy weights:
 base weights none (the dtype's) or fp8 (e4m3, per-channel scales: punica.models.quantized), and
