@@ -123,12 +123,13 @@ def run(engine: Engine, requests: list[tuple[list[int], int, str | None]]) -> di
             "tpot_mean_ms": 1e3 * statistics.mean(tpot), "tpot_p99_ms": 1e3 * percentile(tpot, 0.99)}
 
 
-def floor_seconds(lengths: list[tuple[int, int]], weight_bytes: int, kv_bytes_per_token: int, bandwidth: float,
+def floor_seconds(lengths: list[tuple[int, int]], weights: int, kv_per_token: int, bandwidth: float,
                   max_batch: int = EngineConfig.max_batch_size) -> float:
     """The run's memory floor: (prompt, output) lengths scheduled first come, first served, at most
     max_batch requests at a time, each step computing one token of every running request (a request's
-    first step its prompt and first token), each step reading every weight once and every running
-    request's cached K and V, over `bandwidth` bytes per second. Adapters and compute are left out."""
+    first step its prompt and first token), each step reading the `weights` bytes once and every
+    running request's cached K and V (`kv_per_token` bytes a token), over `bandwidth` bytes per
+    second. Adapters and compute are left out."""
     queue, running, steps, keys = list(lengths), [], 0, 0
     while queue or running:
         while queue and len(running) < max_batch:
@@ -137,7 +138,7 @@ def floor_seconds(lengths: list[tuple[int, int]], weight_bytes: int, kv_bytes_pe
         steps += 1
         keys += sum(context for context, _ in running)
         running = [[context + 1, left - 1] for context, left in running if left > 1]
-    return (steps * weight_bytes + keys * kv_bytes_per_token) / bandwidth
+    return (steps * weights + keys * kv_per_token) / bandwidth
 
 
 def adapter_loads(engine: Engine) -> dict[str, tuple[int, float]]:
