@@ -268,13 +268,14 @@ def engine_runs(engine_args: EngineArgs, config: ModelConfig, dtype: torch.dtype
                 lengths: list[tuple[int, int]], bandwidth: float | None = None) -> list[dict]:
     """The engine's rows of every (workload, adapter kind) run on one model (one tensor-parallel
     engine with all names registered, or one model in this process under an engine per run). With
-    `bandwidth` (one GPU, no experts), each row's floor_tokens_per_s: its tokens over floor_seconds
-    of this model's weights and KV cache, and of_floor, its tokens per second over that."""
+    `bandwidth` (given on one GPU for models without experts), each row's floor_tokens_per_s: its
+    tokens over floor_seconds of this model's weights and KV cache, and of_floor, its tokens per
+    second over that."""
     tp, num_requests, rows = engine_args.tensor_parallel_size, len(prompts), []
     quantization = format_label(engine_args.quantization, engine_args.kv_cache_dtype)
     model = dummy_model(config, dtype, device, quantization=engine_args.quantization) if tp == 1 else None
     floor = None
-    if bandwidth and model is not None and not config.moe_layers:
+    if bandwidth:
         floor = floor_seconds(lengths, weight_bytes(model, 1), kv_bytes_per_token(model, engine_args.kv_cache_dtype),
                               bandwidth)
     if tp > 1:
@@ -344,7 +345,8 @@ def main() -> None:
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     tp = args.tensor_parallel_size
     config = preset_config(args.preset)
-    bandwidth = copy_bandwidth(device) if device == "cuda" and tp == 1 else None
+    # the floor's bandwidth: only where a floor is computed (a MoE step reads only its routed experts)
+    bandwidth = copy_bandwidth(device) if device == "cuda" and tp == 1 and not config.moe_layers else None
     rng = random.Random(0)
     lengths = textgen_lengths(args.requests, rng, max_total=args.max_total)
     prompts = [[rng.randrange(3, config.vocab_size) for _ in range(p)] for p, _ in lengths]
