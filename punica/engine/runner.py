@@ -14,7 +14,13 @@ from punica.models.decoder import DecoderForCausalLM
 from punica.models.forward_batch import ForwardBatch
 from punica.models.quantized import pack_cpu_linears, packed_linears
 from punica.ops.kv_cache import kv_bytes_per_token as layer_bytes_per_token
-from punica.ops.linear import CPU_SKINNY_BLOCK, MAX_CPU_SKINNY_ROWS, choose_few_rows_paths, cpu_packing_available
+from punica.ops.linear import (
+    CPU_SKINNY_BLOCK,
+    MAX_CPU_SKINNY_ROWS,
+    MIN_CPU_PACKED_ROWS,
+    choose_few_rows_paths,
+    cpu_packing_available,
+)
 from punica.ops.transfer import to_device
 
 log = logging.getLogger(__name__)
@@ -52,7 +58,7 @@ class ModelRunner:
 
     On a CPU, the projections' fp32 weights get packed copies for steps of many rows
     (punica.ops.linear), if the copies take at most MAX_PACKED_FRACTION of the memory available;
-    then the GEMMs of 1-2 rows take, per weight shape, the path that ran fastest here
+    then the GEMMs of 1-3 rows take, per weight shape and row count, the path that ran fastest here
     (punica.ops.linear.choose_few_rows_paths).
     """
 
@@ -72,8 +78,9 @@ class ModelRunner:
                 log.info("packed %.0f MB of CPU weights for oneDNN", self.packed_bytes / 2**20)
                 start = time.perf_counter()
                 chosen = choose_few_rows_paths(packed_linears(model))
-                log.info("CPU GEMMs of 1-2 rows, by weight shape: %s (timed in %.2f s)",
-                         ", ".join(f"{n}x{k} {path}" for (n, k), path in chosen.items()), time.perf_counter() - start)
+                log.info("CPU GEMMs of 1-%d rows, by weight shape: %s (timed in %.2f s)", MIN_CPU_PACKED_ROWS - 1,
+                         ", ".join(f"{n}x{k} {'/'.join(paths)}" for (n, k), paths in chosen.items()),
+                         time.perf_counter() - start)
             else:
                 log.info("CPU weights not packed: over %.0f MB of memory", budget / 2**20)
         if self.device.type == "cuda" and not eager:

@@ -7,17 +7,17 @@ case but four:
   one rounding to x's dtype, as cuBLAS's). The choice depends on shapes and dtypes only, so a
   captured CUDA graph replays it.
 * on a CPU, an fp32 x of at most MAX_CPU_SKINNY_ROWS rows (without a packed weight, or of fewer than
-  MIN_CPU_PACKED_ROWS) runs as W @ x^T over `cpu_skinny_columns(rows)` columns of x^T: one row as
-  two (the second a copy of the first), 9 to 16 rows as 16 (zero rows after x's). MKL's F.linear
-  takes its GEMV path at one row, streaming the weights at about 10 GB/s on a 2-core AVX-512 CPU,
-  and its GEMM at 2-4 rows is slower still; the product with the weight as the left operand streams
-  it at about 18 GB/s at 2-4 columns. That product's cost climbs in steps of 8 columns: a second
-  block of 1-7 columns costs more than a whole one. The embedded model's four projections over 30
-  layers, fastest rounds (docs/results/cpu_skinny_linear_rows_2026-12-04.log,
-  ..._pad16_2026-12-04.log): 14.1-22.0 ms at 1-4 rows against 32.7-62.6 (F.linear), 25.4-36.3 at 5-8
-  rows against 36.5-42.7; at 9-16 rows 43.6-44.3 ms as 16 columns, against 43.8-51.1 (F.linear) and
-  43.8-85.1 unpadded; at 17 rows F.linear wins. Up to 16 rows covers a CPU step of a few decodes and
-  a prompt chunk at its floor.
+  MIN_CPU_PACKED_ROWS where the packed weight's `few_rows` says so) runs as W @ x^T over
+  `cpu_skinny_columns(rows)` columns of x^T: one row as two (the second a copy of the first), 9 to
+  16 rows as 16 (zero rows after x's). MKL's F.linear takes its GEMV path at one row, streaming the
+  weights at about 10 GB/s on a 2-core AVX-512 CPU, and its GEMM at 2-4 rows is slower still; the
+  product with the weight as the left operand streams it at about 18 GB/s at 2-4 columns. That
+  product's cost climbs in steps of 8 columns: a second block of 1-7 columns costs more than a whole
+  one. The embedded model's four projections over 30 layers, fastest rounds
+  (docs/results/cpu_skinny_linear_rows_2026-12-04.log, ..._pad16_2026-12-04.log): 14.1-22.0 ms at
+  1-4 rows against 32.7-62.6 (F.linear), 25.4-36.3 at 5-8 rows against 36.5-42.7; at 9-16 rows
+  43.6-44.3 ms as 16 columns, against 43.8-51.1 (F.linear) and 43.8-85.1 unpadded; at 17 rows
+  F.linear wins. Up to 16 rows covers a CPU step of a few decodes and a prompt chunk at its floor.
 * on a CPU, an fp32 x of at least MIN_CPU_PACKED_ROWS rows beside a `PackedWeight` runs through
   oneDNN on the weight reordered once into its blocked layout, where MKL's GEMMs at 5-16 rows take
   about twice what reading the weights takes. The embedded model's four projections over 30 layers,
@@ -26,13 +26,16 @@ case but four:
   20.8-35.9 (W @ x^T), 19.3-25.2 at 9-16 against 45.5-46.6, 40.5 at 32 against 64.8 (F.linear),
   1.95 s at 2,048 rows against 2.22 (222 GFLOP/s).
 * on a CPU, an fp32 x of fewer than MIN_CPU_PACKED_ROWS rows beside a `PackedWeight` runs the path
-  of FEW_ROWS_PATHS its `few_rows` names: W @ x^T ("skinny", above), F.linear ("mkl") or the packed
-  copy ("packed"). Which is fastest depends on the CPU: on the 2-core AMD EPYC above W @ x^T (15.8-16.7
-  ms at 1-2 rows against 20.0-22.0 packed and 32.7 or more with F.linear); on a 2-core Intel Xeon
-  with AMX F.linear (12.6-14.5 ms, against 16.1-16.8 packed and 37.0-38.0 with W @ x^T; the
-  embedded model's lm_head 2.7-2.9 against 7.7-8.5). So `choose_few_rows_paths` times the three
-  over a model's weights of each shape where the engine starts (punica.engine.runner) and keeps
-  the fastest for the process; a packed weight is a second copy, not a replacement.
+  of FEW_ROWS_PATHS that its `few_rows` names for that row count: W @ x^T ("skinny", above), F.linear
+  ("mkl") or the packed copy ("packed"). Which is fastest depends on the CPU and the rows: on the
+  2-core AMD EPYC above W @ x^T at 1-2 rows (15.8-16.7 ms against 20.0-22.0 packed and 32.7 or more
+  with F.linear) and the packed copy at 3; on a 2-core Intel Xeon with AMX F.linear at 1-3 rows
+  (15.7-19.3 ms, against 21.3-23.4 packed and 43.4-44.1 with W @ x^T; the embedded model's lm_head
+  2.7-2.9 against 7.7-8.5) and the packed copy from 4 (23.2 against 27.7 with F.linear;
+  docs/results/cpu_linear_intel_amx_three_rows_cpu_2026-12-05.json). So `choose_few_rows_paths`
+  times the three at each of those row counts over a model's weights of each shape where the engine
+  starts (punica.engine.runner) and keeps the fastest for the process; a packed weight is a second
+  copy, not a replacement.
 Outputs differ from F.linear's by the summation order only.
 """
 
@@ -50,13 +53,13 @@ from punica.ops.linear_tiles import skinny_tile
 
 MAX_CPU_SKINNY_ROWS = 16  # fp32 rows on a CPU that run as W @ x^T (module docstring)
 CPU_SKINNY_BLOCK = 8      # columns of W @ x^T whose cost is one step (module docstring)
-MIN_CPU_PACKED_ROWS = 3   # fp32 rows on a CPU from which a packed weight runs them (module docstring)
+MIN_CPU_PACKED_ROWS = 4   # fp32 rows on a CPU from which a packed weight runs them (module docstring)
 PACKED_ROWS_HINT = 8      # the rows oneDNN picks its blocked layout for: 2-512 give one layout, 1 a slower one
 FEW_ROWS_PATHS = ("skinny", "mkl", "packed")  # what fp32 x of fewer than MIN_CPU_PACKED_ROWS rows may run
 TIMING_ROUNDS = 3         # passes over a shape's weights that choose_few_rows_paths times per path and row count
 MIN_TIMED_BYTES = 16 << 20  # a shape's weights under this many bytes keep W @ x^T untimed (cached: microseconds)
 # each shape's path as first timed in this process: every engine of the process computes alike
-CHOSEN_PATHS: dict[tuple[int, int], str] = {}
+CHOSEN_PATHS: dict[tuple[int, int], tuple[str, ...]] = {}
 
 
 def cpu_packing_available() -> bool:
@@ -71,13 +74,14 @@ class PackedWeight:
     again when the weight it was made from has changed (another tensor, or written in place). A
     pickled or deep-copied one leaves the reordered copy out (an opaque oneDNN tensor has no
     storage to copy) and makes it again at its first use. `few_rows`: the path of FEW_ROWS_PATHS
-    that x of fewer than MIN_CPU_PACKED_ROWS rows runs (W @ x^T until choose_few_rows_paths says)."""
+    that x of each row count under MIN_CPU_PACKED_ROWS runs, at index rows - 1 (W @ x^T until
+    choose_few_rows_paths says)."""
 
     def __init__(self, weight: torch.Tensor):
         assert weight.device.type == "cpu" and weight.dtype == torch.float32 and weight.dim() == 2, weight
         self._key: tuple[int, int] | None = None
         self._packed: torch.Tensor | None = None
-        self.few_rows = "skinny"
+        self.few_rows: tuple[str, ...] = ("skinny",) * (MIN_CPU_PACKED_ROWS - 1)
         self.of(weight)
 
     def of(self, weight: torch.Tensor) -> torch.Tensor:
@@ -125,16 +129,16 @@ def few_rows_linear(path: str, x: torch.Tensor, weight: torch.Tensor, bias: torc
 
 
 def few_rows_path_times(group: Sequence[tuple[torch.Tensor, PackedWeight]],
-                        clock: Callable[[], float] = time.perf_counter) -> dict[str, float]:
+                        clock: Callable[[], float] = time.perf_counter) -> list[dict[str, float]]:
     """Seconds each path of FEW_ROWS_PATHS takes over the weights of `group` (one shape) in turn, at
-    each row count under MIN_CPU_PACKED_ROWS: the fastest of TIMING_ROUNDS passes after one that
-    warms, summed over the row counts."""
+    each row count under MIN_CPU_PACKED_ROWS (index rows - 1): the fastest of TIMING_ROUNDS passes
+    after one that warms."""
     k = group[0][0].shape[1]
-    times = {}
-    for path in FEW_ROWS_PATHS:
-        times[path] = 0.0
-        for rows in range(1, MIN_CPU_PACKED_ROWS):
-            x = torch.ones(rows, k)  # the values do not change the time
+    times: list[dict[str, float]] = []
+    for rows in range(1, MIN_CPU_PACKED_ROWS):
+        x = torch.ones(rows, k)  # the values do not change the time
+        times.append({})
+        for path in FEW_ROWS_PATHS:
             fastest = math.inf
             for round_ in range(TIMING_ROUNDS + 1):
                 start = clock()
@@ -142,20 +146,22 @@ def few_rows_path_times(group: Sequence[tuple[torch.Tensor, PackedWeight]],
                     few_rows_linear(path, x, weight, None, packed)
                 if round_:
                     fastest = min(fastest, clock() - start)
-            times[path] += fastest
+            times[-1][path] = fastest
     return times
 
 
 def choose_few_rows_paths(linears: Sequence[tuple[torch.Tensor, PackedWeight]],
-                          path_times: Callable[[Sequence[tuple[torch.Tensor, PackedWeight]]], dict[str, float]]
+                          path_times: Callable[[Sequence[tuple[torch.Tensor, PackedWeight]]], list[dict[str, float]]]
                           = few_rows_path_times,
-                          chosen: dict[tuple[int, int], str] | None = None) -> dict[tuple[int, int], str]:
-    """Set each PackedWeight's `few_rows` to the path of FEW_ROWS_PATHS that `path_times` finds
-    fastest over the weights of its shape (weights with their packed copies); shape -> path. A shape
-    in `chosen` keeps the path there, and one whose weights come to under MIN_TIMED_BYTES keeps W @
-    x^T, untimed: a later engine, or a small model's two, never computes otherwise because of a
-    timing's noise. What is timed goes into `chosen` (CHOSEN_PATHS by default)."""
+                          chosen: dict[tuple[int, int], tuple[str, ...]] | None = None
+                          ) -> dict[tuple[int, int], tuple[str, ...]]:
+    """Set each PackedWeight's `few_rows` to the paths of FEW_ROWS_PATHS that `path_times` finds
+    fastest over the weights of its shape (weights with their packed copies), a path a row count;
+    shape -> paths. A shape in `chosen` keeps the paths there, and one whose weights come to under
+    MIN_TIMED_BYTES keeps W @ x^T, untimed: a later engine, or a small model's two, never computes
+    otherwise because of a timing's noise. What is timed goes into `chosen` (CHOSEN_PATHS by default)."""
     chosen = CHOSEN_PATHS if chosen is None else chosen
+    untimed = ("skinny",) * (MIN_CPU_PACKED_ROWS - 1)
     groups: dict[tuple[int, int], list[tuple[torch.Tensor, PackedWeight]]] = defaultdict(list)
     for weight, packed in linears:
         groups[tuple(weight.shape)].append((weight, packed))
@@ -163,9 +169,8 @@ def choose_few_rows_paths(linears: Sequence[tuple[torch.Tensor, PackedWeight]],
     with torch.no_grad():
         for shape, group in groups.items():
             if shape not in chosen and sum(weight.nbytes for weight, _ in group) >= MIN_TIMED_BYTES:
-                times = path_times(group)
-                chosen[shape] = min(FEW_ROWS_PATHS, key=times.__getitem__)
-            paths[shape] = chosen.get(shape, "skinny")
+                chosen[shape] = tuple(min(FEW_ROWS_PATHS, key=times.__getitem__) for times in path_times(group))
+            paths[shape] = chosen.get(shape, untimed)
             for _, packed in group:
                 packed.few_rows = paths[shape]
     return paths
@@ -185,7 +190,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         if x.shape[0] >= MIN_CPU_PACKED_ROWS:
             return packed_linear(x, weight, bias, packed)
         if x.shape[0]:
-            return few_rows_linear(packed.few_rows, x, weight, bias, packed)
+            return few_rows_linear(packed.few_rows[x.shape[0] - 1], x, weight, bias, packed)
     if x.is_cuda and x.dim() == 2 and x.stride(1) == 1 and weight.is_contiguous():
         tile = skinny_tile(x.shape[0], weight.shape[0], weight.shape[1], x.dtype)
         if tile is not None:

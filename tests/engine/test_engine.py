@@ -17,7 +17,13 @@ from punica.factory import engine_on_model
 from punica.lora.pool import slot_bytes
 from punica.models.loader import load_hf_dir
 from punica.models.quantized import Linear
-from punica.ops.linear import CPU_SKINNY_BLOCK, FEW_ROWS_PATHS, MAX_CPU_SKINNY_ROWS, cpu_packing_available
+from punica.ops.linear import (
+    CPU_SKINNY_BLOCK,
+    FEW_ROWS_PATHS,
+    MAX_CPU_SKINNY_ROWS,
+    MIN_CPU_PACKED_ROWS,
+    cpu_packing_available,
+)
 
 
 @pytest.mark.slow
@@ -73,10 +79,10 @@ def test_cpu_gemms_of_few_rows_take_the_path_chosen_for_their_shape(setup, greed
     plain = make_engine(setup, max_batch_size=4, page_size=4)
     shapes = {tuple(m.weight.shape) for m in plain.executor.worker.runner.model.modules() if isinstance(m, Linear)}
     monkeypatch.undo()  # memory to pack with again
-    monkeypatch.setattr("punica.ops.linear.CHOSEN_PATHS", dict.fromkeys(shapes, path))
+    monkeypatch.setattr("punica.ops.linear.CHOSEN_PATHS", dict.fromkeys(shapes, (path,) * (MIN_CPU_PACKED_ROWS - 1)))
     engine = make_engine(setup, max_batch_size=4, page_size=4)
     linears = [m for m in engine.executor.worker.runner.model.modules() if isinstance(m, Linear)]
-    assert linears and all(linear.packed.few_rows == path for linear in linears)
+    assert linears and all(linear.packed.few_rows == (path,) * (MIN_CPU_PACKED_ROWS - 1) for linear in linears)
     assert [o.token_ids for o in run_all(engine, requests, greedy)] == [o.token_ids for o in run_all(plain, requests,
                                                                                                        greedy)]
 

@@ -109,7 +109,7 @@ class CountedPacking(ops.PackedWeight):
 
 @needs_packing
 @pytest.mark.parametrize("rows", [0, 1, 2, 3, 8, 9, 16, 17, 64])
-def test_packed_weight_runs_rows_from_three(rows):
+def test_packed_weight_runs_rows_from_four(rows):
     """From MIN_CPU_PACKED_ROWS fp32 rows the packed weight computes F.linear (up to the summation
     order), with and without bias, on strided rows too; fewer rows take the unpacked path exactly."""
     gen = torch.Generator().manual_seed(rows)
@@ -169,9 +169,10 @@ def test_a_packed_linear_pickles_and_copies_without_its_reordered_copy():
     layer.pack_cpu()
     x = torch.randn(5, 64, generator=gen)
     expected = F.linear(x, layer.weight, layer.bias)
-    layer.packed.few_rows = "mkl"
+    layer.packed.few_rows = ("mkl", "packed", "skinny")
     for other in (pickle.loads(pickle.dumps(layer)), copy.deepcopy(layer)):
-        assert other.packed is not None and other.packed._packed is None and other.packed.few_rows == "mkl"
+        assert other.packed is not None and other.packed._packed is None
+        assert other.packed.few_rows == ("mkl", "packed", "skinny")
         with torch.no_grad():
             torch.testing.assert_close(other(x), expected, rtol=1e-5, atol=1e-5)
         assert other.packed._packed is not None
@@ -212,15 +213,16 @@ def test_real_shapes_each_tile(tile, n, k, tokens):
 
 @needs_packing
 @pytest.mark.parametrize("path", ops.FEW_ROWS_PATHS)
-@pytest.mark.parametrize("rows", [1, 2])
+@pytest.mark.parametrize("rows", [1, 2, 3])
 def test_each_few_rows_path_computes_f_linear(path, rows):
-    """A packed weight's `few_rows` path computes F.linear (up to the summation order), with and
-    without bias, on strided rows too; only "packed" reads the packed copy."""
+    """A packed weight's `few_rows` path for its row count computes F.linear (up to the summation
+    order), with and without bias, on strided rows too; only "packed" reads the packed copy."""
     gen = torch.Generator().manual_seed(rows)
     x, weight = torch.randn(rows, 400, generator=gen)[:, ::2], torch.randn(70, 200, generator=gen)
     bias = torch.randn(70, generator=gen)
     packed = CountedPacking(weight)
-    packed.few_rows = path
+    other = next(p for p in ops.FEW_ROWS_PATHS if p != path)  # what the other row counts would run
+    packed.few_rows = tuple(path if r == rows else other for r in range(1, ops.MIN_CPU_PACKED_ROWS))
     for b in (None, bias):
         calls = packed.calls
         out = ops.linear(x, weight, b, packed)
@@ -230,36 +232,38 @@ def test_each_few_rows_path_computes_f_linear(path, rows):
 
 
 @needs_packing
-def test_few_rows_paths_are_chosen_per_shape_by_their_times():
-    """Each shape takes the path its times make fastest, on every weight of that shape; a shape
-    already chosen keeps its path untimed, and one of few bytes keeps W @ x^T untimed."""
+def test_few_rows_paths_are_chosen_per_shape_and_row_count_by_their_times():
+    """Each shape takes, at each row count, the path its times there make fastest, on every weight
+    of that shape; a shape already chosen keeps its paths untimed, and one of few bytes keeps W @
+    x^T untimed."""
     big = ops.MIN_TIMED_BYTES // (4 * 64 * 2) + 1  # rows of two [big, 64] fp32 weights past MIN_TIMED_BYTES
-    shapes = {(big, 64): {"skinny": 3.0, "mkl": 1.0, "packed": 2.0},
-              (64, big): {"skinny": 3.0, "mkl": 2.0, "packed": 1.0},
-              (big + 1, 64): {"skinny": 1.0, "mkl": 2.0, "packed": 3.0},
-              (8, 64): {"skinny": 3.0, "mkl": 1.0, "packed": 1.0}}
+    fast = {"skinny": {"skinny": 1.0, "mkl": 2.0, "packed": 3.0}, "mkl": {"skinny": 3.0, "mkl": 1.0, "packed": 2.0},
+            "packed": {"skinny": 3.0, "mkl": 2.0, "packed": 1.0}}
+    shapes = {(big, 64): ("mkl", "mkl", "packed"), (64, big): ("packed", "skinny", "mkl"),
+              (big + 1, 64): ("skinny",) * 3, (8, 64): ("mkl",) * 3}
     linears = [(w, ops.PackedWeight(w)) for shape in shapes for w in (torch.zeros(shape), torch.zeros(shape))]
     timed = []
 
     def path_times(group):
         timed.append(tuple(group[0][0].shape))
-        return shapes[timed[-1]]
+        return [fast[path] for path in shapes[timed[-1]]]
 
-    chosen = {(big + 1, 64): "packed"}
+    chosen = {(big + 1, 64): ("packed", "packed", "mkl")}
     paths = ops.choose_few_rows_paths(linears, path_times, chosen)
-    assert paths == {(big, 64): "mkl", (64, big): "packed", (big + 1, 64): "packed", (8, 64): "skinny"}
+    assert paths == {(big, 64): ("mkl", "mkl", "packed"), (64, big): ("packed", "skinny", "mkl"),
+                     (big + 1, 64): ("packed", "packed", "mkl"), (8, 64): ("skinny",) * 3}
     assert timed == [(big, 64), (64, big)]
-    assert chosen == {(big, 64): "mkl", (64, big): "packed", (big + 1, 64): "packed"}
+    assert chosen == {shape: paths[shape] for shape in [(big, 64), (64, big), (big + 1, 64)]}
     assert all(packed.few_rows == paths[tuple(w.shape)] for w, packed in linears)
 
 
 @needs_packing
 def test_few_rows_path_times_times_every_path_at_every_few_row_count():
-    """A clock that ticks once a call: each path's time is one pass a row count under
-    MIN_CPU_PACKED_ROWS (the fastest of TIMING_ROUNDS after a warm-up pass)."""
+    """A clock that ticks once a call: each path's time at each row count under MIN_CPU_PACKED_ROWS
+    is one pass (the fastest of TIMING_ROUNDS after a warm-up pass)."""
     ticks = iter(range(10_000))
     group = [(w, ops.PackedWeight(w)) for w in (torch.randn(16, 8), torch.randn(16, 8))]
     times = ops.few_rows_path_times(group, clock=lambda: float(next(ticks)))
-    assert times == {path: float(ops.MIN_CPU_PACKED_ROWS - 1) for path in ops.FEW_ROWS_PATHS}
+    assert times == [dict.fromkeys(ops.FEW_ROWS_PATHS, 1.0)] * (ops.MIN_CPU_PACKED_ROWS - 1)
     # a start and an end a timed pass, a start for the warm-up
     assert next(ticks) == len(ops.FEW_ROWS_PATHS) * (ops.MIN_CPU_PACKED_ROWS - 1) * (2 * ops.TIMING_ROUNDS + 1)
