@@ -108,7 +108,7 @@ class CountedPacking(ops.PackedWeight):
 
 
 @needs_packing
-@pytest.mark.parametrize("rows", [0, 1, 2, 3, 8, 9, 16, 17, 64])
+@pytest.mark.parametrize("rows", [0, 1, 2, 3, 4, 8, 9, 16, 17, 64])
 def test_packed_weight_runs_rows_from_four(rows):
     """From MIN_CPU_PACKED_ROWS fp32 rows the packed weight computes F.linear (up to the summation
     order), with and without bias, on strided rows too; fewer rows take the unpacked path exactly."""
