@@ -41,17 +41,12 @@ from pathlib import Path
 import httpx
 
 from benchmarks.common import save_figure, write_results
+from benchmarks.served import free_port
 
 HEALTH_S = 1.0
 PROBE_TIMEOUT_S = 5.0
 MAX_LOG_GROWTH_BYTES = 1 << 20
 PARTIAL_HEAD = b"GET /health HTTP/1.1\r\nHost: x\r\n"  # the blank line that would end it never comes
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def probe(url: str) -> dict:

@@ -46,8 +46,6 @@ import json
 import os
 import random
 import signal
-import socket
-import subprocess
 import sys
 import tempfile
 import time
@@ -60,6 +58,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from benchmarks.common import percentile, save_figure, write_results
+from benchmarks.served import free_port, start_server
 from benchmarks.soak_tenants import (
     BASE,
     CAPPED_CONCURRENCY,
@@ -101,12 +100,6 @@ HOSTILE_BODIES = [
 OPEN_HOSTILE_ADAPTERS = {"huge": dict(weights=1e30), "nan-weights": dict(weights=float("nan")),
                          "nan-alpha": dict(lora_alpha=float("nan")), "big-alpha": dict(lora_alpha=1e300),
                          "rank-512": dict(r=512), "dora": dict(use_dora=True), "fine": {}}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def make_adapters(root: Path, config: ModelConfig, served: list[str], hostile: dict[str, dict]) -> None:
@@ -456,25 +449,6 @@ def plot(series: list[dict], path: Path, title: str) -> None:
     ax.set_ylabel("server RSS (MB)", fontsize=8)
     ax.grid(True, alpha=0.3)
     save_figure(fig, path, title)
-
-
-def start_server(command: list[str], log_path: Path) -> tuple[subprocess.Popen, str]:
-    """`punica serve` in a subprocess, once /health answers: the process and its URL."""
-    port = int(command[command.index("--port") + 1])
-    server = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=open(log_path, "w"))
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 300
-    while True:
-        try:
-            if httpx.get(url + "/health", timeout=1).status_code == 200:
-                return server, url
-        except httpx.HTTPError:
-            pass
-        if server.poll() is not None or time.monotonic() > deadline:
-            server.terminate()
-            server.wait(60)
-            raise RuntimeError(f"the server did not start:\n{log_path.read_text()[-3000:]}")
-        time.sleep(0.5)
 
 
 def main() -> int:
