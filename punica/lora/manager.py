@@ -45,6 +45,7 @@ from punica.lora.host_arena import HostArena, host_tier_rows
 from punica.lora.names import check_adapter_name
 from punica.lora.pool import LoraPool
 from punica.lora.residency import AdapterCounters
+from punica.ops.cpu_threads import serial_torch
 
 
 @dataclass(frozen=True, eq=False)
@@ -101,7 +102,8 @@ class AdapterManager:
         self.load_started: dict[Registration, float] = {}             # perf_counter of each read or copy in flight
         self.num_errors = 0  # failed reads and unloads so far: when `error` may have changed
         self.num_load_failures = 0  # reads that failed (a broken adapter directory)
-        self.executor = ThreadPoolExecutor(io_threads, thread_name_prefix="punica-lora-io")
+        # no OpenMP team beside the engine thread's (punica.ops.cpu_threads)
+        self.executor = ThreadPoolExecutor(io_threads, thread_name_prefix="punica-lora-io", initializer=serial_torch)
         self.copy_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self.num_loads = 0
 

@@ -142,6 +142,13 @@ def names(registrations):
     return {registration.name for registration in registrations}
 
 
+def test_reads_run_torch_serially_beside_the_engine_thread(base):
+    """The reading threads keep no OpenMP team beside the engine thread's (punica.ops.cpu_threads)."""
+    manager = manager_with(base, 1, 1)
+    load(manager, "t0")
+    assert manager.executor.submit(torch.get_num_threads).result() == 1
+
+
 def test_eviction_is_lru_and_never_takes_a_slot_in_use(base):
     m = manager_with(base, 6, slots=3)
     slots = {n: load(m, n) for n in ("t0", "t1", "t2")}

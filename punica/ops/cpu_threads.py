@@ -1,0 +1,32 @@
+"""Threads beside the engine's that run torch's CPU ops without OpenMP workers of their own.
+
+torch's CPU ops run their parallel parts on OpenMP; GNU libgomp keeps a team of workers for each
+thread that has run parallel work, and once the process holds more such workers than it has cores,
+every team's workers sleep between parallel regions instead of spinning, so each region of an
+engine step waits for them to wake. On a 2-core CPU a decode step of the embedded model took 50 ms
+instead of 33 while one more thread's team existed (the thread that had loaded an adapter).
+Threads that read and check tensors beside a running engine (adapter loads) call
+`serial_torch()` first: their ops then run on the calling thread alone and make no team.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+
+import torch
+
+
+@functools.cache
+def _omp_set_num_threads():
+    """The process's omp_set_num_threads (the OpenMP runtime that torch loaded), or None."""
+    return getattr(ctypes.CDLL(None), "omp_set_num_threads", None)
+
+
+def serial_torch() -> None:
+    """Make this thread's torch CPU ops run without parallel regions (module docstring); where no
+    OpenMP runtime is loaded, they have none to run anyway."""
+    torch.get_num_threads()  # torch sets each thread's OpenMP thread count at its first use: before ours
+    setter = _omp_set_num_threads()
+    if setter is not None:
+        setter(1)
