@@ -11,7 +11,13 @@ engine checks it again when it adds one). A failure inside a step fails the requ
 (each gets a finished output with finish_reason "error"), and the loop keeps serving the others.
 Every finished output, whether a step, an abort or a failure ended the request, goes to
 `on_finished` exactly once.
-"""
+
+The engine is built on that thread too, so that no other thread of the process keeps an OpenMP
+team for torch's CPU ops (punica.ops.cpu_threads): built on the main thread (its weights packed,
+its GEMM paths timed and its latency budget calibrated there), it left the main thread a team, and
+a decode step of the embedded model on a 2-core CPU took 50 ms through the server against 33 ms on
+the engine alone. An adapter read here to check it, beside the engine thread, runs its torch ops
+serially for the same reason."""
 
 from __future__ import annotations
 
@@ -30,18 +36,28 @@ from punica.engine.engine import Engine, RequestOutput
 from punica.engine.sampling_params import SamplingParams
 from punica.engine.tenancy import DEFAULT_SHARE, TenantLimitError, TenantShare, checked_shares, tenant_key
 from punica.lora.adapter import load_adapter
+from punica.ops.cpu_threads import serial_torch
 from punica.server.residency import engine_listing
 
 log = logging.getLogger("punica.server")
 IDLE_WAIT_S = 0.05
 
 
+def _read_serially(*args, **kwargs) -> None:
+    """load_adapter on a thread beside the engine's, its torch ops without an OpenMP team of that
+    thread's (punica.ops.cpu_threads)."""
+    serial_torch()
+    load_adapter(*args, **kwargs)
+
+
 class AsyncEngine:
     STOP_TIMEOUT_S = 10.0
 
-    def __init__(self, engine: Engine, on_step: Callable[[Engine, list[RequestOutput], float], None] | None = None,
+    def __init__(self, build: Callable[[], Engine],
+                 on_step: Callable[[Engine, list[RequestOutput], float], None] | None = None,
                  on_finished: Callable[[RequestOutput], None] | None = None):
-        self.engine = engine
+        """`build` makes the engine, on the engine thread (module docstring); what it raises, this
+        raises."""
         self.on_step = on_step          # after each step: (engine, the step's outputs, seconds)
         self.on_finished = on_finished  # each request's finished output, on the engine thread
         self._commands: queue.Queue[tuple[Callable[[], Any], Future]] = queue.Queue()
@@ -49,10 +65,12 @@ class AsyncEngine:
         self._stop = threading.Event()
         self._shares: dict[str, TenantShare] = {}
         self._num_in_flight: Counter[str | None] = Counter()  # per tenant (tenant_key): what its cap counts
-        # made now, not by the first constrained request on the event loop
-        self._grammars = engine.grammars.pool if engine.tokenizer is not None else None
-        self._thread = threading.Thread(target=self._run, name="punica-engine", daemon=True)
+        built: Future = Future()
+        self._thread = threading.Thread(target=self._run, args=(build, built), name="punica-engine", daemon=True)
         self._thread.start()
+        self.engine: Engine = built.result()
+        # made now, not by the first constrained request on the event loop
+        self._grammars = self.engine.grammars.pool if self.engine.tokenizer is not None else None
 
     # asyncio side ------------------------------------------------------------------------
     async def call(self, fn: Callable[[], Any]) -> Any:
@@ -136,7 +154,7 @@ class AsyncEngine:
         """Read the adapter once (so a broken one fails here, one over the engine's rank before its
         tensors are read), then register it."""
         config = self.engine.config
-        await asyncio.to_thread(load_adapter, path, self.engine.model_config, name,
+        await asyncio.to_thread(_read_serially, path, self.engine.model_config, name,
                                 adapter_dirs=config.adapter_dirs, max_rank=config.max_lora_rank)
         await self.call(lambda: self.engine.load_adapter(name, path))
 
@@ -200,7 +218,13 @@ class AsyncEngine:
             except queue.Empty:
                 return
 
-    def _run(self) -> None:
+    def _run(self, build: Callable[[], Engine], built: Future) -> None:
+        try:
+            self.engine = build()
+        except BaseException as e:  # noqa: BLE001 - raised by the constructor
+            built.set_exception(e)
+            return
+        built.set_result(self.engine)
         try:
             self._serve()
         finally:

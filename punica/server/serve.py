@@ -89,8 +89,9 @@ def build_state(args: EngineArgs, adapters: dict[str, str] | None = None, server
         state = state_of(ClusterBackend(cluster), load_tokenizer(model_dir))
         state.backend.on_finished = state.metrics.finished
         return state
-    engine = build_engine(args, all_adapters)
-    state = state_of(AsyncEngine(engine), engine.tokenizer)
+    backend = AsyncEngine(lambda: build_engine(args, all_adapters))
+    engine = backend.engine
+    state = state_of(backend, engine.tokenizer)
     state.backend.on_step, state.backend.on_finished = state.metrics.on_step, state.metrics.finished
     stats = engine.stats()
     log.info("model %s on %s x%d (%s), context %d tokens, KV cache %d pages of %d tokens", name,

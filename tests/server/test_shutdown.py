@@ -206,7 +206,7 @@ class HungEngine:
 @pytest.mark.slow
 def test_shutdown_with_a_hung_engine_ends_every_request_and_stops(tokenizer, start_server):
     engine = HungEngine()
-    backend = AsyncEngine(engine)
+    backend = AsyncEngine(lambda: engine)
     backend.STOP_TIMEOUT_S = 1
     state = ServerState(backend, tokenizer, "base")
     timeout_s = 1
