@@ -79,11 +79,12 @@ def beside_a_stream(engine, prompt_len: int, vocab: int, rng: random.Random) -> 
     for _ in range(2):  # the gap that ends after the prompt's last chunk
         stamps += stream_stamps(engine, stream)
     stats = gap_stats(stamps, arrival, first, steady)
+    end = stats.pop("max_gap_end")
     engine.abort(stream)
     while engine.has_unfinished():
         engine.step()
-    return {"prompt_tokens": prompt_len, **stats, "max_gap_at_cached": cached.get(stats.pop("max_gap_end")),
-            "ttft_s": first - arrival, "steps": steps}
+    return {"prompt_tokens": prompt_len, **stats, "max_gap_at_cached": cached.get(end), "ttft_s": first - arrival,
+            "steps": steps}
 
 
 def gap_stats(stamps: list[float], arrival: float, first: float, steady: float) -> dict:
