@@ -102,8 +102,10 @@ class AdapterManager:
         self.load_started: dict[Registration, float] = {}             # perf_counter of each read or copy in flight
         self.num_errors = 0  # failed reads and unloads so far: when `error` may have changed
         self.num_load_failures = 0  # reads that failed (a broken adapter directory)
-        # no OpenMP team beside the engine thread's (punica.ops.cpu_threads)
-        self.executor = ThreadPoolExecutor(io_threads, thread_name_prefix="punica-lora-io", initializer=serial_torch)
+        # on a CPU, no OpenMP team beside the engine thread's (punica.ops.cpu_threads); on a GPU the
+        # engine thread runs little parallel CPU work for one to slow, and the reads keep torch's threads
+        self.executor = ThreadPoolExecutor(io_threads, thread_name_prefix="punica-lora-io",
+                                           initializer=serial_torch if self.device.type == "cpu" else None)
         self.copy_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self.num_loads = 0
 

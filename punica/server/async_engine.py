@@ -16,8 +16,8 @@ The engine is built on that thread too, so that no other thread of the process k
 team for torch's CPU ops (punica.ops.cpu_threads): built on the main thread (its weights packed,
 its GEMM paths timed and its latency budget calibrated there), it left the main thread a team, and
 a decode step of the embedded model on a 2-core CPU took 50 ms through the server against 33 ms on
-the engine alone. An adapter read here to check it, beside the engine thread, runs its torch ops
-serially for the same reason."""
+the engine alone. On a CPU, an adapter read here to check it, beside the engine thread, runs its
+torch ops serially for the same reason."""
 
 from __future__ import annotations
 
@@ -154,8 +154,9 @@ class AsyncEngine:
         """Read the adapter once (so a broken one fails here, one over the engine's rank before its
         tensors are read), then register it."""
         config = self.engine.config
-        await asyncio.to_thread(_read_serially, path, self.engine.model_config, name,
-                                adapter_dirs=config.adapter_dirs, max_rank=config.max_lora_rank)
+        read = _read_serially if self.engine.adapters.device.type == "cpu" else load_adapter
+        await asyncio.to_thread(read, path, self.engine.model_config, name, adapter_dirs=config.adapter_dirs,
+                                max_rank=config.max_lora_rank)
         await self.call(lambda: self.engine.load_adapter(name, path))
 
     async def unload_adapter(self, name: str) -> None:
