@@ -5,7 +5,7 @@ thread that has run parallel work, and once the process holds more such workers 
 every team's workers sleep between parallel regions instead of spinning, so each region of an
 engine step waits for them to wake. On a 2-core CPU a decode step of the embedded model took 50 ms
 instead of 33 while one more thread's team existed (the thread that had loaded an adapter).
-Threads that read and check tensors beside a running engine (adapter loads) call
+Threads that read and check tensors beside an engine running on the CPU (adapter loads) call
 `serial_torch()` first: their ops then run on the calling thread alone and make no team.
 """
 
