@@ -98,6 +98,11 @@ class Engine:
         return self.core.overlaps_steps
 
     @property
+    def on_cpu(self) -> bool:
+        """Whether the model runs on the CPU (where its adapters' pool is)."""
+        return self.adapters.device.type == "cpu"
+
+    @property
     def last_step(self) -> StepShape | None:
         """What the last `step` call launched; None if nothing."""
         return self.core.last_step

@@ -154,7 +154,7 @@ class AsyncEngine:
         """Read the adapter once (so a broken one fails here, one over the engine's rank before its
         tensors are read), then register it."""
         config = self.engine.config
-        read = _read_serially if self.engine.adapters.device.type == "cpu" else load_adapter
+        read = _read_serially if self.engine.on_cpu else load_adapter
         await asyncio.to_thread(read, path, self.engine.model_config, name, adapter_dirs=config.adapter_dirs,
                                 max_rank=config.max_lora_rank)
         await self.call(lambda: self.engine.load_adapter(name, path))

@@ -305,4 +305,5 @@ def test_the_server_and_the_cluster_worker_use_the_engines_methods_not_its_parts
     assert not offenders
     engine = make_engine(setup)
     assert engine.model_config is engine.executor.model_config
+    assert engine.on_cpu == (engine.adapters.device.type == "cpu")
     assert engine.adapter_snapshot() == engine.adapters.snapshot() and engine.held_adapters() == []
