@@ -56,6 +56,7 @@ CPU_SKINNY_BLOCK = 8      # columns of W @ x^T whose cost is one step (module do
 MIN_CPU_PACKED_ROWS = 4   # fp32 rows on a CPU from which a packed weight runs them (module docstring)
 PACKED_ROWS_HINT = 8      # the rows oneDNN picks its blocked layout for: 2-512 give one layout, 1 a slower one
 FEW_ROWS_PATHS = ("skinny", "mkl", "packed")  # what fp32 x of fewer than MIN_CPU_PACKED_ROWS rows may run
+UNTIMED_FEW_ROWS = ("skinny",) * (MIN_CPU_PACKED_ROWS - 1)  # a path a few-row count before (or without) timing
 TIMING_ROUNDS = 3         # passes over a shape's weights that choose_few_rows_paths times per path and row count
 MIN_TIMED_BYTES = 16 << 20  # a shape's weights under this many bytes keep W @ x^T untimed (cached: microseconds)
 # each shape's path as first timed in this process: every engine of the process computes alike
@@ -81,7 +82,7 @@ class PackedWeight:
         assert weight.device.type == "cpu" and weight.dtype == torch.float32 and weight.dim() == 2, weight
         self._key: tuple[int, int] | None = None
         self._packed: torch.Tensor | None = None
-        self.few_rows: tuple[str, ...] = ("skinny",) * (MIN_CPU_PACKED_ROWS - 1)
+        self.few_rows: tuple[str, ...] = UNTIMED_FEW_ROWS
         self.of(weight)
 
     def of(self, weight: torch.Tensor) -> torch.Tensor:
@@ -161,7 +162,6 @@ def choose_few_rows_paths(linears: Sequence[tuple[torch.Tensor, PackedWeight]],
     MIN_TIMED_BYTES keeps W @ x^T, untimed: a later engine, or a small model's two, never computes
     otherwise because of a timing's noise. What is timed goes into `chosen` (CHOSEN_PATHS by default)."""
     chosen = CHOSEN_PATHS if chosen is None else chosen
-    untimed = ("skinny",) * (MIN_CPU_PACKED_ROWS - 1)
     groups: dict[tuple[int, int], list[tuple[torch.Tensor, PackedWeight]]] = defaultdict(list)
     for weight, packed in linears:
         groups[tuple(weight.shape)].append((weight, packed))
@@ -170,7 +170,7 @@ def choose_few_rows_paths(linears: Sequence[tuple[torch.Tensor, PackedWeight]],
         for shape, group in groups.items():
             if shape not in chosen and sum(weight.nbytes for weight, _ in group) >= MIN_TIMED_BYTES:
                 chosen[shape] = tuple(min(FEW_ROWS_PATHS, key=times.__getitem__) for times in path_times(group))
-            paths[shape] = chosen.get(shape, untimed)
+            paths[shape] = chosen.get(shape, UNTIMED_FEW_ROWS)
             for _, packed in group:
                 packed.few_rows = paths[shape]
     return paths

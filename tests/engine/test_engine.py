@@ -79,10 +79,11 @@ def test_cpu_gemms_of_few_rows_take_the_path_chosen_for_their_shape(setup, greed
     plain = make_engine(setup, max_batch_size=4, page_size=4)
     shapes = {tuple(m.weight.shape) for m in plain.executor.worker.runner.model.modules() if isinstance(m, Linear)}
     monkeypatch.undo()  # memory to pack with again
-    monkeypatch.setattr("punica.ops.linear.CHOSEN_PATHS", dict.fromkeys(shapes, (path,) * (MIN_CPU_PACKED_ROWS - 1)))
+    paths = (path,) * (MIN_CPU_PACKED_ROWS - 1)  # at every few-row count
+    monkeypatch.setattr("punica.ops.linear.CHOSEN_PATHS", dict.fromkeys(shapes, paths))
     engine = make_engine(setup, max_batch_size=4, page_size=4)
     linears = [m for m in engine.executor.worker.runner.model.modules() if isinstance(m, Linear)]
-    assert linears and all(linear.packed.few_rows == (path,) * (MIN_CPU_PACKED_ROWS - 1) for linear in linears)
+    assert linears and all(linear.packed.few_rows == paths for linear in linears)
     assert [o.token_ids for o in run_all(engine, requests, greedy)] == [o.token_ids for o in run_all(plain, requests,
                                                                                                        greedy)]
 
