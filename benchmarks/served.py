@@ -24,7 +24,8 @@ def free_port() -> int:
 def start_server(command: list[str], log_path: Path) -> tuple[subprocess.Popen, str]:
     """`punica serve` in a subprocess, once /health answers: the process and its URL."""
     port = int(command[command.index("--port") + 1])
-    server = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=open(log_path, "w"))
+    with open(log_path, "w") as log:  # the child writes through its own copy of the descriptor
+        server = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=log)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + START_TIMEOUT_S
     while True:
