@@ -7,7 +7,8 @@ base(x); the LoraLinear adds the group's deltas to its output: one shrink over t
 stacked A and one sliced expand into the fused output (punica.ops.lora), DoRA's out_scales
 applied by the expand. It picks the kernels from the step's LoraBatch: SGMV over the batch's
 leading prefill segments, BGMV per token for the rest; on the CPU (fp32), in batches of several
-adapters, one grouped GEMM per shrink and expand slice over the whole batch (punica.ops.lora_cpu).
+adapters, one grouped GEMM per shrink and expand slice over the whole batch, in batches of fewer, a
+product per segment and slice (punica.ops.lora_cpu).
 On CUDA the shrink runs on a side stream beside the base GEMM (inside captured graphs too: two
 branches joined before the expand), so the GPU overlaps its launch and ramp with the GEMM's; in
 BGMV batches of up to SIDE_STREAM_DELTA_MAX_TOKENS tokens, such as decode steps, the expand's delta
@@ -32,7 +33,7 @@ from punica.lora.batch import LoraBatch
 from punica.lora.experts import LoraExperts
 from punica.lora.pool import GroupWeights, LoraPool
 from punica.ops.lora import add_delta, bgmv_delta, lora_expand, lora_shrink
-from punica.ops.lora_cpu import grouped_applies, grouped_expand, grouped_shrink
+from punica.ops.lora_cpu import grouped_applies, grouped_expand, grouped_shrink, segment_lora, segments_apply
 
 # BGMV batches of up to this many tokens compute the expand's delta on the side stream too,
 # beside the base GEMM, into a float32 [tokens, h_out] buffer that the main stream then adds
@@ -81,6 +82,9 @@ class LoraLinear(nn.Module):
                 groups = lora.slot_groups(w.lora_a.shape[0])
                 grouped_expand(y, grouped_shrink(x, w.lora_a, groups), w.lora_b, w.scales, lora.token_scales, groups,
                                w.slice_bounds, dora)
+            elif segments_apply(x, w.lora_a, w.lora_b, lora.sgmv_tokens):
+                segment_lora(y, x, w.lora_a, w.lora_b, w.scales, lora.token_scales, lora.seg_indptr, lora.seg_slots,
+                             w.slice_bounds, dora)
             else:
                 lora_expand(y, lora_shrink(x, w.lora_a, lora), w.lora_b, w.scales, lora, w.slice_bounds, dora)
             return y

@@ -124,13 +124,16 @@ def test_model_adds_lora_once_per_group(monkeypatch, punica_config, tiny_llama):
     calls = []
     shrinks = []
     # the references' pair, or on the CPU the grouped one (punica.ops.lora_cpu), whose expand takes
-    # the slice bounds one argument later
+    # the slice bounds one argument later, or segment_lora, both in one call
     for shrink, expand, bounds_at in (("lora_shrink", "lora_expand", 4), ("grouped_shrink", "grouped_expand", 5)):
         real_shrink, real_expand = getattr(layers, shrink), getattr(layers, expand)
         monkeypatch.setattr(layers, shrink, lambda x, *args, real=real_shrink: shrinks.append(x.shape[1])
                             or real(x, *args))
         monkeypatch.setattr(layers, expand, lambda y, *args, real=real_expand, at=bounds_at:
                             calls.append((y.shape[1], args[at])) or real(y, *args))
+    real_segments = layers.segment_lora
+    monkeypatch.setattr(layers, "segment_lora", lambda y, x, *args: shrinks.append(x.shape[1])
+                        or calls.append((y.shape[1], args[6])) or real_segments(y, x, *args))
     attn = AttnBatch.build([3], [3], [[0]], 4, 1)
     model(torch.tensor([5, 6, 7]), ForwardBatch(attn, LoraBatch.build([0], [3]), model.new_kv_cache(2, 4)))
     c = model.config

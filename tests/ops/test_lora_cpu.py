@@ -1,6 +1,6 @@
-"""The CPU's grouped LoRA (punica.ops.lora_cpu) against the references of punica.ops.lora: mixed
-adapters (repeated in separate segments, and tokens without one), mixed ranks, sliced groups,
-per-token scales and DoRA slots, in fp32."""
+"""The CPU's LoRA forms (punica.ops.lora_cpu: the grouped GEMMs and segment_lora) against the
+references of punica.ops.lora: mixed adapters (repeated in separate segments, and tokens without
+one), mixed ranks, sliced groups, per-token scales and DoRA slots, in fp32."""
 
 import random
 import zlib
@@ -13,7 +13,7 @@ from punica.ops import lora as ops
 from punica.ops import lora_cpu
 from punica.workloads import WORKLOADS, adapter_ids
 
-pytestmark = pytest.mark.skipif(not lora_cpu.grouped_available(), reason="this torch has no CPU grouped GEMM")
+needs_grouped = pytest.mark.skipif(not lora_cpu.grouped_available(), reason="this torch has no CPU grouped GEMM")
 
 
 def make_group(num_slots, ranks, h_in, slices, gen, max_rank=16):
@@ -47,10 +47,20 @@ def grouped(y, x, a, b, scales, batch, bounds, dora):
     return out
 
 
+def segments(y, x, a, b, scales, batch, bounds, dora):
+    out = y.clone()
+    lora_cpu.segment_lora(out, x, a, b, scales, batch.token_scales, batch.seg_indptr, batch.seg_slots, bounds, dora)
+    return out
+
+
+FORMS = [pytest.param(grouped, id="grouped", marks=needs_grouped), pytest.param(segments, id="segments")]
+
+
+@pytest.mark.parametrize("form", FORMS)
 @pytest.mark.parametrize("workload", WORKLOADS)
 @pytest.mark.parametrize("slices", [(40,), (24, 8, 8), (30, 30)])
 @pytest.mark.parametrize("with_dora", [False, True])
-def test_grouped_lora_is_the_reference(workload, slices, with_dora):
+def test_cpu_lora_is_the_reference(form, workload, slices, with_dora):
     rng = random.Random(zlib.crc32(repr((workload, slices, with_dora)).encode()))
     gen = torch.Generator().manual_seed(rng.randrange(2**31))
     num_requests, h_in = 14, 72
@@ -68,13 +78,14 @@ def test_grouped_lora_is_the_reference(workload, slices, with_dora):
     y = torch.randn(sum(req_lens), sum(slices), generator=gen)
     d = dora if with_dora else None
     expect = reference(y, x, a, b, scales, batch, bounds, d)
-    got = grouped(y, x, a, b, scales, batch, bounds, d)
+    got = form(y, x, a, b, scales, batch, bounds, d)
     torch.testing.assert_close(got, expect, rtol=1e-5, atol=1e-5)
     no_lora = batch.token_slots < 0
     assert no_lora.any() and torch.equal(got[no_lora], y[no_lora])
     assert not torch.equal(got[~no_lora], y[~no_lora])
 
 
+@needs_grouped
 def test_grouped_shrink_of_distinct_decodes_is_each_tokens_product():
     """One token per adapter, the decode step of a batch of distinct adapters: each row of v is that
     token's product with its slot's A, exactly; rows without an adapter are zero."""
@@ -88,12 +99,13 @@ def test_grouped_shrink_of_distinct_decodes_is_each_tokens_product():
         assert torch.equal(v[t], (x[t:t + 1] @ a[slot].T)[0] if slot >= 0 else torch.zeros(16))
 
 
-def test_a_batch_without_adapters_leaves_y_alone():
+@pytest.mark.parametrize("form", FORMS)
+def test_a_batch_without_adapters_leaves_y_alone(form):
     gen = torch.Generator().manual_seed(4)
     a, b, scales, dora, bounds = make_group(3, [4, 4, 4], 32, (20,), gen)
     batch = LoraBatch.build([-1, -1], [2, 3])
     x, y = torch.randn(5, 32, generator=gen), torch.randn(5, 20, generator=gen)
-    assert torch.equal(grouped(y, x, a, b, scales, batch, bounds, dora), y)
+    assert torch.equal(form(y, x, a, b, scales, batch, bounds, dora), y)
 
 
 def test_slot_groups_sort_the_tokens_with_an_adapter_by_slot():
@@ -104,6 +116,7 @@ def test_slot_groups_sort_the_tokens_with_an_adapter_by_slot():
     assert batch.slot_groups(4) is groups
 
 
+@needs_grouped
 def test_grouped_lora_applies_to_cpu_fp32_with_aligned_strides_and_several_segments_only():
     """fp32 on the CPU, h_in and the padded rank multiples of 4 (the grouped GEMM's 16-byte strides),
     a batch of at least MIN_SEGMENTS segments."""
@@ -113,3 +126,23 @@ def test_grouped_lora_applies_to_cpu_fp32_with_aligned_strides_and_several_segme
     assert not lora_cpu.grouped_applies(torch.zeros(3, 8, dtype=torch.bfloat16), a.bfloat16(), b.bfloat16(), n)
     assert not lora_cpu.grouped_applies(torch.zeros(3, 6), torch.zeros(2, 4, 6), b, n)
     assert not lora_cpu.grouped_applies(torch.zeros(3, 8), torch.zeros(2, 6, 8), torch.zeros(2, 6, 6), n)
+
+
+def test_segments_apply_to_cpu_fp32_batches_whose_tokens_are_all_in_segments():
+    a, b = torch.zeros(2, 4, 8), torch.zeros(2, 6, 4)
+    assert lora_cpu.segments_apply(torch.zeros(3, 8), a, b, sgmv_tokens=3)
+    assert not lora_cpu.segments_apply(torch.zeros(3, 8), a, b, sgmv_tokens=2)
+    assert not lora_cpu.segments_apply(torch.zeros(3, 8, dtype=torch.bfloat16), a.bfloat16(), b.bfloat16(), 3)
+
+
+def test_one_decode_token_on_one_adapter_gets_its_delta():
+    """The single stream's decode step: y += scale * token scale * x @ A.T @ B.T, slice by slice."""
+    gen = torch.Generator().manual_seed(5)
+    a, b, scales, dora, bounds = make_group(4, [8, 8, 8, 8], 32, (24, 8, 8), gen)
+    batch = LoraBatch.build([2], [1], request_scales=[0.5])
+    x, y = torch.randn(1, 32, generator=gen), torch.randn(1, 40, generator=gen)
+    got = segments(y, x, a, b, scales, batch, bounds, None)
+    expect = y.clone()
+    for j, (lo, hi) in enumerate(zip(bounds, bounds[1:])):
+        expect[:, lo:hi] += 0.5 * scales[2] * (x @ a[2, j * 16:(j + 1) * 16].T) @ b[2, lo:hi].T
+    torch.testing.assert_close(got, expect, rtol=1e-5, atol=1e-5)
