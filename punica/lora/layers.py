@@ -3,7 +3,8 @@
 Each projection group of a decoder layer (q/k/v, o, gate/up, down: punica.lora.pool.GROUPS) is
 one fused base linear wrapped in a LoraLinear. The base is whichever linear it is given
 (punica.models.quantized's Linear or Fp8Linear, or a tensor-parallel shard of either), called as
-base(x); the LoraLinear adds the group's deltas to its output: one shrink over the group's
+base(x), or base(x, beside_lora=True) where the side stream below runs beside it (the fp8 base
+picks its GEMM by it); the LoraLinear adds the group's deltas to its output: one shrink over the group's
 stacked A and one sliced expand into the fused output (punica.ops.lora), DoRA's out_scales
 applied by the expand. It picks the kernels from the step's LoraBatch: SGMV over the batch's
 leading prefill segments, BGMV per token for the rest; on the CPU (fp32), in batches of several
@@ -97,7 +98,7 @@ class LoraLinear(nn.Module):
             v = lora_shrink(x, w.lora_a, lora)
             delta = (bgmv_delta(v, w.lora_b, lora.token_slots, w.scales, w.slice_bounds, lora.token_scales)
                      if lora.sgmv_tokens == 0 and x.shape[0] <= SIDE_STREAM_DELTA_MAX_TOKENS else None)
-        y = self.base(x)
+        y = self.base(x, beside_lora=True)
         main.wait_stream(stream)
         if delta is None:
             lora_expand(y, v, w.lora_b, w.scales, lora, w.slice_bounds, dora)

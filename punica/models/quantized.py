@@ -51,7 +51,9 @@ class Linear(nn.Linear):
         """Keep a copy of the (CPU fp32) weight in oneDNN's blocked layout for steps of many rows."""
         self.packed = PackedWeight(self.weight)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, beside_lora: bool = False) -> torch.Tensor:
+        """beside_lora: LoRA's side stream runs beside this GEMM (Fp8Linear's GEMM depends on it;
+        this one's does not)."""
         return linear(x, self.weight, self.bias, self.packed)
 
 
@@ -68,8 +70,9 @@ class Fp8Linear(nn.Module):
                                  requires_grad=False) if bias else None
         self.dtype = dtype  # the activations': what `dequantized` rounds to
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return fp8_linear(x, self.weight, self.weight_scale, self.block_size, self.bias)
+    def forward(self, x: torch.Tensor, beside_lora: bool = False) -> torch.Tensor:
+        """beside_lora: LoRA's side stream runs beside this GEMM (punica.ops.fp8.gemm_path)."""
+        return fp8_linear(x, self.weight, self.weight_scale, self.block_size, self.bias, beside_lora)
 
     def dequantized(self) -> torch.Tensor:
         """The weight [N, K] in the activation dtype, as the reference path computes with it."""

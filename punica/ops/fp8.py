@@ -14,7 +14,8 @@ scale is a per-channel one repeated over the rows it covers, which the loader do
 `fp8_linear(x, weight, scales, block_size, bias)` = x @ W^T + bias in x's dtype. Its reference
 (`fp8_linear_ref`, the spec, the CPU path) dequantizes W to x's dtype and runs F.linear. On CUDA:
 
-  * token counts up to WEIGHT_ONLY_MAX_TOKENS, and block scales at any count: the weight-only
+  * token counts up to WEIGHT_ONLY_MAX_TOKENS (WEIGHT_ONLY_MAX_TOKENS_BESIDE_LORA where LoRA's side
+    stream runs beside the GEMM: `beside_lora`), and block scales at any count: the weight-only
     Triton GEMM (punica.ops.fp8_triton), which streams the 1-byte weight, widens it to x's dtype
     in registers, and applies the scales to the fp32 accumulator (per K tile for block scales);
   * more tokens with per-channel scales (bf16 activations; N and K multiples of 16): the fp8
@@ -42,6 +43,12 @@ from punica.ops.fp8_format import FP8_DTYPE, FP8_MAX, MIN_ACTIVATION_AMAX
 # (activations quantized included), at 48 and 64 tokens 136.2 and 141.9 against 111.2 and 114.1.
 WEIGHT_ONLY_MAX_TOKENS = 32
 W8A8_MAX_TOKENS = 128
+# Beside LoRA's side stream (punica.lora.layers.LoraLinear, steps where some token has an adapter)
+# the weight-only GEMM loses to the W8A8 GEMM from 17 tokens: benchmarks.textgen --workloads
+# distinct --quantizations fp8 (96 requests, 7B shape) on the H100 serves 3,040.0 tokens/s with
+# 17-32 such tokens on the W8A8 GEMM against 2,773.5 with them on the weight-only GEMM, and 3,030.3
+# with 1-32 on the W8A8 GEMM (docs/benchmarks.md#fp8-beside-lora).
+WEIGHT_ONLY_MAX_TOKENS_BESIDE_LORA = 16
 
 
 def quantize_per_channel(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -96,9 +103,10 @@ def fp8_linear_scaled_mm(x: torch.Tensor, weight: torch.Tensor, scales: torch.Te
     return out if bias is None else out.add_(bias)
 
 
-def gemm_path(x: torch.Tensor, weight: torch.Tensor, block_size: tuple[int, int] | None) -> str:
-    """Which GEMM fp8_linear runs (module docstring), from shapes and dtypes only: "reference",
-    "weight_only", "w8a8" or "scaled_mm"."""
+def gemm_path(x: torch.Tensor, weight: torch.Tensor, block_size: tuple[int, int] | None,
+              beside_lora: bool = False) -> str:
+    """Which GEMM fp8_linear runs (module docstring), from shapes, dtypes and `beside_lora` only:
+    "reference", "weight_only", "w8a8" or "scaled_mm"."""
     from punica.ops.fp8_triton import block_k_for
     if not x.is_cuda:
         return "reference"
@@ -106,7 +114,7 @@ def gemm_path(x: torch.Tensor, weight: torch.Tensor, block_size: tuple[int, int]
     tensor_cores = block_size is None and x.dtype == torch.bfloat16 and n % 16 == 0 and k % 16 == 0
     if tensor_cores and x.shape[0] > W8A8_MAX_TOKENS:
         return "scaled_mm"
-    if tensor_cores and x.shape[0] > WEIGHT_ONLY_MAX_TOKENS:
+    if tensor_cores and x.shape[0] > (WEIGHT_ONLY_MAX_TOKENS_BESIDE_LORA if beside_lora else WEIGHT_ONLY_MAX_TOKENS):
         return "w8a8"
     if block_k_for(block_size) is None:  # scale blocks of no power-of-two width: dequantized (slow, exact)
         return "reference"
@@ -114,15 +122,16 @@ def gemm_path(x: torch.Tensor, weight: torch.Tensor, block_size: tuple[int, int]
 
 
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, block_size: tuple[int, int] | None,
-               bias: torch.Tensor | None = None) -> torch.Tensor:
+               bias: torch.Tensor | None = None, beside_lora: bool = False) -> torch.Tensor:
     """A linear layer over fp8 weights.
 
         x: [T, K] (bf16, fp16 or fp32), weight: [N, K] float8_e4m3fn, scales: float32 [N] (block_size
         None) or [ceil(N / B0), ceil(K / B1)] (block_size (B0, B1)), bias: None or [N] in x's dtype
         out[t, n] = sum_k x[t, k] * W[n, k] + bias[n]   in x's dtype, W as in the module docstring
+        beside_lora: whether LoRA's side stream runs beside this GEMM (picks the kernel, gemm_path)
     """
     assert weight.dtype == FP8_DTYPE and x.shape[-1] == weight.shape[1], (x.shape, weight.shape, weight.dtype)
-    path = gemm_path(x, weight, block_size)
+    path = gemm_path(x, weight, block_size, beside_lora)
     if path == "scaled_mm":
         return fp8_linear_scaled_mm(x, weight, scales, bias)
     if path == "w8a8":

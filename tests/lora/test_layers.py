@@ -12,6 +12,7 @@ from punica.lora.pool import GROUPS, LoraPool
 from punica.models.decoder import DecoderForCausalLM
 from punica.models.forward_batch import ForwardBatch
 from punica.models.quantized import Fp8Format, Fp8Linear, Linear
+from punica.ops import fp8
 from punica.ops.attention import AttnBatch
 from punica.ops.fp8 import quantize_per_channel
 
@@ -146,3 +147,35 @@ def test_model_adds_lora_once_per_group(monkeypatch, punica_config, tiny_llama):
     calls.clear()
     model(torch.tensor([5, 6, 7]), ForwardBatch(attn, LoraBatch.build([-1], [3]), model.new_kv_cache(2, 4)))
     assert calls == [] and len(shrinks) == 4 * c.num_layers
+
+
+@pytest.mark.cuda
+def test_fp8_base_beside_adapters_is_told_so(monkeypatch, punica_config, tiny_llama):
+    """On CUDA the base GEMM runs beside the side stream and is told so: 24 decode tokens with
+    adapters run the fp8 base on the W8A8 GEMM (punica.ops.fp8.WEIGHT_ONLY_MAX_TOKENS_BESIDE_LORA),
+    the same tokens without adapters on the weight-only GEMM; the output is that base's plus each
+    token's delta."""
+    config = punica_config(tiny_llama())
+    pool = LoraPool(config, max_loras=2, max_rank=8, dtype=torch.bfloat16, device="cuda")
+    for slot in range(2):
+        pool.write(slot, random_adapter(config, rank=8, seed=slot, scale=0.5))
+    h_in, _ = config.projection_shapes()["gate_proj"]
+    h_out = sum(config.projection_shapes()[p][1] for p in GROUPS["gate_up"])
+    gen = torch.Generator().manual_seed(9)
+    base = Fp8Linear(h_in, h_out, False, Fp8Format(), torch.bfloat16, "cuda")
+    weight, scales = quantize_per_channel(torch.randn(h_out, h_in, generator=gen) * 0.1)
+    base.weight.data, base.weight_scale.data = weight.cuda(), scales.cuda()
+    layer = LoraLinear(base, LAYER, "gate_up")
+    attach_pool(layer, pool)
+    x = torch.randn(24, h_in, generator=gen).to("cuda", torch.bfloat16)
+    paths = []
+    gemm_path = fp8.gemm_path
+    monkeypatch.setattr(fp8, "gemm_path", lambda *args: paths.append(gemm_path(*args)) or paths[-1])
+    slots = [0, 1, -1] * 8
+    got = layer(x, LoraBatch.build(slots, [1] * 24, device="cuda"))
+    assert paths == ["w8a8"]
+    assert torch.equal(layer(x, LoraBatch.build([-1] * 24, [1] * 24, device="cuda")), base(x))
+    assert paths == ["w8a8", "weight_only", "weight_only"]
+    want = expected(base(x, beside_lora=True), x, pool.group_weights(LAYER, "gate_up"),
+                    LoraBatch.build(slots, [1] * 24, device="cuda"))
+    torch.testing.assert_close(got.double(), want, rtol=2e-2, atol=2e-2)

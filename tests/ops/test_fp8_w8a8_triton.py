@@ -91,3 +91,22 @@ def test_w8a8_path_real_shapes(num_tokens, n, k):
     got = fp8.fp8_linear(x, weight, scales, None, bias)
     assert bf16_error(got, fp8.fp8_linear_ref(x, weight, scales, None, bias)) < 4e-2
     assert bf16_error(got, fp8.fp8_linear_scaled_mm(x, weight, scales, bias)) < 1e-2
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("num_tokens,beside_lora,path", [
+    (fp8.WEIGHT_ONLY_MAX_TOKENS_BESIDE_LORA, True, "weight_only"),
+    (fp8.WEIGHT_ONLY_MAX_TOKENS_BESIDE_LORA + 1, True, "w8a8"),
+    (fp8.WEIGHT_ONLY_MAX_TOKENS, True, "w8a8"),
+    (fp8.WEIGHT_ONLY_MAX_TOKENS_BESIDE_LORA + 1, False, "weight_only"),
+])
+def test_path_beside_lora(num_tokens, beside_lora, path):
+    """Beside LoRA's side stream the W8A8 GEMM takes over from fewer tokens; fp8_linear runs the path
+    gemm_path names (its output is the W8A8 kernel's exactly where that is the path)."""
+    gen = torch.Generator().manual_seed(num_tokens)
+    weight, scales = random_weight(4096, 4096, gen, "cuda")
+    x = torch.randn(num_tokens, 4096, generator=gen).to("cuda", torch.bfloat16)
+    assert fp8.gemm_path(x, weight, None, beside_lora) == path
+    got = fp8.fp8_linear(x, weight, scales, None, beside_lora=beside_lora)
+    assert torch.equal(got, kernels.fp8_linear_w8a8_triton(x, weight, scales)) == (path == "w8a8")
+    assert bf16_error(got, fp8.fp8_linear_ref(x, weight, scales, None)) < 4e-2
