@@ -159,7 +159,7 @@ def test_fp8_base_beside_adapters_is_told_so(monkeypatch, punica_config, tiny_ll
     pool = LoraPool(config, max_loras=2, max_rank=8, dtype=torch.bfloat16, device="cuda")
     for slot in range(2):
         pool.write(slot, random_adapter(config, rank=8, seed=slot, scale=0.5))
-    h_in, _ = config.projection_shapes()["gate_proj"]
+    h_in, _ = config.projection_shapes()["gate"]
     h_out = sum(config.projection_shapes()[p][1] for p in GROUPS["gate_up"])
     gen = torch.Generator().manual_seed(9)
     base = Fp8Linear(h_in, h_out, False, Fp8Format(), torch.bfloat16, "cuda")
