@@ -4,12 +4,12 @@ Each projection group of a decoder layer (q/k/v, o, gate/up, down: punica.lora.p
 one fused base linear wrapped in a LoraLinear. The base is whichever linear it is given
 (punica.models.quantized's Linear or Fp8Linear, or a tensor-parallel shard of either), called as
 base(x), or base(x, beside_lora=True) where the side stream below runs beside it (the fp8 base
-picks its GEMM by it); the LoraLinear adds the group's deltas to its output: one shrink over the group's
-stacked A and one sliced expand into the fused output (punica.ops.lora), DoRA's out_scales
-applied by the expand. It picks the kernels from the step's LoraBatch: SGMV over the batch's
-leading prefill segments, BGMV per token for the rest; on the CPU (fp32), in batches of several
-adapters, one grouped GEMM per shrink and expand slice over the whole batch, in batches of fewer, a
-product per segment and slice (punica.ops.lora_cpu).
+picks its GEMM by it); the LoraLinear adds the group's deltas to its output: one shrink over the
+group's stacked A and one sliced expand into the fused output (punica.ops.lora), DoRA's
+out_scales applied by the expand. It picks the kernels from the step's LoraBatch: SGMV over the
+batch's leading prefill segments, BGMV per token for the rest; on the CPU (fp32), in batches of
+several adapters, one grouped GEMM per shrink and expand slice over the whole batch, in batches of
+fewer, a product per segment and slice (punica.ops.lora_cpu).
 On CUDA the shrink runs on a side stream beside the base GEMM (inside captured graphs too: two
 branches joined before the expand), so the GPU overlaps its launch and ramp with the GEMM's; in
 BGMV batches of up to SIDE_STREAM_DELTA_MAX_TOKENS tokens, such as decode steps, the expand's delta
