@@ -52,6 +52,7 @@ def _read_serially(*args, **kwargs) -> None:
 
 class AsyncEngine:
     STOP_TIMEOUT_S = 10.0
+    engine: Engine  # set by the engine thread, which builds it, before the constructor returns
 
     def __init__(self, build: Callable[[], Engine],
                  on_step: Callable[[Engine, list[RequestOutput], float], None] | None = None,
@@ -68,7 +69,7 @@ class AsyncEngine:
         built: Future = Future()
         self._thread = threading.Thread(target=self._run, args=(build, built), name="punica-engine", daemon=True)
         self._thread.start()
-        self.engine: Engine = built.result()
+        built.result()
         # made now, not by the first constrained request on the event loop
         self._grammars = self.engine.grammars.pool if self.engine.tokenizer is not None else None
 
@@ -225,7 +226,7 @@ class AsyncEngine:
         except BaseException as e:  # noqa: BLE001 - raised by the constructor
             built.set_exception(e)
             return
-        built.set_result(self.engine)
+        built.set_result(None)
         try:
             self._serve()
         finally:
