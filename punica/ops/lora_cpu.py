@@ -51,12 +51,16 @@ def grouped_available() -> bool:
     return out.shape == (2, 4) and bool((out == 4).all())
 
 
+def _cpu_fp32(x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor) -> bool:
+    """Whether x and the group's weights are the CPU's model dtype, fp32, on the CPU: what both forms need."""
+    return x.device.type == "cpu" and x.dtype == lora_a.dtype == lora_b.dtype == torch.float32
+
+
 def grouped_applies(x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor, num_segments: int) -> bool:
     """Whether a group's LoRA on these tensors (x [T, h_in], lora_a [S, n*R, h_in], lora_b
     [S, h_out, R]) in a batch of `num_segments` segments runs here (CPU, fp32, h_in and R multiples
     of 4, at least MIN_SEGMENTS segments) rather than the references."""
-    return (num_segments >= MIN_SEGMENTS and x.device.type == "cpu"
-            and x.dtype == lora_a.dtype == lora_b.dtype == torch.float32
+    return (num_segments >= MIN_SEGMENTS and _cpu_fp32(x, lora_a, lora_b)
             and x.shape[1] % 4 == 0 and lora_b.shape[2] % 4 == 0 and grouped_available())
 
 
@@ -114,8 +118,7 @@ def grouped_expand(y: torch.Tensor, v: torch.Tensor, lora_b: torch.Tensor, scale
 def segments_apply(x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor, sgmv_tokens: int) -> bool:
     """Whether `segment_lora` runs a group's LoRA on these tensors: CPU, fp32, every token in the
     batch's segments (LoraBatch.build's choice on the CPU)."""
-    return (x.device.type == "cpu" and x.dtype == lora_a.dtype == lora_b.dtype == torch.float32
-            and sgmv_tokens == x.shape[0])
+    return _cpu_fp32(x, lora_a, lora_b) and sgmv_tokens == x.shape[0]
 
 
 def segment_lora(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,
