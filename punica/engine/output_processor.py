@@ -10,7 +10,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from punica.engine import prompt_logprobs
-from punica.engine.detokenizer import IncrementalDetokenizer
+from punica.engine.detokenizer import IncrementalDetokenizer, skipped_ids
 from punica.engine.outputs import RequestOutput
 from punica.engine.request import Request
 from punica.engine.scheduler_output import RequestUpdate
@@ -31,6 +31,7 @@ class OutputState:
 class OutputProcessor:
     def __init__(self, tokenizer, stop: Callable[[Request], None]):
         self.tokenizer = tokenizer
+        self.skipped = skipped_ids(tokenizer) if tokenizer is not None else frozenset()
         self.stop = stop  # ends a request at its last token (Scheduler.stop)
         self._states: dict[Request, OutputState] = {}
 
@@ -42,7 +43,7 @@ class OutputProcessor:
         if self.tokenizer is not None:
             p = request.params
             detokenizer = IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids, p.stop,
-                                                 p.include_stop_str_in_output)
+                                                 p.include_stop_str_in_output, self.skipped)
             for token in request.output_token_ids:
                 detokenizer.add_token(token)
             detokenizer.take_new_text(finished=False)  # streamed where it ran before

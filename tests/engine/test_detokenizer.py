@@ -1,7 +1,7 @@
 import pytest
 from transformers import AutoTokenizer
 
-from punica.engine.detokenizer import IncrementalDetokenizer
+from punica.engine.detokenizer import CONTEXT_TOKENS, IncrementalDetokenizer, skipped_ids
 from punica.models.loader import resolve_model_dir
 
 
@@ -44,3 +44,27 @@ def test_stop_string_truncates_and_streaming_never_leaks_it(tokenizer, include):
     streamed += detok.take_new_text(finished=True)
     assert stopped_at is not None
     assert streamed == detok.text == ("The answer is 42. END" if include else "The answer is 42. ")
+
+
+def test_special_tokens_add_no_text_and_keep_the_window_short(tokenizer):
+    """EOS run past (ignore_eos) and other special tokens between text: the text is the full decode's
+    with them skipped, and they never enter the window that each token decodes."""
+    specials = sorted(skipped_ids(tokenizer))
+    assert tokenizer.eos_token_id in specials
+    words = tokenizer.encode(" Hello there, naïve 世界")
+    ids = [tokenizer.eos_token_id] * 500 + words[:3] + specials + words[3:] + [tokenizer.eos_token_id] * 500
+    detok = IncrementalDetokenizer(tokenizer, tokenizer.encode("Say:"))
+    widest = 0
+    for t in ids:
+        detok.add_token(t)
+        widest = max(widest, len(detok.ids) - detok.prefix_offset)
+    assert detok.text == tokenizer.decode(ids, skip_special_tokens=True) == tokenizer.decode(words)
+    assert widest <= CONTEXT_TOKENS + 4  # the prompt's context and a character's bytes, at most
+
+
+def test_skipped_ids_are_what_decode_drops(tokenizer):
+    words = tokenizer.encode("one two")
+    for special in skipped_ids(tokenizer):
+        assert tokenizer.decode(words[:1] + [special] + words[1:], skip_special_tokens=True) == tokenizer.decode(words)
+    assert tokenizer.decode(words[:1] + [tokenizer.encode("x")[0]] + words[1:], skip_special_tokens=True) != \
+        tokenizer.decode(words)
