@@ -211,10 +211,25 @@ def prefill_merge_kernel(
     tl.store(out + token * stride_o_token + head * stride_o_head + dims * stride_o_dim, o.to(out.dtype.element_ty))
 
 
-@triton.jit(do_not_specialize=STEP_VARYING + ["stride_pm_request", "stride_pm_head"])
+@triton.jit
+def _decode_partition(context_len, window, num_splits, min_partition, BLOCK_N: tl.constexpr,
+                      SLIDING: tl.constexpr):
+    """(first key, partition size) of a decode request's keys: the keys it sees (its context, or the
+    window's end of it) cut into num_splits partitions of whole key tiles, each at least
+    min_partition keys, so that a context shorter than the step's bound still spreads over the
+    splits (punica.ops.attention_triton.decode_partition)."""
+    first = 0
+    if SLIDING:
+        first = tl.maximum(context_len - window, 0)
+    part = tl.cdiv(tl.cdiv(context_len - first, num_splits), BLOCK_N) * BLOCK_N
+    return first, tl.maximum(part, min_partition)
+
+
+@triton.jit(do_not_specialize=["num_prefills", "min_partition", "stride_table", "stride_pm_request",
+                               "stride_pm_head"])
 def decode_partition_kernel(
     q, kv, kv_scales, out, part_acc, part_max, part_sum, page_table, context_lens, query_start, num_prefills,
-    group, qk_scale, partition_size, window, softcap,
+    group, qk_scale, min_partition, window, softcap,
     stride_q_token, stride_q_head, stride_q_dim, stride_o_token, stride_o_head, stride_o_dim,
     stride_kv_page, stride_kv_kv, stride_kv_token, stride_kv_head, stride_kv_dim,
     stride_s_page, stride_s_kv, stride_s_token, stride_s_head, stride_table,
@@ -224,18 +239,17 @@ def decode_partition_kernel(
     BLOCK_N: tl.constexpr, SLIDING: tl.constexpr, SOFTCAP: tl.constexpr,
     UPCAST: tl.constexpr, PRECISION: tl.constexpr, FP8: tl.constexpr,
 ):
-    """One partition of one decode request and KV head: its partial output and statistics, or,
-    when one partition holds the request's whole context, the normalised output itself (the merge
-    skips that request; with one split no partial buffers exist). Under a sliding window the query
-    sees keys context_len - window .. context_len - 1: the partitions wholly before them exit, and
-    the one it starts in begins there (the merge skips the former)."""
+    """One partition of one decode request and KV head (_decode_partition): its partial output and
+    statistics, or, when one partition holds all the keys it sees, the normalised output itself
+    (the merge skips that request; with one split no partial buffers exist). Under a sliding window
+    the query sees keys context_len - window .. context_len - 1, and the partitions cut those."""
     decode, kv_head_index, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     request = num_prefills + decode
     context_len = tl.load(context_lens + request)
-    lo = split * partition_size
+    first, partition_size = _decode_partition(context_len, window, tl.num_programs(2), min_partition, BLOCK_N,
+                                               SLIDING)
+    lo = first + split * partition_size
     hi = tl.minimum(lo + partition_size, context_len)
-    if SLIDING:
-        lo = tl.maximum(lo, context_len - window)
     if lo >= hi:
         return
     full_end = lo + (hi - lo) // BLOCK_N * BLOCK_N
@@ -263,7 +277,7 @@ def decode_partition_kernel(
                         softcap, stride_kv_page, stride_kv_kv, stride_kv_token, stride_kv_dim,
                         stride_s_page, stride_s_kv, stride_s_token,
                         HEAD_DIM, PAGE_SIZE, BLOCK_N, True, False, SOFTCAP, UPCAST, PRECISION, False, FP8)
-    if context_len <= partition_size:
+    if context_len - first <= partition_size:
         o = acc / l[:, None]
         tl.store(out + token * stride_o_token + heads[:, None] * stride_o_head + dims[None, :] * stride_o_dim,
                  o.to(out.dtype.element_ty), mask=g_ok[:, None])
@@ -275,24 +289,22 @@ def decode_partition_kernel(
              + split * stride_pa_split + dims[None, :] * stride_pa_dim, acc, mask=g_ok[:, None])
 
 
-@triton.jit(do_not_specialize=["num_prefills", "partition_size", "stride_pm_request", "stride_pm_head"])
+@triton.jit(do_not_specialize=["num_prefills", "num_splits", "min_partition", "stride_pm_request", "stride_pm_head"])
 def decode_merge_kernel(
-    out, part_acc, part_max, part_sum, context_lens, query_start, num_prefills, partition_size, window,
+    out, part_acc, part_max, part_sum, context_lens, query_start, num_prefills, num_splits, min_partition, window,
     stride_o_token, stride_o_head, stride_o_dim,
     stride_pa_request, stride_pa_head, stride_pa_split, stride_pa_dim,
     stride_pm_request, stride_pm_head, stride_pm_split,
-    HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, SLIDING: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr, SLIDING: tl.constexpr,
 ):
     decode, head = tl.program_id(0), tl.program_id(1)
     request = num_prefills + decode
     context_len = tl.load(context_lens + request)
-    if context_len <= partition_size:  # one partition: it wrote the output
+    first, partition_size = _decode_partition(context_len, window, num_splits, min_partition, BLOCK_N, SLIDING)
+    if context_len - first <= partition_size:  # one partition: it wrote the output
         return
-    num_used = tl.cdiv(context_len, partition_size)
     splits = tl.arange(0, BLOCK_S)
-    used = splits < num_used
-    if SLIDING:  # the partitions wholly before the window did not run
-        used = used & (splits >= tl.maximum(context_len - window, 0) // partition_size)
+    used = splits < tl.cdiv(context_len - first, partition_size)
     stats = decode.to(tl.int64) * stride_pm_request + head * stride_pm_head + splits * stride_pm_split
     m = tl.load(part_max + stats, mask=used, other=float("-inf"))
     l = tl.load(part_sum + stats, mask=used, other=0.0)

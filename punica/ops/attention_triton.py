@@ -10,18 +10,23 @@
   SMs idle (a chunk of a long prompt over its cached context), the keys are cut into partitions
   as decode's are (`prefill_partition`): a third grid axis, unnormalised partials with their
   running max and sum per row, and a merge kernel per (prefill token, query head).
-* Decode: flash decoding. The context bound (page_table columns * page_size) is cut into
-  `num_splits` partitions of whole key tiles; one program per (decode request, KV head,
+* Decode: flash decoding. Each request's keys (its context, or its window's end of it) are cut
+  into `num_splits` partitions of whole key tiles; one program per (decode request, KV head,
   partition) attends all query heads of its KV head, so K and V are read once per group, and
   writes an unnormalised partial output with its running max and sum. A second kernel merges
-  each request's partitions. The split count depends on shapes only: as many programs as one
-  wave over the SMs holds, partitions of at least MIN_PARTITION tokens and at most
-  MAX_PARTITION (in at most MAX_SPLITS), so that one long context is read by many programs even
-  in a batch whose short ones fill the SMs (read by one program a KV head, a 16k context made a 7B decode step of 32
-  requests take 24 ms against 6.5 on the H200). A request whose context one partition holds
-  gets its output normalised and written by the partition kernel, and the merge skips it; with
-  one split (large batches over short contexts: e.g. 32 requests x 32 KV heads already fill 132
-  SMs) no merge is launched and no partial buffers exist.
+  each request's partitions. The split count depends on shapes only (`decode_partition`, from the
+  context bound, page_table columns * page_size): as many programs as one wave over the SMs
+  holds, partitions of the bound of at least MIN_PARTITION tokens and at most MAX_PARTITION (in
+  at most MAX_SPLITS), so that one long context is read by many programs even in a batch whose
+  short ones fill the SMs (read by one program a KV head, a 16k context made a 7B decode step of
+  32 requests take 24 ms against 6.5 on the H200). A request's partitions are cut from its own
+  keys, not from the bound: in a CUDA graph the bound is the longest context the graph allows,
+  and a request at 512 tokens under a 4,096-token bound would otherwise be read by 2 of 16
+  splits, 4 key tiles one after the other. Where the batch fills the SMs without splits, a
+  request's partitions take at least MAX_PARTITION keys (`decode_min_partition`). A request whose
+  keys one partition holds gets its output normalised and written by the partition kernel, and
+  the merge skips it; with one split (large batches over short contexts: e.g. 32 requests x 32
+  KV heads already fill 132 SMs) no merge is launched and no partial buffers exist.
 * Softcapping (softcap > 0, Gemma 2): each score is capped, softcap * tanh(score / softcap),
   before the online softmax.
 * Sliding window (window > 0): a prefill tile starts at the key tile of its first query's
@@ -114,7 +119,8 @@ def _decode_blocks(head_dim: int, dtype: torch.dtype, fp8: bool = False) -> tupl
 
 def decode_partition(num_decodes: int, num_kv_heads: int, max_context: int, block_n: int,
                      device: torch.device, num_splits: int | None = None) -> tuple[int, int]:
-    """(partition_size, num_splits) for decode over contexts up to max_context tokens.
+    """(partition_size, num_splits) for decode over contexts up to max_context tokens; the kernels
+    cut each request's own keys into num_splits (module docstring), partition_size is the bound's.
 
     By default: the most splits whose num_decodes * num_kv_heads * splits programs stay within one
     wave of DECODE_PROGRAMS_PER_SM per SM, keeping partitions of at least MIN_PARTITION tokens, and
@@ -131,6 +137,17 @@ def decode_partition(num_decodes: int, num_kv_heads: int, max_context: int, bloc
                          min(MAX_SPLITS, triton.cdiv(max_context, MAX_PARTITION)))
     partition = triton.cdiv(triton.cdiv(max_context, num_splits), block_n) * block_n
     return partition, triton.cdiv(max_context, partition)
+
+
+def decode_min_partition(num_decodes: int, num_kv_heads: int, num_splits: int, device: torch.device) -> int:
+    """The fewest keys a request's decode partition takes (the kernels cut each request's own keys
+    into num_splits): none while every split's programs fit one wave of DECODE_PROGRAMS_PER_SM per
+    SM, so that a short context still spreads over them; MAX_PARTITION past that (a batch that
+    fills the SMs with one program per request and KV head, split only for its long contexts), so
+    that only a context longer than that takes more than one program."""
+    if num_decodes * num_kv_heads * num_splits <= DECODE_PROGRAMS_PER_SM * num_sms(device):
+        return 0
+    return MAX_PARTITION
 
 
 def prefill_partition(num_prefill_tokens: int, block_m: int, num_heads: int, max_context: int, block_n: int,
@@ -211,13 +228,13 @@ def paged_attention_triton(q: torch.Tensor, kv_layer: torch.Tensor, batch: AttnB
     if num_decodes:
         block_n, warps, stages = _decode_blocks(head_dim, tile_dtype, fp8)
         max_context = batch.page_table.shape[1] * page_size
-        partition, splits = decode_partition(num_decodes, num_kv_heads, max_context, block_n, q.device,
-                                             num_splits)
+        splits = decode_partition(num_decodes, num_kv_heads, max_context, block_n, q.device, num_splits)[1]
+        min_partition = decode_min_partition(num_decodes, num_kv_heads, splits, q.device)
         single = splits == 1  # the partition kernel writes the output: no partials, no merge
         part_acc, part_max, part_sum, pa_strides, pm_strides = _partials(out, num_decodes, splits)
         decode_partition_kernel[(num_decodes, num_kv_heads, splits)](
             q, kv_layer, scales, out, part_acc, part_max, part_sum, batch.page_table, batch.context_lens,
-            batch.query_start, num_prefills, group, qk_scale, partition, window, softcap, *q.stride(),
+            batch.query_start, num_prefills, group, qk_scale, min_partition, window, softcap, *q.stride(),
             *out.stride(), *kv_layer.stride(), *s_strides, batch.page_table.stride(0), *pa_strides, *pm_strides,
             BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n,
             num_warps=warps, num_stages=stages, **common,
@@ -225,7 +242,8 @@ def paged_attention_triton(q: torch.Tensor, kv_layer: torch.Tensor, batch: AttnB
         if not single:
             decode_merge_kernel[(num_decodes, num_heads)](
                 out, part_acc, part_max, part_sum, batch.context_lens, batch.query_start, num_prefills,
-                partition, window, *out.stride(), *part_acc.stride(), *part_max.stride(), HEAD_DIM=head_dim,
-                BLOCK_S=max(MAX_SPLITS, triton.next_power_of_2(splits)), SLIDING=window > 0, num_warps=4,
+                splits, min_partition, window, *out.stride(), *part_acc.stride(), *part_max.stride(), HEAD_DIM=head_dim,
+                BLOCK_N=block_n, BLOCK_S=max(MAX_SPLITS, triton.next_power_of_2(splits)), SLIDING=window > 0,
+                num_warps=4,
             )
     return out

@@ -86,6 +86,14 @@ def test_decode_splits_merge_to_the_reference(num_splits):
                     head_dim=64, dtype=torch.float32, seed=num_splits, num_splits=num_splits, pad_pages=1)
 
 
+def test_decode_partitions_are_cut_from_each_request_s_keys():
+    """Under a page table far wider than the contexts (a CUDA graph's bound), every split reads part
+    of a short context: the merged output is the reference's, with and without a window."""
+    for window in (0, 20):
+        check_attention([1] * 3, [40, 3, 97], 0, page_size=16, num_heads=4, num_kv_heads=2, head_dim=32,
+                        dtype=torch.float32, seed=11 + window, num_splits=8, pad_pages=40, window=window)
+
+
 # chunks behind cached prefixes: a partition boundary (128) inside the first chunk's query tile
 # (queries at 120..149: rows before 128 see no key of the partition from 128), a chunk wholly
 # inside one partition, a fresh prompt over two query tiles, a one-token prompt; then decodes
@@ -184,6 +192,10 @@ def test_decode_partition_policy():
     assert kernels.decode_partition(64, 32, 16384, 64, torch.device("cpu")) == (2048, 8)
     assert kernels.decode_partition(64, 32, 131072, 64, torch.device("cpu")) == (8192, kernels.MAX_SPLITS)
     assert kernels.decode_partition(3, 2, 1000, 64, torch.device("cpu"), num_splits=4) == (256, 4)
+    # each request's keys spread over the splits while their programs fit one wave (8 programs on
+    # the CPU's 2 "SMs"); past it only contexts longer than MAX_PARTITION split
+    assert kernels.decode_min_partition(1, 2, 4, torch.device("cpu")) == 0
+    assert kernels.decode_min_partition(3, 2, 2, torch.device("cpu")) == kernels.MAX_PARTITION
 
 
 class Unlaunchable:

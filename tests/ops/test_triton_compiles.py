@@ -20,7 +20,7 @@ def types(name, consts):
         return "*i32"
     if name == "slot_mapping":
         return "*i64"
-    if name.startswith(("stride", "num_", "group", "window", "partition", "half")):
+    if name.startswith(("stride", "num_", "group", "window", "partition", "half", "min_")):
         return "i32"
     if name == "kv":
         return "*fp8e4nv" if consts.get("FP8") else "*bf16"
@@ -34,7 +34,8 @@ for sliding, softcap, fp8 in ((False, False, False), (False, True, False), (True
     for split in (False, True):
         compile_ttir(k.prefill_kernel, common | flags | dict(BLOCK_M=128, MAX_PREFILLS=16, SPLIT=split), types)
     compile_ttir(k.decode_partition_kernel, common | flags | dict(BLOCK_G=16), types)
-    compile_ttir(k.decode_merge_kernel, dict(HEAD_DIM=128, BLOCK_S=k.MAX_SPLITS, SLIDING=sliding), types)
+    compile_ttir(k.decode_merge_kernel, dict(HEAD_DIM=128, BLOCK_N=64, BLOCK_S=k.MAX_SPLITS, SLIDING=sliding),
+                 types)
 compile_ttir(k.prefill_merge_kernel, dict(HEAD_DIM=128, BLOCK_S=16), types)
 for fp8 in (False, True):
     compile_ttir(append._write_kv_kernel, dict(HEAD_DIM=128, PAGE_SIZE=16, BLOCK_H=8, FP8=fp8, EXACT=False), types)
