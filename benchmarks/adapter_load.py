@@ -7,7 +7,10 @@ python -m benchmarks.adapter_load [--preset llama-2-7b] [--rank 16] [--adapters 
    slot (LoraPool.write_packed: one copy, as the AdapterManager does), CUDA events, median;
    floor = adapter bytes / pinned host-to-device bandwidth measured in the same run.
    disk_to_host_ms: the read before it, as the manager's reader thread does it (read_adapter,
-   then pack into a row of the host tier's page-locked arena), wall clock, median of 3.
+   then pack into a row of the host tier's page-locked arena), wall clock, median of 3;
+   two_reads_ms: two such reads of two files at once on the manager's IO_THREADS reader threads,
+   wall clock of both, median of 3 (against 2 x disk_to_host_ms: whether reading ahead on two
+   threads gains on this host). --latency-only stops after this part.
 2. Throughput: `--requests` requests (prompt 64, output 64 tokens, greedy) whose adapters are
    Zipf(1.5) over `--adapters` registered adapters, served with `--slots` GPU slots (loads on
    demand: disk -> host tier -> slot), against the same stream with every adapter it uses
@@ -22,6 +25,7 @@ import random
 import statistics
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -33,8 +37,10 @@ from punica.factory import engine_on_model
 from punica.lora.adapter import read_adapter
 from punica.lora.dummy import save_random_adapter
 from punica.lora.host_arena import HostArena
+from punica.lora.manager import IO_THREADS
 from punica.lora.pool import LoraPool
 from punica.models.loader import dummy_model
+from punica.ops.cpu_threads import serial_torch
 
 
 def timed(fn, device: torch.device, repeat: int) -> list[float]:
@@ -57,14 +63,19 @@ def timed(fn, device: torch.device, repeat: int) -> list[float]:
     return times
 
 
-def load_latency(config: ModelConfig, rank: int, path: Path, device: torch.device) -> dict:
+def load_latency(config: ModelConfig, rank: int, paths: list[Path], device: torch.device) -> dict:
     pool = LoraPool(config, 2, rank, torch.bfloat16, device)
     pinned = device.type == "cuda"
-    arena = HostArena(1, pool.packed_shape, torch.bfloat16, pin=pinned)
+    arena = HostArena(2, pool.packed_shape, torch.bfloat16, pin=pinned)
 
-    def read() -> tuple[torch.Tensor, float]:  # the manager's: checked tensors straight into an arena row
-        adapter = read_adapter(path, config, dtype=torch.bfloat16)
-        return pool.pack(adapter, out=arena.rows[0]), adapter.scale
+    def read(i: int = 0) -> tuple[torch.Tensor, float]:  # the manager's: checked tensors straight into an arena row
+        adapter = read_adapter(paths[i], config, dtype=torch.bfloat16)
+        return pool.pack(adapter, out=arena.rows[i]), adapter.scale
+
+    readers = ThreadPoolExecutor(IO_THREADS, initializer=serial_torch if device.type == "cpu" else None)
+
+    def two_reads() -> None:  # as the manager's reader threads run two reads ahead of the slots
+        list(readers.map(read, [0, 1]))
 
     packed, scale = read()
     nbytes = packed.nbytes
@@ -73,8 +84,11 @@ def load_latency(config: ModelConfig, rank: int, path: Path, device: torch.devic
     h2d = statistics.median(timed(lambda: dev.copy_(host, non_blocking=True), device, 20))
     write = statistics.median(timed(lambda: pool.write_packed(1, packed, scale, non_blocking=True), device, 20))
     read_s = statistics.median(timed(read, torch.device("cpu"), 3))
+    with readers:
+        two_s = statistics.median(timed(two_reads, torch.device("cpu"), 3))
     return {"adapter_mb": nbytes / 1e6, "h2d_gb_s": nbytes / h2d / 1e9, "floor_ms": h2d * 1e3,
-            "load_ms": write * 1e3, "load_over_floor": write / h2d, "disk_to_host_ms": read_s * 1e3}
+            "load_ms": write * 1e3, "load_over_floor": write / h2d, "disk_to_host_ms": read_s * 1e3,
+            "two_reads_ms": two_s * 1e3}
 
 
 def throughput(model, config: ModelConfig, names: dict[str, str], stream: list[str], slots: int, preload: bool,
@@ -122,13 +136,20 @@ def main() -> None:
     parser.add_argument("--slots", type=int, default=64)
     parser.add_argument("--requests", type=int, default=256)
     parser.add_argument("--out", type=Path, default=Path("results/adapter_load"))
+    parser.add_argument("--latency-only", action="store_true", help="part 1 alone (module docstring)")
     args = parser.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     config = preset_config(args.preset)
     with tempfile.TemporaryDirectory() as tmp:
-        files = [save_random_adapter(Path(tmp) / f"file{i}", config, args.rank, seed=i) for i in range(args.files)]
-        latency = load_latency(config, args.rank, files[0], device)
+        files = [save_random_adapter(Path(tmp) / f"file{i}", config, args.rank, seed=i)
+                 for i in range(max(2, args.files))]
+        latency = load_latency(config, args.rank, files[:2], device)
         print(format_table([latency], list(latency)))
+        meta = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "preset": args.preset,
+                "rank": args.rank, "adapters": args.adapters, "date": time.strftime("%Y-%m-%d"), "latency": latency}
+        if args.latency_only:
+            write_results(args.out, "adapter_load", [], meta)
+            return
         names = {f"tenant{i}": str(files[i % len(files)]) for i in range(args.adapters)}
         rng = random.Random(1)
         weights = [1 / (i + 1) ** 1.5 for i in range(args.adapters)]
@@ -138,8 +159,6 @@ def main() -> None:
                 throughput(model, config, names, stream, len(set(stream)), True, device)]
     rows[0]["vs_resident"] = rows[0]["tokens_per_s"] / rows[1]["tokens_per_s"]
     rows[1]["vs_resident"] = 1.0
-    meta = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "preset": args.preset,
-            "rank": args.rank, "adapters": args.adapters, "date": time.strftime("%Y-%m-%d"), "latency": latency}
     write_results(args.out, "adapter_load", rows, meta)
     print(format_table([latency], list(latency)))
     print(format_table(rows, ["slots", "resident", "requests", "distinct", "loads", "tokens", "seconds",

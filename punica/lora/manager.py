@@ -73,8 +73,12 @@ class _Copy:
     event: torch.cuda.Event | None     # None on CPU: the copy was synchronous
 
 
+IO_THREADS = 2  # reader threads: reads from disk into the host tier run this many at once
+
+
 class AdapterManager:
-    def __init__(self, config: ModelConfig, pool: LoraPool, host_capacity_bytes: int | None, io_threads: int = 2,
+    def __init__(self, config: ModelConfig, pool: LoraPool, host_capacity_bytes: int | None,
+                 io_threads: int = IO_THREADS,
                  adapter_dirs: tuple[str, ...] = ()):
         self.config, self.pool = config, pool
         self.adapter_dirs = adapter_dirs  # an adapter inside one reads only files inside it (read_adapter)
