@@ -160,7 +160,7 @@ def main() -> None:
         finally:
             engine.close()
         print(f"measured {len(samples)} steps: {time.perf_counter() - start:.1f} s", flush=True)
-        latency = load_latency(config, args.rank, files[0], device)
+        latency = load_latency(config, args.rank, files[:1], device)
         print(json.dumps(latency), flush=True)
     device_name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
     dtype = "bf16" if device.type == "cuda" else "fp32"
