@@ -117,6 +117,11 @@ def _decode_blocks(head_dim: int, dtype: torch.dtype, fp8: bool = False) -> tupl
     return FP8_DECODE_CONFIG if fp8 else DECODE_CONFIG
 
 
+def _decode_wave(device: torch.device) -> int:
+    """Decode programs in one wave over the SMs: the split rules' bound."""
+    return DECODE_PROGRAMS_PER_SM * num_sms(device)
+
+
 def decode_partition(num_decodes: int, num_kv_heads: int, max_context: int, block_n: int,
                      device: torch.device, num_splits: int | None = None) -> tuple[int, int]:
     """(partition_size, num_splits) for decode over contexts up to max_context tokens; the kernels
@@ -132,7 +137,7 @@ def decode_partition(num_decodes: int, num_kv_heads: int, max_context: int, bloc
     bf16 pages 200 us with 2 against 193 with 1.
     """
     if num_splits is None:
-        wanted = DECODE_PROGRAMS_PER_SM * num_sms(device) // (num_decodes * num_kv_heads)
+        wanted = _decode_wave(device) // (num_decodes * num_kv_heads)
         num_splits = max(1, min(wanted, max_context // MIN_PARTITION),
                          min(MAX_SPLITS, triton.cdiv(max_context, MAX_PARTITION)))
     partition = triton.cdiv(triton.cdiv(max_context, num_splits), block_n) * block_n
@@ -145,7 +150,7 @@ def decode_min_partition(num_decodes: int, num_kv_heads: int, num_splits: int, d
     SM, so that a short context still spreads over them; MAX_PARTITION past that (a batch that
     fills the SMs with one program per request and KV head, split only for its long contexts), so
     that only a context longer than that takes more than one program."""
-    if num_decodes * num_kv_heads * num_splits <= DECODE_PROGRAMS_PER_SM * num_sms(device):
+    if num_decodes * num_kv_heads * num_splits <= _decode_wave(device):
         return 0
     return MAX_PARTITION
 
