@@ -11,14 +11,17 @@ Shapes of --preset (default Llama-2-7B: hidden 4096, 32 q / 32 kv heads of 128, 
 * rope          q [T, Hq, D] and k [T, Hkv, D]      unfused: the old apply_rope on q, then on k
                 (views of one qkv row, as in the model; the fused op rotates them in place)
 * silu_and_mul  gate_up [T, 2 I] -> [T, I]          unfused: F.silu(gate) * up
+* quantize_h, quantize_i  fp8 (e4m3) per-token quantization of activations [T, h] and [T, I], the
+                inputs of an fp8 layer's W8A8 GEMMs (punica.ops.fp8_quant_triton)
+                                                    unfused: punica.ops.fp8.quantize_per_token
 
 Each point: K copies of the call (own inputs, together over ROTATE_L2 times the L2 size where
 K <= MAX_COPIES allows) captured in one CUDA graph; median of triton.testing.do_bench per
 replay / K. Floor: bytes the op must move / copy bandwidth (1 GiB device-to-device copy, same
 run). A Llama layer runs add_rms_norm twice, rope and silu_and_mul once each: the `layer` rows
-sum those, and `model` multiplies by the preset's layer count. Each fused op's output is
-checked against its reference first. Writes layers_ops.json and layers_ops.png under --out and
-prints a table last.
+sum those (a bf16 layer's: no quantization), and `model` multiplies by the preset's layer count.
+Each fused op's output is checked against its reference first. Writes layers_ops.json and
+layers_ops.png under --out and prints a table last.
 """
 
 from __future__ import annotations
@@ -34,12 +37,15 @@ import triton
 from benchmarks.common import copy_bandwidth, format_table, save_figure, style_axes, write_results
 from punica.config import preset_config
 from punica.ops import layers as ops
+from punica.ops.fp8 import quantize_per_token
+from punica.ops.fp8_quant_triton import quantize_per_token_triton
 
 DTYPE = torch.bfloat16
 ROTATE_L2 = 4
 MAX_COPIES = 64
 EPS = 1e-5
-OPS = ("rms_norm", "add_rms_norm", "rope", "silu_and_mul")
+OPS = ("rms_norm", "add_rms_norm", "rope", "silu_and_mul", "quantize_h", "quantize_i")
+QUANTIZED = {"quantize_h": "hidden_size", "quantize_i": "intermediate_size"}  # op -> its rows' width
 
 
 def make_inputs(op: str, num_tokens: int, config, gen, device="cuda") -> dict:
@@ -57,6 +63,8 @@ def make_inputs(op: str, num_tokens: int, config, gen, device="cuda") -> dict:
         return dict(q=qkv[:, :heads * d].view(num_tokens, heads, d),
                     k=qkv[:, heads * d:(heads + kv_heads) * d].view(num_tokens, kv_heads, d),
                     cos=freqs.cos(), sin=freqs.sin())
+    if op in QUANTIZED:
+        return dict(x=randn(num_tokens, getattr(config, QUANTIZED[op])))
     return dict(gate_up=randn(num_tokens, 2 * config.intermediate_size))
 
 
@@ -70,6 +78,8 @@ def op_bytes(op: str, num_tokens: int, config) -> int:
     if op == "rope":
         qk = num_tokens * (config.num_heads + config.num_kv_heads) * config.head_dim
         return 2 * qk * e + num_tokens * config.head_dim * 4  # q, k read + written; cos, sin fp32
+    if op in QUANTIZED:
+        return num_tokens * getattr(config, QUANTIZED[op]) * (e + 1) + num_tokens * 4  # x read, e4m3 + scales written
     return 3 * num_tokens * config.intermediate_size * e
 
 
@@ -81,6 +91,8 @@ def unfused(op: str, a: dict):
         return ops.rms_norm_ref(summed, a["weight"], EPS), summed
     if op == "rope":
         return ops.rope_ref(a["q"], a["k"], a["cos"], a["sin"])  # the old apply_rope, twice
+    if op in QUANTIZED:
+        return quantize_per_token(a["x"])
     gate, up = a["gate_up"].chunk(2, dim=-1)
     return F.silu(gate) * up
 
@@ -92,6 +104,8 @@ def fused(op: str, a: dict):
         return ops.rms_norm(a["x"], a["weight"], EPS, a["residual"])
     if op == "rope":
         return ops.rope_(a["q"], a["k"], a["cos"], a["sin"])
+    if op in QUANTIZED:
+        return quantize_per_token_triton(a["x"])
     return ops.silu_and_mul(a["gate_up"])
 
 
@@ -124,7 +138,7 @@ def plot(rows: list[dict], path: Path, title: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, len(OPS), figsize=(4 * len(OPS), 3.5))
+    fig, axes = plt.subplots(1, len(OPS), figsize=(3.5 * len(OPS), 3.5))
     for ax, op in zip(axes, OPS):
         sel = [r for r in rows if r["op"] == op]
         for key, style in (("unfused_us", "o-"), ("fused_us", "o-"), ("floor_us", "k--")):
