@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from punica.ops import fp8
-from punica.ops.fp8_quant_triton import BLOCK, quantize_per_token_triton
+from punica.ops.fp8_quant_triton import BLOCK, MAX_ROW_BLOCK, MAX_WHOLE_ROWS_TOKENS, quantize_per_token_triton
 
 
 def activations(num_tokens, k, gen, dtype, device="cpu"):
@@ -22,13 +22,15 @@ def activations(num_tokens, k, gen, dtype, device="cpu"):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("k", [7, BLOCK, 2 * BLOCK + 5])
-def test_kernel_matches_quantize_per_token(dtype, k):
+@pytest.mark.parametrize(("num_tokens", "k"), [(6, 7), (6, BLOCK), (6, 2 * BLOCK + 5),
+                                               (6, MAX_ROW_BLOCK + 5), (MAX_WHOLE_ROWS_TOKENS + 1, 2 * BLOCK + 5)],
+                         ids=["whole", "whole-block", "whole-odd", "pieces-long-row", "pieces-many-rows"])
+def test_kernel_matches_quantize_per_token(dtype, num_tokens, k):
     gen = torch.Generator().manual_seed(k)
-    x = activations(6, k, gen, dtype)
+    x = activations(num_tokens, k, gen, dtype)
     want8, want_scales = fp8.quantize_per_token(x)
     got8, got_scales = quantize_per_token_triton(x)
-    assert got8.dtype == fp8.FP8_DTYPE and got8.shape == x.shape and got_scales.shape == (6, 1)
+    assert got8.dtype == fp8.FP8_DTYPE and got8.shape == x.shape and got_scales.shape == (num_tokens, 1)
     assert torch.equal(got_scales, want_scales)
     want = want8.float()
     q = (x.float() / want_scales).abs()  # what was rounded
@@ -46,10 +48,12 @@ def test_no_tokens():
 
 
 COMPILE_SCRIPT = """
-from punica.ops.fp8_quant_triton import BLOCK, _quantize_rows_kernel as fn
+from punica.ops.fp8_quant_triton import BLOCK, MAX_ROW_BLOCK, _quantize_rows_kernel as fn
 
 POINTERS = {"x": "*bf16", "out": "*fp8e4nv", "scales": "*fp32"}
-compile_ttir(fn, dict(FP8_MAX=448.0, MIN_AMAX=1e-12, BLOCK=BLOCK), lambda name, consts: POINTERS.get(name, "i32"))
+for block, whole in ((MAX_ROW_BLOCK, True), (BLOCK, False)):
+    compile_ttir(fn, dict(FP8_MAX=448.0, MIN_AMAX=1e-12, BLOCK=block, ROW_IN_REGISTERS=whole),
+                 lambda name, consts: POINTERS.get(name, "i32"))
 """
 
 
@@ -60,7 +64,7 @@ def test_kernel_compiles_for_cuda(compile_for_cuda):
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("num_tokens", [1, 257, 2048])
-@pytest.mark.parametrize("k", [4096, 11008, 3584])
+@pytest.mark.parametrize("k", [4096, 11008, 3584, 28672])
 def test_kernel_matches_quantize_per_token_byte_for_byte_on_cuda(num_tokens, k):
     gen = torch.Generator().manual_seed(num_tokens + k)
     x = activations(num_tokens, k, gen, torch.bfloat16, "cuda")
