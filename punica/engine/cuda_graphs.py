@@ -111,6 +111,11 @@ class StaticBatch:
         self.inputs = torch.empty_like(self.host, device=device)
         self.host_scales = torch.empty(t, dtype=torch.float32, pin_memory=device.type == "cuda")
         self.token_scales = torch.empty_like(self.host_scales, device=device)
+        # numpy views of the host buffers' fields, made once: `fill` runs on the host before every
+        # replay, so its numpy calls delay the step's launch
+        fields = np.split(self.host.numpy(), np.cumsum(self.sizes)[:-1])
+        self._fields = tuple(fields[:-1]) + (fields[-1].reshape(b, max_pages),)
+        self._scales = self.host_scales.numpy()
         # the prefill rows' SGMV tile height, from the bucket's tokens per prefill request (the
         # padding one left out); 1: every row runs BGMV, and the segments cover no token
         self.sgmv_block_m = sgmv_block_m(bucket.prefill_tokens, bucket.num_prefills - 1) if bucket.num_prefills else 1
@@ -124,10 +129,8 @@ class StaticBatch:
         if self.copied is not None:
             self.copied.synchronize()  # the previous step's copy has read the host buffer
         bucket, page_size, scratch = self.bucket, self.page_size, self.scratch_page
-        ids, sources, positions, kv_slots, adapters, starts, context, request_slots, table = np.split(
-            self.host.numpy(), np.cumsum(self.sizes)[:-1])
-        table = table.reshape(bucket.num_requests, self.max_pages)
-        scales = self.host_scales.numpy()
+        ids, sources, positions, kv_slots, adapters, starts, context, request_slots, table = self._fields
+        scales = self._scales
         scales[:] = 0
         ids[:], sources[:], positions[:], adapters[:], context[:], request_slots[:] = 0, -1, 0, -1, 1, -1
         kv_slots[:] = scratch * page_size
@@ -138,11 +141,12 @@ class StaticBatch:
         if step is not None:
             width = step.page_table.shape[1]
             # the step's prefill tokens and requests first, its decodes after the bucket's prefill part
+            parts = ((slice(0, num_tokens), slice(0, num_prefills), slice(0, num_tokens), slice(0, num_prefills)),
+                     (slice(bucket.prefill_tokens, bucket.prefill_tokens + step.num_decodes),
+                      slice(bucket.num_prefills, bucket.num_prefills + step.num_decodes),
+                      slice(num_tokens, step.num_tokens), slice(num_prefills, step.num_requests)))
             for token_rows, request_rows, step_tokens, step_requests in (
-                    (slice(0, num_tokens), slice(0, num_prefills), slice(0, num_tokens), slice(0, num_prefills)),
-                    (slice(bucket.prefill_tokens, bucket.prefill_tokens + step.num_decodes),
-                     slice(bucket.num_prefills, bucket.num_prefills + step.num_decodes),
-                     slice(num_tokens, step.num_tokens), slice(num_prefills, step.num_requests))):
+                    part for part, count in zip(parts, (num_prefills, step.num_decodes)) if count):
                 ids[token_rows] = step.token_ids[step_tokens]
                 sources[token_rows] = step.fed_rows[step_tokens]
                 positions[token_rows] = step.positions[step_tokens]
