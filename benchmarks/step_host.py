@@ -8,9 +8,10 @@ The decode roofline (benchmarks.roofline) times each step with the device synchr
 after it, so a step's time there is the host's work up to its launch plus the device's work (the
 host's work after the launch, sampling's and reading the step before, runs while the device
 computes). Here one engine (random weights, CUDA graphs, overlapped steps, the base model) decodes
---batches requests from --context-token prompts; after 30 warm-up steps, --steps steps are run with
-the device synchronized before each, as the roofline's, and each phase of `engine.step()` is timed
-by a wrapper around the method that does it:
+--batches requests from --context-token prompts (prefilled without chunks); once every request has
+its first token and 30 more steps ran, --steps steps are run with the device synchronized before
+each, as the roofline's, and each phase of `engine.step()` is timed by a wrapper around the method
+that does it:
 
     poll            the adapter manager's loads (EngineCore._poll_adapters)
     may_run_ahead   whether the next step may be planned before the last one's tokens are read
@@ -88,8 +89,11 @@ def timed_phases(seconds: dict[str, list[float]], ends: dict[str, list[float]]):
 def measure(engine, batch: int, context: int, steps: int, vocab: int, rng: random.Random) -> dict:
     """One row: the phases' medians over `steps` synchronized decode steps of `batch` requests."""
     device = engine.executor.device
-    params = SamplingParams(max_tokens=WARMUP + steps + 16, temperature=0, ignore_eos=True)
+    params = SamplingParams(max_tokens=2 * WARMUP + steps + 16, temperature=0, ignore_eos=True)
     ids = [engine.add_request([rng.randrange(3, vocab) for _ in range(context)], params) for _ in range(batch)]
+    started: set[str] = set()
+    while len(started) < len(ids):  # prefill until every request has its first token
+        started.update(output.request_id for output in engine.step())
     for _ in range(WARMUP):
         engine.step()
     seconds: dict[str, list[float]] = defaultdict(list)
@@ -132,8 +136,10 @@ def main() -> None:
     config = preset_config(args.preset)
     started = time.time()
     model = dummy_model(config, dtype, device)
-    engine_args = EngineArgs(model=args.preset, max_batch_size=max(args.batches),
-                             kv_cache_tokens=max(args.batches) * (args.context + WARMUP + args.steps + 64))
+    kv_tokens = max(args.batches) * (args.context + 2 * WARMUP + args.steps + 64)
+    # a step budget of the whole cache: the prompts prefill without chunks, as the roofline's do
+    engine_args = EngineArgs(model=args.preset, max_batch_size=max(args.batches), kv_cache_tokens=kv_tokens,
+                             max_num_batched_tokens=kv_tokens)
     engine = engine_on_model(model, engine_args.engine_config())
     rng = random.Random(0)
     rows = [measure(engine, batch, args.context, args.steps, config.vocab_size, rng) for batch in args.batches]
