@@ -132,10 +132,9 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path("results/step_host"))
     args = parser.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     config = preset_config(args.preset)
     started = time.time()
-    model = dummy_model(config, dtype, device)
+    model = dummy_model(config, device=device)  # the device's default dtype: bf16 on a GPU, fp32 on a CPU
     kv_tokens = max(args.batches) * (args.context + 2 * WARMUP + args.steps + 64)
     # a step budget of the whole cache: the prompts prefill without chunks, as the roofline's do
     engine_args = EngineArgs(model=args.preset, max_batch_size=max(args.batches), kv_cache_tokens=kv_tokens,
