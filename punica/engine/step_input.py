@@ -105,16 +105,16 @@ class StepInput:
         assert len(num_cached) == len(pages) == len(slots) == num_requests and 0 <= num_prefills <= num_requests
         if any(len(ids) != 1 for ids in new_token_ids[num_prefills:]):
             raise ValueError("a decode request runs exactly one query token")
-        cached = np.array(num_cached, dtype=np.int64)  # a copy: decodes' positions are these
+        cached = np.asarray(num_cached, dtype=np.int64)
         if num_prefills:
             query_lens = np.fromiter(map(len, new_token_ids), dtype=np.int64, count=num_requests)
             query_start = np.zeros(num_requests + 1, dtype=np.int64)
             np.cumsum(query_lens, out=query_start[1:])
             owner = np.repeat(np.arange(num_requests), query_lens)  # each token's request
-        else:  # decodes only (the step's host work delays its launch: fewer numpy calls)
+        else:  # decodes only: token i is request i's (fewer numpy calls before the step's launch)
             query_lens = np.ones(num_requests, dtype=np.int64)
             query_start = np.arange(num_requests + 1, dtype=np.int64)
-            owner = None  # token i is request i's
+            owner = query_start[:-1]
         num_tokens = int(query_start[-1])
         context_lens = cached + query_lens
         width = max(map(len, pages), default=0)
@@ -123,12 +123,9 @@ class StepInput:
             page_table[row, :len(request_pages)] = request_pages
         if (np.fromiter(map(len, pages), dtype=np.int64, count=num_requests) * page_size < context_lens).any():
             raise ValueError("a request holds fewer pages than its context needs")
-        if owner is None:  # each token's position: after its request's cached tokens
-            positions = cached
-            kv_slots = page_table[np.arange(num_requests), positions // page_size] * page_size + positions % page_size
-        else:
-            positions = np.arange(num_tokens, dtype=np.int64) - query_start[owner] + cached[owner]
-            kv_slots = page_table[owner, positions // page_size] * page_size + positions % page_size
+        # each token's position in its request
+        positions = np.arange(num_tokens, dtype=np.int64) - query_start[owner] + cached[owner]
+        kv_slots = page_table[owner, positions // page_size] * page_size + positions % page_size
         request_slots = np.asarray(slots, dtype=np.int64)
         request_scales = (np.asarray(scales, dtype=np.float32) if scales is not None
                           else np.ones(num_requests, dtype=np.float32))
@@ -143,10 +140,8 @@ class StepInput:
         else:
             logits = np.asarray(num_logits, np.int64)
             assert logits.shape == (num_requests,) and ((logits >= 1) & (logits <= query_lens)).all()
-        token_slots, token_scales = ((request_slots, request_scales) if owner is None
-                                     else (request_slots[owner], request_scales[owner]))
         return cls(token_ids=token_ids, fed_rows=fed, positions=positions, kv_slots=kv_slots,
-                   token_slots=token_slots, token_scales=token_scales, query_start=query_start,
+                   token_slots=request_slots[owner], token_scales=request_scales[owner], query_start=query_start,
                    context_lens=context_lens, request_slots=request_slots, request_scales=request_scales,
                    page_table=page_table, num_prefills=num_prefills, num_logits=logits)
 
