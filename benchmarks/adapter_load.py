@@ -8,7 +8,7 @@ python -m benchmarks.adapter_load [--preset llama-2-7b] [--rank 16] [--adapters 
    floor = adapter bytes / pinned host-to-device bandwidth measured in the same run.
    disk_to_host_ms: the read before it, as the manager's reader thread does it (read_adapter,
    then pack into a row of the host tier's page-locked arena), wall clock, median of 3;
-   two_reads_ms: two such reads of two files at once on the manager's IO_THREADS reader threads,
+   two_reads_ms: two such reads of two files at once on the manager's reader threads (IO_THREADS),
    wall clock of both, median of 3 (against 2 x disk_to_host_ms: whether reading ahead on two
    threads gains on this host). --latency-only stops after this part.
 2. Throughput: `--requests` requests (prompt 64, output 64 tokens, greedy) whose adapters are
@@ -25,7 +25,6 @@ import random
 import statistics
 import tempfile
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -37,10 +36,9 @@ from punica.factory import engine_on_model
 from punica.lora.adapter import read_adapter
 from punica.lora.dummy import save_random_adapter
 from punica.lora.host_arena import HostArena
-from punica.lora.manager import IO_THREADS
+from punica.lora.manager import reader_threads
 from punica.lora.pool import LoraPool
 from punica.models.loader import dummy_model
-from punica.ops.cpu_threads import serial_torch
 
 
 def timed(fn, device: torch.device, repeat: int) -> list[float]:
@@ -83,7 +81,7 @@ def load_latency(config: ModelConfig, rank: int, paths: list[Path], device: torc
     latency = {"adapter_mb": nbytes / 1e6, "h2d_gb_s": nbytes / h2d / 1e9, "floor_ms": h2d * 1e3,
                "load_ms": write * 1e3, "load_over_floor": write / h2d, "disk_to_host_ms": read_s * 1e3}
     if len(paths) > 1:  # as the manager's reader threads run two reads ahead of the slots
-        with ThreadPoolExecutor(IO_THREADS, initializer=serial_torch if device.type == "cpu" else None) as readers:
+        with reader_threads(device) as readers:
             two = timed(lambda: list(readers.map(read, [0, 1])), torch.device("cpu"), 3)
         latency["two_reads_ms"] = 1e3 * statistics.median(two)
     return latency

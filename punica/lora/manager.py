@@ -76,6 +76,14 @@ class _Copy:
 IO_THREADS = 2  # reader threads: reads from disk into the host tier run this many at once
 
 
+def reader_threads(device: torch.device, num_threads: int = IO_THREADS) -> ThreadPoolExecutor:
+    """The threads that read adapters for a pool on `device`. On a CPU, no OpenMP team beside the
+    engine thread's (punica.ops.cpu_threads); on a GPU the engine thread runs little parallel CPU
+    work for one to slow, and the reads keep torch's threads."""
+    return ThreadPoolExecutor(num_threads, thread_name_prefix="punica-lora-io",
+                              initializer=serial_torch if device.type == "cpu" else None)
+
+
 class AdapterManager:
     def __init__(self, config: ModelConfig, pool: LoraPool, host_capacity_bytes: int | None,
                  io_threads: int = IO_THREADS,
@@ -106,10 +114,7 @@ class AdapterManager:
         self.load_started: dict[Registration, float] = {}             # perf_counter of each read or copy in flight
         self.num_errors = 0  # failed reads and unloads so far: when `error` may have changed
         self.num_load_failures = 0  # reads that failed (a broken adapter directory)
-        # on a CPU, no OpenMP team beside the engine thread's (punica.ops.cpu_threads); on a GPU the
-        # engine thread runs little parallel CPU work for one to slow, and the reads keep torch's threads
-        self.executor = ThreadPoolExecutor(io_threads, thread_name_prefix="punica-lora-io",
-                                           initializer=serial_torch if self.device.type == "cpu" else None)
+        self.executor = reader_threads(self.device, io_threads)
         self.copy_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self.num_loads = 0
 
