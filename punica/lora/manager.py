@@ -45,7 +45,7 @@ from punica.lora.host_arena import HostArena, host_tier_rows
 from punica.lora.names import check_adapter_name
 from punica.lora.pool import LoraPool
 from punica.lora.residency import AdapterCounters
-from punica.ops.cpu_threads import serial_torch
+from punica.ops.cpu_threads import serial_torch, torch_threads
 
 
 @dataclass(frozen=True, eq=False)
@@ -79,9 +79,13 @@ IO_THREADS = 2  # reader threads: reads from disk into the host tier run this ma
 def reader_threads(device: torch.device, num_threads: int = IO_THREADS) -> ThreadPoolExecutor:
     """The threads that read adapters for a pool on `device`. On a CPU, no OpenMP team beside the
     engine thread's (punica.ops.cpu_threads); on a GPU the engine thread runs little parallel CPU
-    work for one to slow, and the reads keep torch's threads."""
-    return ThreadPoolExecutor(num_threads, thread_name_prefix="punica-lora-io",
-                              initializer=serial_torch if device.type == "cpu" else None)
+    work for them to slow, and the readers share the threads torch has (those of the calling
+    thread), each its part, so that reads at once do not oversubscribe the cores."""
+    if device.type == "cpu":
+        return ThreadPoolExecutor(num_threads, thread_name_prefix="punica-lora-io", initializer=serial_torch)
+    share = max(1, torch.get_num_threads() // num_threads)
+    return ThreadPoolExecutor(num_threads, thread_name_prefix="punica-lora-io", initializer=torch_threads,
+                              initargs=(share,))
 
 
 class AdapterManager:
