@@ -1,9 +1,9 @@
 """Per-request sampling inside one batch: logit bias, grammar masks, penalties, temperature,
 top-k/top-p/min-p, seeds, and the log-probabilities of the chosen and the most likely tokens.
 
-The rows that sample (temperature > 0) are filtered and drawn together, whatever their settings:
-a batch's ops do not grow with its rows (each launch costs the host several microseconds on a
-GPU, and a step that looped over its rows launched ~20 a row)."""
+The rows that sample (temperature > 0) are filtered and drawn together, whatever their settings
+and seeds: a batch's ops do not grow with its rows (each launch costs the host several
+microseconds on a GPU, and a step that looped over its rows launched ~20 a row)."""
 
 from __future__ import annotations
 
@@ -18,6 +18,9 @@ from punica.engine.structured import apply_bitmasks
 from punica.ops.transfer import to_device
 
 MASK_64 = (1 << 64) - 1
+# on a CPU, a top-p row's nucleus is first looked for among this many of its largest logits
+# (filter_probs): a language model's usually lies well within them
+NUCLEUS_CANDIDATES = 1024
 
 
 def _mix_64(z: int) -> int:
@@ -66,32 +69,56 @@ def filter_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Te
         min-p:  a probability below min_p x the row's largest gets 0
 
     The order (one for the batch, where some row has top-k or top-p) is of the logits, not of the
-    probabilities after top-k: softmax keeps it, and the masked tokens stay at the end. Where every
-    row has a top-k, only the largest max(k) logits are ordered (torch.topk, then ties put by id),
-    not the whole vocabulary (a sort of 32 rows of 49,152 took 40 ms on a 2-core CPU); a token tied
-    with a row's k-th largest logit beyond them is then kept whatever its row's top-p. Which steps
-    run is decided from `params` on the host: nothing waits for the device."""
+    probabilities after top-k: softmax keeps it, and the masked tokens stay at the end. Only a
+    row's largest logits are ordered where that suffices (`_order_count`; torch.topk, then ties put
+    by id), not the whole vocabulary (a stable sort of 32 rows of 49,152 took 40 ms on a 2-core
+    CPU): where every row has a top-k, the largest max(k); on a CPU, NUCLEUS_CANDIDATES first, and
+    the whole row only where some row's top-p needs more. The tokens kept are those that ordering
+    the whole row keeps, but for ties with a row's k-th largest logit past those ordered, which its
+    top-p keeps all or none of. Which steps run is decided from `params` on the host (and on a CPU
+    from the candidates' mass): nothing waits for a GPU."""
     vocab = logits.shape[-1]
     uses_k = [0 < p.top_k < vocab for p in params]
     uses_p = [p.top_p < 1 for p in params]
     knobs = to_device(torch.tensor([[p.temperature for p in params],
-                                    [p.top_k if k else vocab for p, k in zip(params, uses_k)],
+                                    [p.top_k if k else math.inf for p, k in zip(params, uses_k)],
                                     [p.top_p if u else math.inf for p, u in zip(params, uses_p)],
                                     [p.min_p for p in params]], dtype=torch.float32), logits.device)
     temperature, top_k, top_p, min_p = knobs[:, :, None]
     logits = logits / temperature
     if any(uses_k) or any(uses_p):
-        ordered, order = _ordered(logits, max(p.top_k for p in params) if all(uses_k) else vocab)
+        count = _order_count(params, uses_k, vocab, logits.device)
+        ordered, order = _ordered(logits, count)
         if any(uses_k):
-            logits = logits.masked_fill(logits < ordered.gather(1, top_k.long() - 1), -math.inf)
+            kth = torch.where(top_k <= count, ordered.gather(1, top_k.clamp(max=count).long() - 1), -math.inf)
+            logits = logits.masked_fill(logits < kth, -math.inf)
     probs = logits.softmax(-1)
     if any(uses_p):
         ordered_probs = probs.gather(1, order)
-        drop = (ordered_probs.cumsum(-1) - ordered_probs) >= top_p  # the mass before each token
-        probs = probs.masked_fill(torch.zeros_like(probs, dtype=torch.bool).scatter(1, order, drop), 0)
+        mass = ordered_probs.cumsum(-1)
+        if not all(uses_k) and count < vocab and not bool(((mass[:, -1:] >= top_p) | (top_p > 1)).all()):
+            order = _ordered(logits, vocab)[1]  # some row's nucleus reaches past the candidates (a CPU)
+            ordered_probs = probs.gather(1, order)
+            mass = ordered_probs.cumsum(-1)
+        # a token past those ordered is dropped where its row's nucleus closed before it
+        past = (mass[:, -1:] >= top_p).expand(probs.shape)
+        drop = past.scatter(1, order, (mass - ordered_probs) >= top_p)  # by the mass before each token
+        probs = probs.masked_fill(drop, 0)
     if any(p.min_p > 0 for p in params):
         probs = probs.masked_fill(probs < min_p * probs.amax(-1, keepdim=True), 0)
     return probs
+
+
+def _order_count(params: list[SamplingParams], uses_k: list[bool], vocab: int, device: torch.device) -> int:
+    """How many of each row's largest logits filter_probs orders first: max(k) where every row has a
+    top-k (what lies past it is masked), on a CPU NUCLEUS_CANDIDATES (at least every row's k: a
+    nucleus found past them is ordered again over the whole row, which costs the CPU nothing to
+    find out), else the whole row."""
+    if all(uses_k):
+        return max(p.top_k for p in params)
+    if device.type == "cpu":
+        return min(vocab, max([NUCLEUS_CANDIDATES] + [p.top_k for p, k in zip(params, uses_k) if k]))
+    return vocab
 
 
 def _ordered(logits: torch.Tensor, count: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -104,16 +131,15 @@ def _ordered(logits: torch.Tensor, count: int) -> tuple[torch.Tensor, torch.Tens
     return values, ids.gather(1, by_value)
 
 
-def draw(weights: torch.Tensor) -> torch.Tensor:
+def draw(weights: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
     """One token [N] int64 from each row of weights [N, V] (>= 0, each row's sum finite and > 0), with
     probability weight / the row's sum, by the inverse of its distribution: the first token whose
-    cumulative weight (float64) exceeds a uniform draw times the row's sum. A token of weight 0 is
-    never drawn. On the CPU torch.multinomial draws a random number per token (18 ms for 32 rows
-    of 32,000), this one a row."""
+    cumulative weight (float64) exceeds uniform [N, 1] (float64 in [0, 1), on weights' device)
+    times the row's sum. A token of weight 0 is never drawn. torch.multinomial draws a random
+    number per token (on the CPU 18 ms for 32 rows of 32,000), this one per row."""
     cdf = weights.cumsum(-1, dtype=torch.float64)
     total = cdf[:, -1:]
-    u = torch.rand(total.shape, dtype=torch.float64, device=weights.device) * total
-    return torch.searchsorted(cdf, torch.minimum(u, torch.nextafter(total, torch.zeros_like(total))),
+    return torch.searchsorted(cdf, torch.minimum(uniform * total, torch.nextafter(total, torch.zeros_like(total))),
                               right=True)[:, 0]
 
 
@@ -184,8 +210,9 @@ def sample(logits: torch.Tensor, requests: list[Request],
 def _draw(logits: torch.Tensor, tokens: torch.Tensor, ok: torch.Tensor, rows: list[int],
           requests: list[Request]) -> tuple[torch.Tensor, torch.Tensor]:
     """(tokens, ok) with the rows that sample (not greedy) drawn from their filtered probabilities,
-    all rows in one set of ops: the unseeded ones by one `draw`, each seeded one by torch.multinomial
-    under its own generator (position_seed), so that its token does not depend on the batch."""
+    all rows in one set of ops. The uniform numbers are drawn on the host, by torch's default
+    generator, or for a seeded request by a generator of its own (position_seed): its token does
+    not depend on the batch, nor on the device, only on its probabilities."""
     device = logits.device
     params = [r.params for r in requests]
     index = to_device(torch.tensor(rows), device)
@@ -193,10 +220,11 @@ def _draw(logits: torch.Tensor, tokens: torch.Tensor, ok: torch.Tensor, rows: li
     total = probs.sum(-1)  # NaN where softmax met a row of -inf, 0 where nothing was kept
     valid = torch.isfinite(total) & (total > 0)
     probs = torch.where(valid[:, None], probs, 1.0)
-    seeded = [i for i, p in enumerate(params) if p.seed is not None]
-    drawn = draw(probs) if len(seeded) < len(params) else torch.empty(len(params), dtype=torch.int64, device=device)
-    for i in seeded:
-        generator = torch.Generator(device=device)
-        generator.manual_seed(position_seed(params[i].seed, len(requests[i].output_token_ids)))
-        drawn[i] = torch.multinomial(probs[i], 1, generator=generator)[0]
+    uniform = torch.rand(len(params), 1, dtype=torch.float64)
+    for i, (p, request) in enumerate(zip(params, requests)):
+        if p.seed is not None:
+            generator = torch.Generator()
+            generator.manual_seed(position_seed(p.seed, len(request.output_token_ids)))
+            uniform[i] = torch.rand(1, dtype=torch.float64, generator=generator)
+    drawn = draw(probs, to_device(uniform, device))
     return tokens.index_copy(0, index, drawn), ok.index_copy(0, index, ok.index_select(0, index) & valid)

@@ -5,6 +5,7 @@ cannot be sampled fails alone; the batch's ops do not grow with its rows."""
 import pytest
 import torch
 
+from punica.engine import sampler
 from punica.engine.request import Request
 from punica.engine.sampler import draw, filter_probs, sample
 from punica.engine.sampling_params import SamplingParams
@@ -63,25 +64,43 @@ def test_rows_that_all_have_a_top_k_are_filtered_as_the_spec_filters_them():
         assert torch.equal(got[row] > 0, want > 0), row
 
 
+@pytest.mark.parametrize("candidates", [4, 12, 64])
+def test_on_a_cpu_the_nucleus_looked_for_among_candidates_is_the_specs(monkeypatch, candidates):
+    """Among a row's largest logits first (NUCLEUS_CANDIDATES), the whole row where some row's
+    nucleus reaches past them: the same probabilities either way."""
+    monkeypatch.setattr(sampler, "NUCLEUS_CANDIDATES", candidates)
+    gen = torch.Generator().manual_seed(6)
+    logits = torch.randn(5, 200, generator=gen) * 4
+    params = [SamplingParams(max_tokens=1, temperature=t, top_k=k, top_p=p)
+              for t, k, p in ((1.0, 0, 0.3), (0.6, 0, 0.9), (1.0, 8, 0.95), (3.0, 0, 1.0), (1.0, 0, 0.05))]
+    for rows in ([0, 4], [0, 1, 2, 3, 4]):  # nuclei within a few candidates; one that is not
+        got = filter_probs(logits[rows], [params[row] for row in rows])
+        for i, row in enumerate(rows):
+            p = params[row]
+            want = filter_row(logits[row], p.temperature, p.top_k, p.top_p, p.min_p)
+            torch.testing.assert_close(got[i] / got[i].sum(), want, rtol=1e-5, atol=1e-7)
+            assert torch.equal(got[i] > 0, want > 0), (candidates, row)
+
+
 def test_draw_follows_the_weights_and_never_draws_a_zero():
-    torch.manual_seed(0)
+    gen = torch.Generator().manual_seed(0)
     weights = torch.tensor([[0.0, 1.0, 0.0, 3.0, 0.0, 0.0], [2.0, 0.0, 0.0, 0.0, 0.0, 2.0]])
-    drawn = torch.stack([draw(weights) for _ in range(4000)])
+    drawn = torch.stack([draw(weights, torch.rand(2, 1, dtype=torch.float64, generator=gen)) for _ in range(4000)])
     assert set(drawn[:, 0].tolist()) == {1, 3} and set(drawn[:, 1].tolist()) == {0, 5}
     share = (drawn[:, 0] == 3).float().mean().item()
     assert abs(share - 0.75) < 4 * (0.75 * 0.25 / 4000) ** 0.5  # four standard deviations
 
 
 @pytest.mark.parametrize("u", [0.0, 1.0])
-def test_draw_at_the_ends_of_the_uniform_range_takes_a_token_of_weight(monkeypatch, u):
+def test_draw_at_the_ends_of_the_uniform_range_takes_a_token_of_weight(u):
     """u = 1 (which torch.rand never gives, and u x total can round to) still lands on the last token
     of weight, not past it onto the zeros; u = 0 on the first."""
     weights = torch.tensor([[0.0, 0.0, 0.25, 0.5, 0.25, 0.0, 0.0]])
-    monkeypatch.setattr(torch, "rand", lambda shape, **kw: torch.full(shape, u, dtype=kw["dtype"]))
-    assert draw(weights).tolist() == [4 if u else 2]
+    assert draw(weights, torch.tensor([[u]], dtype=torch.float64)).tolist() == [4 if u else 2]
 
 
 def test_seeded_rows_draw_the_same_token_alone_and_in_any_batch():
+    """Also a row of other seeds, and whatever torch's default generator does."""
     gen = torch.Generator().manual_seed(1)
     logits = torch.randn(6, 500, generator=gen)
     seeded = SamplingParams(max_tokens=1, temperature=1.3, top_p=0.95, seed=42)
@@ -90,6 +109,7 @@ def test_seeded_rows_draw_the_same_token_alone_and_in_any_batch():
               SamplingParams(max_tokens=1, temperature=1.0, repetition_penalty=1.3)]
     alone = sample(logits[2:3], requests([seeded])).tokens.item()
     for position in range(3):
+        torch.manual_seed(position)
         batch = others[:position] + [seeded] + others[position:]
         rows = torch.cat([logits[:position], logits[2:3], logits[position:len(others)]])
         assert sample(rows, requests(batch)).tokens[position].item() == alone
