@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 from typing import NamedTuple
 
+import numpy as np
 import torch
 
 from punica.engine.request import Request
@@ -40,20 +41,48 @@ def position_seed(seed: int, position: int) -> int:
 
 
 def apply_penalties(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
-    """Repetition penalty (HF: over prompt and output), frequency and presence (OpenAI: output)."""
-    for row, request in enumerate(requests):
-        p = request.params
-        if not p.uses_penalties:
-            continue
-        if p.repetition_penalty != 1:
-            seen = torch.tensor(sorted(set(request.token_ids)), device=logits.device)
-            vals = logits[row, seen]
-            logits[row, seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
-        if (p.frequency_penalty or p.presence_penalty) and request.output_token_ids:
-            counts = torch.bincount(torch.tensor(request.output_token_ids, device=logits.device),
-                                    minlength=logits.shape[1]).to(logits.dtype)
-            logits[row] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(logits.dtype)
+    """Repetition penalty (HF: over prompt and output), frequency and presence (OpenAI: output), for
+    every row in one set of ops: the (row, token) pairs each penalty touches, and what it does to
+    each, are found on the host (numpy) and copied once. A token seen before gets logit / p where
+    its logit is > 0, logit x p otherwise (p its request's repetition_penalty); then one that the
+    output holds c times loses frequency_penalty x c + presence_penalty (float32 on the host)."""
+    params = [r.params for r in requests]
+    repeated = [row for row, p in enumerate(params) if p.repetition_penalty != 1]
+    if repeated:
+        rows, ids, which, _ = _distinct_tokens(requests, repeated, output_only=False)
+        index = _to(logits.device, rows, ids)
+        by = to_device(torch.tensor([params[row].repetition_penalty for row in repeated],
+                                    dtype=logits.dtype)[which], logits.device)
+        values = logits[index]
+        logits = logits.index_put(index, torch.where(values > 0, values / by, values * by))
+    counted = [row for row, (r, p) in enumerate(zip(requests, params))
+               if (p.frequency_penalty or p.presence_penalty) and r.output_token_ids]
+    if counted:
+        rows, ids, which, counts = _distinct_tokens(requests, counted, output_only=True)
+        index = _to(logits.device, rows, ids)
+        frequency, presence = torch.tensor([[params[row].frequency_penalty for row in counted],
+                                            [params[row].presence_penalty for row in counted]],
+                                           dtype=logits.dtype)[:, which]
+        penalty = frequency * counts.to(logits.dtype) + presence
+        logits = logits.index_put(index, logits[index] - to_device(penalty, logits.device))
     return logits
+
+
+def _distinct_tokens(requests: list[Request], rows: list[int], output_only: bool):
+    """(batch row, token id, which of `rows`, count), int64 tensors on the host with one entry per
+    distinct token of each of requests[row] for row in rows (of its output alone with output_only)."""
+    parts = []
+    for which, row in enumerate(rows):
+        request = requests[row]
+        ids, counts = np.unique(np.asarray(request.output_token_ids if output_only else request.token_ids,
+                                           dtype=np.int64), return_counts=True)
+        parts.append((np.full(len(ids), row), ids, np.full(len(ids), which), counts))
+    return tuple(torch.from_numpy(np.concatenate(column).astype(np.int64)) for column in zip(*parts))
+
+
+def _to(device: torch.device, rows: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The (rows, ids) index on `device`, in one copy."""
+    return tuple(to_device(torch.stack([rows, ids]), device))
 
 
 def filter_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:

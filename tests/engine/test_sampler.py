@@ -126,6 +126,36 @@ def test_a_row_that_cannot_be_sampled_fails_alone():
     assert ((out.tokens >= 0) & (out.tokens < 50)).all()
 
 
+def penalized_row(logits, prompt, output, repetition, frequency, presence):
+    """The spec of one row's penalties: HF's repetition penalty over prompt and output, then OpenAI's
+    frequency and presence penalties over the output."""
+    logits = logits.clone()
+    if repetition != 1:
+        seen = torch.tensor(sorted(set(prompt + output)))
+        values = logits[seen]
+        logits[seen] = torch.where(values > 0, values / repetition, values * repetition)
+    if output:
+        counts = torch.bincount(torch.tensor(output), minlength=logits.shape[0]).to(logits.dtype)
+        logits -= frequency * counts + presence * (counts > 0).to(logits.dtype)
+    return logits
+
+
+def test_every_rows_penalties_are_the_per_row_specs():
+    gen = torch.Generator().manual_seed(4)
+    logits = torch.randn(4, 40, generator=gen) * 3
+    rows = [([1, 2, 3], [3, 3, 7, 9, 9, 9], 1.3, 0.5, 0.25), ([5, 6], [], 0.8, 1.0, 1.0),
+            ([0, 39], [39, 0, 0], 1.0, -0.7, 0.4), ([4], [8, 8], 1.0, 0.0, 0.0)]
+    requests_ = []
+    for i, (prompt, output, repetition, frequency, presence) in enumerate(rows):
+        request = Request(str(i), prompt, SamplingParams(max_tokens=8, repetition_penalty=repetition,
+                                                         frequency_penalty=frequency, presence_penalty=presence))
+        request.output_token_ids.extend(output)
+        requests_.append(request)
+    got = sampler.apply_penalties(logits.clone(), requests_)
+    for row, spec in enumerate(rows):
+        assert torch.equal(got[row], penalized_row(logits[row], *spec)), row
+
+
 def op_count(logits, params) -> int:
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         sample(logits, requests(params))
@@ -134,6 +164,7 @@ def op_count(logits, params) -> int:
 
 def test_the_batch_runs_as_many_ops_for_many_rows_as_for_two():
     """What a GPU host pays is launches: they must not grow with the rows that sample."""
-    params = [SamplingParams(max_tokens=1, temperature=0.7, top_k=20, top_p=0.9, min_p=0.01)] * 16
+    params = [SamplingParams(max_tokens=1, temperature=0.7, top_k=20, top_p=0.9, min_p=0.01,
+                             repetition_penalty=1.1)] * 16
     logits = torch.randn(16, 300, generator=torch.Generator().manual_seed(3))
     assert op_count(logits[:2], params[:2]) == op_count(logits, params)
