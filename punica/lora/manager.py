@@ -45,7 +45,7 @@ from punica.lora.host_arena import HostArena, host_tier_rows
 from punica.lora.names import check_adapter_name
 from punica.lora.pool import LoraPool
 from punica.lora.residency import AdapterCounters
-from punica.ops.cpu_threads import serial_torch, torch_threads
+from punica.ops.cpu_threads import torch_threads
 
 
 @dataclass(frozen=True, eq=False)
@@ -81,9 +81,7 @@ def reader_threads(device: torch.device, num_threads: int = IO_THREADS) -> Threa
     engine thread's (punica.ops.cpu_threads); on a GPU the engine thread runs little parallel CPU
     work for them to slow, and the readers share the threads torch has (those of the calling
     thread), each its part, so that reads at once do not oversubscribe the cores."""
-    if device.type == "cpu":
-        return ThreadPoolExecutor(num_threads, thread_name_prefix="punica-lora-io", initializer=serial_torch)
-    share = max(1, torch.get_num_threads() // num_threads)
+    share = 1 if device.type == "cpu" else max(1, torch.get_num_threads() // num_threads)
     return ThreadPoolExecutor(num_threads, thread_name_prefix="punica-lora-io", initializer=torch_threads,
                               initargs=(share,))
 
