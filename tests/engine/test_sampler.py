@@ -27,6 +27,13 @@ def filter_row(logits, temperature, top_k, top_p, min_p):
     return probs / probs.sum()
 
 
+def assert_filtered_as_spec(got, logits, p):
+    """One row of filter_probs (not renormalized) against the spec of its logits and params."""
+    want = filter_row(logits, p.temperature, p.top_k, p.top_p, p.min_p)
+    torch.testing.assert_close(got / got.sum(), want, rtol=1e-5, atol=1e-7)
+    assert torch.equal(got > 0, want > 0)
+
+
 def requests(params):
     return [Request(str(i), [1, 2, 3], p) for i, p in enumerate(params)]
 
@@ -45,9 +52,7 @@ def test_each_row_is_filtered_as_the_per_row_spec_filters_it():
     got = filter_probs(logits, params)
     assert got[1, 7] > 0 and got[1, 9] > 0
     for row, p in enumerate(params):
-        want = filter_row(logits[row], p.temperature, p.top_k, p.top_p, p.min_p)
-        torch.testing.assert_close(got[row] / got[row].sum(), want, rtol=1e-5, atol=1e-7)
-        assert torch.equal(got[row] > 0, want > 0), row
+        assert_filtered_as_spec(got[row], logits[row], p)
 
 
 def test_rows_that_all_have_a_top_k_are_filtered_as_the_spec_filters_them():
@@ -59,9 +64,7 @@ def test_rows_that_all_have_a_top_k_are_filtered_as_the_spec_filters_them():
               for t, k, p in ((1.0, 20, 0.8), (0.5, 3, 1.0), (1.2, 50, 0.6), (2.0, 1, 0.9))]
     got = filter_probs(logits, params)
     for row, p in enumerate(params):
-        want = filter_row(logits[row], p.temperature, p.top_k, p.top_p, p.min_p)
-        torch.testing.assert_close(got[row] / got[row].sum(), want, rtol=1e-5, atol=1e-7)
-        assert torch.equal(got[row] > 0, want > 0), row
+        assert_filtered_as_spec(got[row], logits[row], p)
 
 
 @pytest.mark.parametrize("candidates", [4, 12, 64])
@@ -76,10 +79,7 @@ def test_on_a_cpu_the_nucleus_looked_for_among_candidates_is_the_specs(monkeypat
     for rows in ([0, 4], [0, 1, 2, 3, 4]):  # nuclei within a few candidates; one that is not
         got = filter_probs(logits[rows], [params[row] for row in rows])
         for i, row in enumerate(rows):
-            p = params[row]
-            want = filter_row(logits[row], p.temperature, p.top_k, p.top_p, p.min_p)
-            torch.testing.assert_close(got[i] / got[i].sum(), want, rtol=1e-5, atol=1e-7)
-            assert torch.equal(got[i] > 0, want > 0), (candidates, row)
+            assert_filtered_as_spec(got[i], logits[row], params[row])
 
 
 def test_draw_follows_the_weights_and_never_draws_a_zero():
