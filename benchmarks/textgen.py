@@ -98,9 +98,12 @@ from punica.parallel.tensor_parallel import rank_config
 from punica.workloads import WORKLOADS, adapter_ids, textgen_lengths
 
 
-def serve_all(engine: Engine, requests: list[tuple[list[int], int, str | None]]) -> tuple[list, float]:
-    """Run requests (prompt, output length, adapter) to completion: (outputs, wall seconds)."""
-    ids = [engine.add_request(prompt, SamplingParams(max_tokens=out, temperature=0, ignore_eos=True), adapter)
+def serve_all(engine: Engine, requests: list[tuple[list[int], int, str | None]],
+              temperature: float = 0.0, top_p: float = 1.0) -> tuple[list, float]:
+    """Run requests (prompt, output length, adapter) to completion, sampling at `temperature` (0:
+    greedy) and `top_p`: (outputs, wall seconds)."""
+    ids = [engine.add_request(prompt, SamplingParams(max_tokens=out, temperature=temperature, top_p=top_p,
+                                                     ignore_eos=True), adapter)
            for prompt, out, adapter in requests]
     finished = {}
     if torch.cuda.is_available():
@@ -111,8 +114,8 @@ def serve_all(engine: Engine, requests: list[tuple[list[int], int, str | None]])
     return [finished[i] for i in ids], time.perf_counter() - start
 
 
-def run(engine: Engine, requests: list[tuple[list[int], int, str | None]]) -> dict:
-    outs, seconds = serve_all(engine, requests)
+def run(engine: Engine, requests: list[tuple[list[int], int, str | None]], **sampling: float) -> dict:
+    outs, seconds = serve_all(engine, requests, **sampling)
     tokens = sum(len(o.prompt_token_ids) + len(o.token_ids) for o in outs)
     ttft = [o.time_to_first_token for o in outs]
     tpot = [o.time_per_output_token for o in outs if o.time_per_output_token is not None]
@@ -182,12 +185,12 @@ def plot(rows: list[dict], path: Path, title: str) -> None:
 
 def engine_runs(engine_args: EngineArgs, config: ModelConfig, dtype: torch.dtype, device: str,
                 runs: list[tuple[str, str]], names: dict[str, dict[str, str]], prompts: list[list[int]],
-                lengths: list[tuple[int, int]], bandwidth: float | None = None) -> list[dict]:
+                lengths: list[tuple[int, int]], bandwidth: float | None = None, **sampling: float) -> list[dict]:
     """The engine's rows of every (workload, adapter kind) run on one model (one tensor-parallel
     engine with all names registered, or one model in this process under an engine per run). With
     `bandwidth` (given on one GPU for models without experts), each row's floor_tokens_per_s: its
     tokens over floor_seconds of this model's weights and KV cache, and of_floor, its tokens per
-    second over that."""
+    second over that. `sampling`: serve_all's temperature and top_p."""
     tp, num_requests, rows = engine_args.tensor_parallel_size, len(prompts), []
     quantization = format_label(engine_args.quantization, engine_args.kv_cache_dtype)
     model = dummy_model(config, dtype, device, quantization=engine_args.quantization) if tp == 1 else None
@@ -215,7 +218,7 @@ def engine_runs(engine_args: EngineArgs, config: ModelConfig, dtype: torch.dtype
             before = adapter_loads(engine)
             rows.append({"system": "punica", "workload": workload, "adapters": kind if adapters[0] else "none",
                          "quantization": quantization,
-                         **run(engine, [(p, o, a) for p, (_, o), a in zip(prompts, lengths, adapters)])})
+                         **run(engine, [(p, o, a) for p, (_, o), a in zip(prompts, lengths, adapters)], **sampling)})
             rows[-1].update(loads_between(before, adapter_loads(engine)))
             if floor:
                 rows[-1]["floor_tokens_per_s"] = rows[-1]["tokens"] / floor
@@ -256,6 +259,10 @@ def main() -> None:
     # one slot per request unless that passes 48 GiB: a MoE preset's adapters (~1.3 GB each on
     # qwen3-30b-a3b) would otherwise take the memory of the weights and the KV cache
     parser.set_defaults(max_lora_bytes=48 << 30)
+    parser.add_argument("--temperature", type=float, default=0.0,
+                        help="every request's sampling temperature (default 0: greedy)")
+    parser.add_argument("--top-p", type=float, default=1.0,
+                        help="every request's nucleus (default 1.0: the whole vocabulary)")
     parser.add_argument("--out", type=Path, default=Path("results/textgen"))
     args = parser.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -282,7 +289,8 @@ def main() -> None:
                 for kind in (("lora",) if w == "backbone" else kinds)]
         for label in args.quantizations:
             rows += engine_runs(dataclasses.replace(engine_args, **format_fields(label)), config, dtype, device,
-                                runs, names, prompts, lengths, bandwidth)
+                                runs, names, prompts, lengths, bandwidth, temperature=args.temperature,
+                                top_p=args.top_p)
     hf_ran = not args.skip_hf and tp == 1 and config.family == "llama"
     if not args.skip_hf and tp > 1:
         print(f"HF+PEFT baseline skipped: it runs on one device, the engine on {tp}", flush=True)
@@ -297,7 +305,7 @@ def main() -> None:
             "requests": args.requests, "max_total": args.max_total, "rank": args.rank,
             "adapter_slots": pool_slots(rank_config(config, tp), args.requests, args.rank,
                                         dtype, args.max_lora_bytes),
-            "quantizations": args.quantizations,
+            "quantizations": args.quantizations, "temperature": args.temperature, "top_p": args.top_p,
             "hf_requests": args.hf_requests if hf_ran else 0, "hf_max_total": args.hf_max_total,
             "hf_batch": HF_BATCH, "date": time.strftime("%Y-%m-%d")}
     write_results(args.out, "textgen", rows, meta)
