@@ -2,6 +2,8 @@
 per-row spec below filters it; seeded rows draw the same token whatever the batch; a row that
 cannot be sampled fails alone; the batch's ops do not grow with its rows."""
 
+import math
+
 import pytest
 import torch
 
@@ -91,11 +93,13 @@ def test_draw_follows_the_weights_and_never_draws_a_zero():
     assert abs(share - 0.75) < 4 * (0.75 * 0.25 / 4000) ** 0.5  # four standard deviations
 
 
-@pytest.mark.parametrize("u", [0.0, 1.0])
-def test_draw_at_the_ends_of_the_uniform_range_takes_a_token_of_weight(u):
-    """u = 1 (which torch.rand never gives, and u x total can round to) still lands on the last token
-    of weight, not past it onto the zeros; u = 0 on the first."""
-    weights = torch.tensor([[0.0, 0.0, 0.25, 0.5, 0.25, 0.0, 0.0]])
+@pytest.mark.parametrize("u", [0.0, math.nextafter(1.0, 0.0)])
+@pytest.mark.parametrize("weights", [[0.0, 0.0, 0.25, 0.5, 0.25, 0.0, 0.0], [0.0, 0.0, 0.1, 0.3, 0.7, 0.0, 0.0],
+                                     [0.0, 0.0, 3e-38, 1e-30, 7e-3, 0.0, 0.0]])
+def test_draw_at_the_ends_of_the_uniform_range_takes_a_token_of_weight(u, weights):
+    """The largest u below 1 still lands on the last token of weight, not past it onto the zeros; u =
+    0 on the first."""
+    weights = torch.tensor([weights])
     assert draw(weights, torch.tensor([[u]], dtype=torch.float64)).tolist() == [4 if u else 2]
 
 
