@@ -10,6 +10,9 @@
 
 All math is fp32; intermediate roundings to the tensor dtype follow the PyTorch references
 exactly (the residual sum, the normalised row before the weight, silu before the product).
+RMSNorm and SiLU-and-mul add a pending LoRA delta (punica.ops.layers.PendingDelta) to their input
+as they load it, with add_delta's arithmetic (an add, DoRA's product, one rounding: nothing to
+contract), so the values they go on with are those add_delta would have written.
 Kernels allocate nothing but their outputs, never sync, and their grids depend only on shapes,
 so they are safe under CUDA-graph capture. Any hidden / head / intermediate size: tails masked.
 """
@@ -20,6 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
+from punica.ops.lora_kernels import dora_out_scales
 from punica.ops.triton_env import interpreting
 
 MAX_ROW_BLOCK = 16384      # RMSNorm rows up to this many elements are held in registers
@@ -28,9 +32,24 @@ SILU_BLOCK = 1024          # intermediate columns per SiLU-and-mul program
 
 
 @triton.jit
-def _norm_input(x, residual, offs, mask, HAS_RESIDUAL: tl.constexpr):
-    """The row's input at offs in x's dtype: x, or x + residual (rounded as the model adds them)."""
+def _plus_delta(v, d, slot, offs, mask, out_scales, dora_slots, h_out, stride_os, stride_on, DORA: tl.constexpr):
+    """v (one row's values at offs) plus its row's pending LoRA delta d (a pointer to that row), times
+    the slot's DoRA out_scales where it is a DoRA slot, rounded once to v's dtype: add_delta."""
+    out = v.to(tl.float32) + tl.load(d + offs, mask=mask, other=0.0)
+    if DORA:
+        out = out * dora_out_scales(out_scales, dora_slots, tl.maximum(slot, 0), offs, tl.where(slot >= 0, h_out, 0),
+                                    stride_os, stride_on)
+    return out.to(v.dtype)
+
+
+@triton.jit
+def _norm_input(x, residual, offs, mask, d, slot, out_scales, dora_slots, hidden, stride_os, stride_on,
+                HAS_RESIDUAL: tl.constexpr, HAS_DELTA: tl.constexpr, DORA: tl.constexpr):
+    """The row's input at offs in x's dtype: x (plus its pending delta), or that + residual (rounded
+    as the model adds them)."""
     v = tl.load(x + offs, mask=mask, other=0.0)
+    if HAS_DELTA:
+        v = _plus_delta(v, d, slot, offs, mask, out_scales, dora_slots, hidden, stride_os, stride_on, DORA)
     if HAS_RESIDUAL:
         r = tl.load(residual + offs, mask=mask, other=0.0)
         v = (v.to(tl.float32) + r.to(tl.float32)).to(x.dtype.element_ty)
@@ -38,10 +57,15 @@ def _norm_input(x, residual, offs, mask, HAS_RESIDUAL: tl.constexpr):
 
 
 @triton.jit
-def _rms_norm_kernel(x, residual, weight, out, residual_out, hidden, eps,
-                     stride_x, stride_r, stride_out, stride_r_out,
-                     HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, NUM_BLOCKS: tl.constexpr):
+def _rms_norm_kernel(x, residual, weight, out, residual_out, d, token_slots, out_scales, dora_slots, hidden, eps,
+                     stride_x, stride_r, stride_out, stride_r_out, stride_d, stride_os, stride_on,
+                     HAS_RESIDUAL: tl.constexpr, HAS_DELTA: tl.constexpr, DORA: tl.constexpr, BLOCK: tl.constexpr,
+                     NUM_BLOCKS: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
+    slot = -1
+    if HAS_DELTA:
+        slot = tl.load(token_slots + row)
+    d += row * stride_d
     x += row * stride_x
     residual += row * stride_r
     out += row * stride_out
@@ -49,7 +73,8 @@ def _rms_norm_kernel(x, residual, weight, out, residual_out, hidden, eps,
     cols = tl.arange(0, BLOCK)
     if NUM_BLOCKS == 1:
         mask = cols < hidden
-        v = _norm_input(x, residual, cols, mask, HAS_RESIDUAL)
+        v = _norm_input(x, residual, cols, mask, d, slot, out_scales, dora_slots, hidden, stride_os, stride_on,
+                        HAS_RESIDUAL, HAS_DELTA, DORA)
         if HAS_RESIDUAL:
             tl.store(residual_out + cols, v, mask=mask)
         v = v.to(tl.float32)
@@ -61,7 +86,8 @@ def _rms_norm_kernel(x, residual, weight, out, residual_out, hidden, eps,
         acc = tl.zeros([BLOCK], dtype=tl.float32)
         for start in range(0, hidden, BLOCK):
             mask = start + cols < hidden
-            v = _norm_input(x, residual, start + cols, mask, HAS_RESIDUAL)
+            v = _norm_input(x, residual, start + cols, mask, d, slot, out_scales, dora_slots, hidden, stride_os,
+                            stride_on, HAS_RESIDUAL, HAS_DELTA, DORA)
             if HAS_RESIDUAL:
                 tl.store(residual_out + start + cols, v, mask=mask)
             v = v.to(tl.float32)
@@ -69,7 +95,8 @@ def _rms_norm_kernel(x, residual, weight, out, residual_out, hidden, eps,
         rstd = tl.rsqrt(tl.sum(acc, axis=0) / hidden + eps)
         for start in range(0, hidden, BLOCK):
             mask = start + cols < hidden
-            v = _norm_input(x, residual, start + cols, mask, HAS_RESIDUAL)
+            v = _norm_input(x, residual, start + cols, mask, d, slot, out_scales, dora_slots, hidden, stride_os,
+                            stride_on, HAS_RESIDUAL, HAS_DELTA, DORA)
             normed = (v.to(tl.float32) * rstd).to(x.dtype.element_ty).to(tl.float32)
             w = tl.load(weight + start + cols, mask=mask, other=0.0).to(tl.float32)
             tl.store(out + start + cols, (w * normed).to(out.dtype.element_ty), mask=mask)
@@ -100,12 +127,21 @@ def _rope_kernel(q, k, cos, sin, num_heads, num_kv_heads, half,
 
 
 @triton.jit
-def _silu_and_mul_kernel(gate_up, out, inter, stride_in, stride_out, BLOCK: tl.constexpr):
+def _silu_and_mul_kernel(gate_up, out, d, token_slots, out_scales, dora_slots, inter, stride_in, stride_out, stride_d,
+                         stride_os, stride_on, HAS_DELTA: tl.constexpr, DORA: tl.constexpr, BLOCK: tl.constexpr):
     token = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < inter
-    gate = tl.load(gate_up + token * stride_in + cols, mask=mask, other=0.0).to(tl.float32)
-    up = tl.load(gate_up + token * stride_in + inter + cols, mask=mask, other=0.0).to(tl.float32)
+    gate = tl.load(gate_up + token * stride_in + cols, mask=mask, other=0.0)
+    up = tl.load(gate_up + token * stride_in + inter + cols, mask=mask, other=0.0)
+    if HAS_DELTA:
+        slot = tl.load(token_slots + token)
+        d += token * stride_d
+        gate = _plus_delta(gate, d, slot, cols, mask, out_scales, dora_slots, 2 * inter, stride_os, stride_on, DORA)
+        up = _plus_delta(up, d, slot, inter + cols, mask, out_scales, dora_slots, 2 * inter, stride_os, stride_on,
+                         DORA)
+    gate = gate.to(tl.float32)
+    up = up.to(tl.float32)
     act = (gate / (1.0 + tl.exp(-gate))).to(out.dtype.element_ty).to(tl.float32)
     tl.store(out + token * stride_out + cols, (act * up).to(out.dtype.element_ty), mask=mask)
 
@@ -114,8 +150,24 @@ def _row_warps(block: int) -> int:
     return min(max(block // 256, 1), 16)
 
 
+def _delta_args(delta: tuple | None, y: torch.Tensor) -> tuple:
+    """A kernel's (d, token_slots, out_scales, dora_slots, d's row stride, out_scales' strides) for
+    the delta pending on y (punica.ops.layers.PendingDelta), and (HAS_DELTA, DORA); pointers never read are y's."""
+    if delta is None:
+        return (y, y, y, y, 0, 0, 0), (False, False)
+    d, token_slots, dora = delta
+    assert d.shape == y.shape and d.dtype == torch.float32 and d.stride(1) == 1, (d.shape, y.shape, d.dtype)
+    assert token_slots.shape == y.shape[:1], (token_slots.shape, y.shape)
+    if dora is None:
+        return (d, token_slots, y, y, d.stride(0), 0, 0), (True, False)
+    out_scales, dora_slots = dora
+    assert out_scales.shape[1] == y.shape[1] and out_scales.dtype == torch.float32, (out_scales.shape, y.shape)
+    assert dora_slots.shape == out_scales.shape[:1] and dora_slots.dtype == torch.int32, dora_slots
+    return (d, token_slots, out_scales, dora_slots, d.stride(0), *out_scales.stride()), (True, True)
+
+
 def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
-                    max_row_block: int = MAX_ROW_BLOCK):
+                    max_row_block: int = MAX_ROW_BLOCK, delta: tuple | None = None):
     """punica.ops.layers.rms_norm; `max_row_block` (a power of 2) bounds the per-program block."""
     num_tokens, hidden = x.shape
     assert x.stride(1) == 1 and weight.stride(0) == 1, (x.stride(), weight.stride())
@@ -127,9 +179,12 @@ def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float, residual:
         block = min(triton.next_power_of_2(hidden), max_row_block)
         # without a residual its pointers are never read or written: pass x's
         r_in, r_out = (x, x) if residual is None else (residual, residual_out)
+        (d, token_slots, out_scales, dora_slots, stride_d, stride_os, stride_on), (has_delta, dora) = _delta_args(
+            delta, x)
         _rms_norm_kernel[(num_tokens,)](
-            x, r_in, weight, out, r_out, hidden, eps, x.stride(0), r_in.stride(0), out.stride(0),
-            r_out.stride(0), HAS_RESIDUAL=residual is not None, BLOCK=block,
+            x, r_in, weight, out, r_out, d, token_slots, out_scales, dora_slots, hidden, eps, x.stride(0),
+            r_in.stride(0), out.stride(0), r_out.stride(0), stride_d, stride_os, stride_on,
+            HAS_RESIDUAL=residual is not None, HAS_DELTA=has_delta, DORA=dora, BLOCK=block,
             NUM_BLOCKS=triton.cdiv(hidden, block), num_warps=_row_warps(block),
         )
     return out if residual is None else (out, residual_out)
@@ -154,7 +209,7 @@ def rope_triton_(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch
     )
 
 
-def silu_and_mul_triton(gate_up: torch.Tensor) -> torch.Tensor:
+def silu_and_mul_triton(gate_up: torch.Tensor, delta: tuple | None = None) -> torch.Tensor:
     """punica.ops.layers.silu_and_mul."""
     num_tokens, width = gate_up.shape
     inter = width // 2
@@ -162,8 +217,10 @@ def silu_and_mul_triton(gate_up: torch.Tensor) -> torch.Tensor:
     out = torch.empty(num_tokens, inter, dtype=gate_up.dtype, device=gate_up.device)
     if num_tokens:
         block = 64 if interpreting() else min(SILU_BLOCK, triton.next_power_of_2(inter))
+        (d, token_slots, out_scales, dora_slots, stride_d, stride_os, stride_on), (has_delta, dora) = _delta_args(
+            delta, gate_up)
         _silu_and_mul_kernel[(num_tokens, triton.cdiv(inter, block))](
-            gate_up, out, inter, gate_up.stride(0), out.stride(0), BLOCK=block,
-            num_warps=4,
+            gate_up, out, d, token_slots, out_scales, dora_slots, inter, gate_up.stride(0), out.stride(0), stride_d,
+            stride_os, stride_on, HAS_DELTA=has_delta, DORA=dora, BLOCK=block, num_warps=4,
         )
     return out

@@ -114,7 +114,7 @@ def shrink_rowwise_kernel(
 
 
 @triton.jit
-def _dora_out_scales(out_scales, dora_slots, slot, cols, h_out, stride_os, stride_on):
+def dora_out_scales(out_scales, dora_slots, slot, cols, h_out, stride_os, stride_on):
     """The slot's DoRA out_scales at `cols` if it is a DoRA slot, else 1 (nothing read)."""
     is_dora = tl.load(dora_slots + slot)
     m_end = tl.where(is_dora != 0, h_out, 0)  # a bound, not a scalar-bool mask (see shrink_rowwise_kernel)
@@ -160,7 +160,7 @@ def expand_rowwise_kernel(
         old = tl.load(y_row, mask=col_ok, other=0.0)
         out = old.to(tl.float32) + delta
         if DORA:
-            out = out * _dora_out_scales(out_scales, dora_slots, safe_slot, cols, tl.where(valid, h_out, 0),
+            out = out * dora_out_scales(out_scales, dora_slots, safe_slot, cols, tl.where(valid, h_out, 0),
                                          stride_os, stride_on)
         tl.store(y_row, out.to(y.dtype.element_ty), mask=col_ok)
     else:
@@ -179,7 +179,7 @@ def add_delta_rowwise_kernel(
     col_ok = cols < h_out
     if DORA:
         slot = tl.load(token_slots + t)
-        scales = _dora_out_scales(out_scales, dora_slots, tl.maximum(slot, 0), cols, tl.where(slot >= 0, h_out, 0),
+        scales = dora_out_scales(out_scales, dora_slots, tl.maximum(slot, 0), cols, tl.where(slot >= 0, h_out, 0),
                                   stride_os, stride_on)
     _previous_kernel_done(PDL)  # y and d are read after it
     y_row = y + t.to(tl.int64) * stride_yt + cols * stride_yn
@@ -282,6 +282,6 @@ def sgmv_expand_tile_kernel(
                 delta = delta * scale
             result = old.to(tl.float32) + delta
             if DORA:
-                result = result * _dora_out_scales(out_scales, dora_slots, slot, cols, h_out, stride_os,
+                result = result * dora_out_scales(out_scales, dora_slots, slot, cols, h_out, stride_os,
                                                    stride_on)[None, :]
             tl.store(out, result.to(y.dtype.element_ty), mask=out_ok)
