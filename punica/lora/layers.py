@@ -13,7 +13,8 @@ fewer, a product per segment and slice (punica.ops.lora_cpu).
 On CUDA the shrink runs on a side stream beside the base GEMM (inside captured graphs too: two
 branches joined before the expand), so the GPU overlaps its launch and ramp with the GEMM's; in
 BGMV batches of up to SIDE_STREAM_DELTA_MAX_TOKENS tokens, such as decode steps, the expand's delta
-runs there too.
+runs there too, and the main stream adds it (add_delta), or with `forward_deferred` the op that
+next reads the output does (punica.ops.layers.PendingDelta), which saves that launch.
 
 Its weights are its group's part of the adapter pool (punica.lora.pool.GroupWeights: views of one
 layer's A, B, scales and DoRA tensors), set by `attach_pool`; without them, and in steps where no
@@ -33,6 +34,7 @@ from torch import nn
 from punica.lora.batch import LoraBatch
 from punica.lora.experts import LoraExperts
 from punica.lora.pool import GroupWeights, LoraPool
+from punica.ops.layers import PendingDelta
 from punica.ops.lora import add_delta, bgmv_delta, lora_expand, lora_shrink
 from punica.ops.lora_cpu import grouped_applies, grouped_expand, grouped_shrink, segment_lora, segments_apply
 
@@ -68,12 +70,22 @@ class LoraLinear(nn.Module):
 
     def forward(self, x: torch.Tensor, lora: LoraBatch) -> torch.Tensor:
         """x: [T, h_in]  ->  [T, h_out], each token's delta added by its slot (lora.token_slots)."""
-        y = self.base(x) if self.weights is None or not lora.any_lora else self._with_lora(x, lora)
+        y = self.base(x) if self.weights is None or not lora.any_lora else self._with_lora(x, lora)[0]
         if self.tp_group is not None:
             dist.all_reduce(y, group=self.tp_group)
         return y
 
-    def _with_lora(self, x: torch.Tensor, lora: LoraBatch) -> torch.Tensor:
+    def forward_deferred(self, x: torch.Tensor, lora: LoraBatch) -> tuple[torch.Tensor, PendingDelta | None]:
+        """(y, delta): forward's output, where the delta was computed on the side stream (small BGMV
+        batches) without it, and the delta then pending on y, for the op that next reads y to add
+        (punica.ops.layers.rms_norm, silu_and_mul), which saves add_delta's launch; else (forward's
+        output, None). A row-parallel projection adds its delta before the all-reduce."""
+        if self.weights is None or not lora.any_lora or self.tp_group is not None:
+            return self.forward(x, lora), None
+        return self._with_lora(x, lora, defer=True)
+
+    def _with_lora(self, x: torch.Tensor, lora: LoraBatch,
+                   defer: bool = False) -> tuple[torch.Tensor, PendingDelta | None]:
         w = self.weights
         dora = (w.out_scales, w.dora_slots)
         stream = side_stream(x.device)
@@ -88,10 +100,11 @@ class LoraLinear(nn.Module):
                              w.slice_bounds, dora)
             else:
                 lora_expand(y, lora_shrink(x, w.lora_a, lora), w.lora_b, w.scales, lora, w.slice_bounds, dora)
-            return y
+            return y, None
         # The shrink (and for small BGMV batches the expand's delta too) runs on the side stream
         # beside the base GEMM. v and the delta are freed after their last use, which the side
-        # stream's next work waits for; x lives until the join.
+        # stream's next work waits for (a deferred delta's last use, the op that reads y, comes
+        # before the next projection's input exists); x lives until the join.
         main = torch.cuda.current_stream(x.device)
         stream.wait_stream(main)
         with torch.cuda.stream(stream):
@@ -102,9 +115,11 @@ class LoraLinear(nn.Module):
         main.wait_stream(stream)
         if delta is None:
             lora_expand(y, v, w.lora_b, w.scales, lora, w.slice_bounds, dora)
+        elif defer:
+            return y, PendingDelta(delta, lora.token_slots, dora)
         else:
             add_delta(y, delta, lora.token_slots, dora)
-        return y
+        return y, None
 
     def extra_repr(self) -> str:
         return f"layer={self.layer}, group={self.group!r}"

@@ -19,7 +19,10 @@ its part of the adapter pool).
 The elementwise work runs fused (punica.ops.layers): each residual add folds into the RMSNorm
 after it, so a layer takes and returns (output, residual stream) as vLLM's layers do; rotary
 and the KV-cache append run as one kernel (q rotated in place, k rotated on its way into the
-cache, k in qkv left as it was); SiLU-and-mul reads the gate/up GEMM's output once.
+cache, k in qkv left as it was); SiLU-and-mul reads the gate/up GEMM's output once. The LoRA
+deltas of o, gate/up and down that the side stream computed beside their GEMMs (decode steps on
+CUDA) are added by the norm or activation that reads the output next, not by launches of their
+own (LoraLinear.forward_deferred): a layer also takes and returns the delta pending on its output.
 With a `weight_format` (punica.models.quantized) the four fused projections hold fp8 weights
 (Fp8Linear, punica.ops.fp8's GEMMs); everything else, and the LoRA path, is unchanged. Under
 tensor parallelism (punica.parallel.tensor_parallel) o and down are row-parallel: their
@@ -39,7 +42,7 @@ from punica.models.quantized import Fp8Format, Fp8Linear, Linear, projection
 from punica.models.rotary import Rotary
 from punica.ops.attention import paged_attention, rope_and_write_kv_, softcap_ref
 from punica.ops.kv_cache import KVCache
-from punica.ops.layers import gelu_tanh_and_mul, rms_norm, silu_and_mul
+from punica.ops.layers import PendingDelta, gelu_tanh_and_mul, rms_norm, silu_and_mul
 
 
 class RMSNorm(nn.Module):
@@ -48,9 +51,10 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(size, **factory), requires_grad=False)
         self.eps = eps
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
-        """norm(x), or with a residual (norm(x + residual), x + residual): punica.ops.layers.rms_norm."""
-        return rms_norm(x, self.weight, self.eps, residual)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None, delta: PendingDelta | None = None):
+        """norm(x), or with a residual (norm(x + residual), x + residual), a LoRA delta pending on x
+        added first: punica.ops.layers.rms_norm."""
+        return rms_norm(x, self.weight, self.eps, residual, delta)
 
 
 class DecoderLayer(nn.Module):
@@ -89,9 +93,9 @@ class DecoderLayer(nn.Module):
         self.qkv_slices = {"q": (0, q), "k": (q, q + kv), "v": (q + kv, q + 2 * kv)}
         self.gate_up_slices = {"gate": (0, inter), "up": (inter, 2 * inter)}
 
-    def attention(self, h: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        """h: [T, hidden] normed  ->  o_proj's output [T, hidden]; this layer's keys and values
-        appended to its part of the KV cache."""
+    def attention(self, h: torch.Tensor, batch: ForwardBatch) -> tuple[torch.Tensor, PendingDelta | None]:
+        """h: [T, hidden] normed  ->  (o_proj's output [T, hidden], its LoRA delta if pending);
+        this layer's keys and values appended to its part of the KV cache."""
         num_tokens = h.shape[0]
         qkv = self.qkv_proj(h, batch.lora)
         q_end, k_end = self.qkv_slices["k"][0], self.qkv_slices["v"][0]
@@ -108,27 +112,33 @@ class DecoderLayer(nn.Module):
         kv_layer, kv_scales = batch.kv.layer(self.index)
         rope_and_write_kv_(q, k, v, cos, sin, kv_layer, batch.attn.slot_mapping, kv_scales)  # q rotated in place
         o = paged_attention(q, kv_layer, batch.attn, self.scale, self.window, self.softcap, kv_scales)
-        return self.o_proj(o.reshape(num_tokens, -1), batch.lora)
+        return self.o_proj.forward_deferred(o.reshape(num_tokens, -1), batch.lora)
 
-    def mlp(self, h: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+    def mlp(self, h: torch.Tensor, batch: ForwardBatch) -> tuple[torch.Tensor, PendingDelta | None]:
+        """h: [T, hidden] normed  ->  (the MLP's output [T, hidden], down's LoRA delta if pending)."""
         if self.moe is not None:
-            return self.moe(h, batch)
-        return self.down_proj(self.act(self.gate_up_proj(h, batch.lora)), batch.lora)
+            return self.moe(h, batch), None
+        gate_up, delta = self.gate_up_proj.forward_deferred(h, batch.lora)
+        return self.down_proj.forward_deferred(self.act(gate_up, delta), batch.lora)
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, batch: ForwardBatch
-                ) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, batch: ForwardBatch,
+                delta: PendingDelta | None = None) -> tuple[torch.Tensor, torch.Tensor, PendingDelta | None]:
         """x: [T, h], the previous layer's MLP output before its residual add (the embeddings
-        for the first layer, with residual None)  ->  (this layer's MLP output, residual stream);
-        the stream after the layer is their sum, which the next norm computes."""
-        h, residual = (self.input_norm(x), x) if residual is None else self.input_norm(x, residual)
-        o = self.attention(h, batch)
+        for the first layer, with residual None), with `delta` the LoRA delta still pending on it
+        ->  (this layer's MLP output, residual stream, the delta pending on that output); the
+        stream after the layer is their sum, which the next norm computes. A projection's delta is
+        added by the op that reads its output next (the norms, the activation), not by a launch
+        of its own (LoraLinear.forward_deferred)."""
+        # the first layer's x (the embeddings, residual None) has no delta pending
+        h, residual = (self.input_norm(x), x) if residual is None else self.input_norm(x, residual, delta)
+        o, delta = self.attention(h, batch)
         if self.attn_out_norm is not None:
-            o = self.attn_out_norm(o)
-        h, residual = self.post_norm(o, residual)
-        down = self.mlp(h, batch)
+            o, delta = self.attn_out_norm(o, delta=delta), None
+        h, residual = self.post_norm(o, residual, delta)
+        down, delta = self.mlp(h, batch)
         if self.mlp_out_norm is not None:
-            down = self.mlp_out_norm(down)
-        return down, residual
+            down, delta = self.mlp_out_norm(down, delta=delta), None
+        return down, residual, delta
 
 
 class DecoderForCausalLM(nn.Module):
@@ -171,8 +181,11 @@ class DecoderForCausalLM(nn.Module):
         x, residual = self.embed(input_ids), None
         if self.embed_multiplier != 1.0:
             x = x * self.embed_multiplier
+        delta = None
         for layer in self.layers:
-            x, residual = layer(x, residual, batch)
+            x, residual, delta = layer(x, residual, batch, delta)
+        if delta is not None:
+            delta.add_to(x)
         rows = batch.attn.logits_indices
         x = self.norm(x[rows]) if residual is None else self.norm(x[rows], residual[rows])[0]
         return softcap_ref(self.lm_head(x).float(), self.config.final_softcap)

@@ -179,3 +179,39 @@ def test_fp8_base_beside_adapters_is_told_so(monkeypatch, punica_config, tiny_ll
     want = expected(base(x, beside_lora=True), x, pool.group_weights(LAYER, "gate_up"),
                     LoraBatch.build(slots, [1] * 24, device="cuda"))
     torch.testing.assert_close(got.double(), want, rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.cuda
+def test_deferred_deltas_are_added_by_the_op_after_them_bit_for_bit(monkeypatch, punica_config, tiny_llama):
+    """On CUDA a BGMV batch's o, gate/up and down deltas are added by the norm or activation that
+    reads their outputs next (add_delta launched once a layer, for q/k/v), DoRA slot included, and
+    the logits are bit for bit those of adding each delta at once."""
+    config = punica_config(tiny_llama())
+    model = DecoderForCausalLM(config, torch.bfloat16, "cuda")
+    gen = torch.Generator().manual_seed(0)
+    for p in model.parameters():
+        p.data.copy_((torch.randn(p.shape, generator=gen) * 0.1 + (1.0 if p.dim() == 1 else 0.0)).to(p.dtype))
+    pool = LoraPool(config, max_loras=3, max_rank=8, dtype=torch.bfloat16, device="cuda")
+    for slot in range(3):
+        pool.write(slot, random_adapter(config, rank=4 + 2 * slot, seed=slot, scale=0.5))
+    pool.dora_slots[2] = 1
+    for out_scales in pool.out_scales.values():
+        out_scales[:, 2].uniform_(0.5, 1.5)
+    attach_pool(model, pool)
+    slots, tokens = [0, 2, -1, 1, 2], torch.tensor([5, 6, 7, 8, 9], device="cuda")
+
+    def logits(slots):
+        attn = AttnBatch.build([1] * 5, [1] * 5, [[i] for i in range(5)], 4, 0, device="cuda")
+        lora = LoraBatch.build(slots, [1] * 5, device="cuda", kernel="bgmv")
+        return model(tokens, ForwardBatch(attn, lora, model.new_kv_cache(5, 4)))
+
+    adds = []
+    real_add = layers.add_delta
+    monkeypatch.setattr(layers, "add_delta", lambda *args: adds.append(1) or real_add(*args))
+    got = logits(slots)
+    assert len(adds) == config.num_layers
+    monkeypatch.setattr(LoraLinear, "forward_deferred", lambda self, x, lora: (self.forward(x, lora), None))
+    adds.clear()
+    assert torch.equal(got, logits(slots))
+    assert len(adds) == 4 * config.num_layers
+    assert not torch.equal(got, logits([-1] * 5))
