@@ -166,8 +166,8 @@ def draw(weights: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
     cumulative weight (float64) exceeds uniform [N, 1] (float64 in [0, 1), on weights' device) times
     the row's sum. A token of weight 0 is never drawn, and none past the last of weight: for u < 1
     and a normal s > 0, u x s rounds below s (exactly, u x s is more than half a unit of s's last
-    place below it). torch.multinomial draws a random number per token
-    (on the CPU 18 ms for 32 rows of 32,000), this one per row."""
+    place below it). torch.multinomial draws a random number per token (on the CPU 18 ms for 32
+    rows of 32,000), this one per row."""
     cdf = weights.cumsum(-1, dtype=torch.float64)
     return torch.searchsorted(cdf, uniform * cdf[:, -1:], right=True)[:, 0]
 

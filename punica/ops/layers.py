@@ -6,9 +6,9 @@ Unfused, each is a handful of tiny kernels (RMSNorm ~6, rotary ~10 per tensor, S
 plus every residual add); in a decode step captured as a CUDA graph each still costs a launch
 slot of about 2 us. RMSNorm and SiLU-and-mul also take a LoRA delta still pending on their input
 (PendingDelta: the side stream's delta of the projection that wrote it), which they add as they
-read it, so that no launch of its own adds it. The PyTorch references (`*_ref`) are the spec and match HuggingFace's
-Llama numerics; each public function runs the Triton kernel of punica.ops.layers_triton when
-its tensors are on CUDA, and the reference otherwise.
+read it, so that no launch of its own adds it. The PyTorch references (`*_ref`) are the spec and
+match HuggingFace's Llama numerics; each public function runs the Triton kernel of
+punica.ops.layers_triton when its tensors are on CUDA, and the reference otherwise.
 """
 
 from __future__ import annotations
