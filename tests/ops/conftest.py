@@ -1,7 +1,8 @@
 """The check that Triton kernels compile for a CUDA target (Hopper) on a machine without a GPU:
 Triton's front end (Python AST to TTIR) runs on the CPU. The interpreter the other CPU tests use
 accepts code the compiler rejects (a global that is not constexpr, say), so this is the CPU's one
-check of what the GPU would compile."""
+check of what the GPU would compile. Also a LoRA delta pending on a kernel's input, for the
+kernels that add one."""
 
 import os
 import subprocess
@@ -10,6 +11,9 @@ import textwrap
 from pathlib import Path
 
 import pytest
+import torch
+
+from punica.ops.layers import PendingDelta
 
 # what every compile script starts with: the CUDA backend (exit 77 where this Triton build has
 # none), and compile_ttir(fn, consts, types): fn to TTIR with the constexprs `consts`, every other
@@ -60,3 +64,23 @@ def compile_for_cuda(script: str) -> None:
 def compile_for_cuda_fixture():
     """The function `compile_for_cuda(script)`: see its docstring."""
     return compile_for_cuda
+
+
+def pending_delta(num_tokens: int, width: int, gen: torch.Generator, dora: bool) -> PendingDelta:
+    """A PendingDelta on [num_tokens, width] (on the GPU where there is one): 4 slots, rows of slot
+    -1 (their d is 0, as bgmv_delta writes it), and with `dora` slots 1 and 3 DoRA slots."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    d = (torch.randn(num_tokens, width, generator=gen) * 0.5).to(device)
+    token_slots = torch.tensor([(t % 5) - 1 for t in range(num_tokens)], dtype=torch.int32, device=device)
+    d[token_slots < 0] = 0
+    scales = None
+    if dora:
+        out_scales = (1 + 0.2 * torch.randn(4, width, generator=gen)).to(device)
+        scales = (out_scales, torch.tensor([0, 1, 0, 1], dtype=torch.int32, device=device))
+    return PendingDelta(d, token_slots, scales)
+
+
+@pytest.fixture(scope="session", name="pending_delta")
+def pending_delta_fixture():
+    """The function `pending_delta(num_tokens, width, gen, dora)`: see its docstring."""
+    return pending_delta

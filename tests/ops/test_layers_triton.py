@@ -12,13 +12,19 @@ from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
 from punica.ops import layers as ops
 from punica.ops import layers_triton as kernels
-from punica.ops import lora as lora_ops
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 # (rtol, atol): bf16/fp16 outputs within ~2.5 units in the last place (the interpreter truncates
 # where torch rounds, and a norm rounds twice); fp32 within reduction-order noise
 TOL = {torch.float32: (1e-5, 1e-6), torch.bfloat16: (2e-2, 1e-5), torch.float16: (3e-3, 1e-5)}
+
+
+def added(y, delta):
+    """A copy of y with the pending delta added by add_delta (the reference on a CPU)."""
+    y = y.clone()
+    delta.add_to(y)
+    return y
 
 
 def randn(*shape, gen, dtype, scale=1.0):
@@ -162,37 +168,17 @@ def test_silu_and_mul_matches_reference(dtype, num_tokens, inter):
 
 # ---- a pending LoRA delta -------------------------------------------------------------
 
-def pending_delta(num_tokens, width, gen, dora):
-    """A PendingDelta on [num_tokens, width]: 4 slots, rows of slot -1 (their d is 0, as bgmv_delta
-    writes it), and with `dora` slots 1 and 3 DoRA slots."""
-    d = (torch.randn(num_tokens, width, generator=gen) * 0.5).to(DEVICE)
-    token_slots = torch.tensor([(t % 5) - 1 for t in range(num_tokens)], dtype=torch.int32, device=DEVICE)
-    d[token_slots < 0] = 0
-    scales = None
-    if dora:
-        out_scales = (1 + 0.2 * torch.randn(4, width, generator=gen)).to(DEVICE)
-        scales = (out_scales, torch.tensor([0, 1, 0, 1], dtype=torch.int32, device=DEVICE))
-    return ops.PendingDelta(d, token_slots, scales)
-
-
-def delta_added(y, delta):
-    """y with the delta added by the reference add_delta (on a copy)."""
-    y = y.clone()
-    lora_ops.add_delta_ref(y, delta.d, delta.token_slots, delta.dora)
-    return y
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)  # the interpreter truncates bf16
 @pytest.mark.parametrize("with_residual", [False, True])
 @pytest.mark.parametrize("dora", [False, True])
 @pytest.mark.parametrize("max_row_block", [kernels.MAX_ROW_BLOCK, 64])
-def test_rms_norm_adds_a_pending_delta_as_add_delta_does(dtype, with_residual, dora, max_row_block):
+def test_rms_norm_adds_a_pending_delta_as_add_delta_does(dtype, with_residual, dora, max_row_block, pending_delta):
     """The kernel's input after the delta is add_delta's output bit for bit (the residual sum shows
     it); x itself is left as it was."""
     x, residual, weight = rms_inputs(11, 333, dtype, seed=5)
     delta = pending_delta(11, 333, torch.Generator().manual_seed(6), dora)
     before = x.clone()
-    expect = ops.rms_norm_ref(delta_added(x, delta), weight, 1e-5, residual if with_residual else None)
+    expect = ops.rms_norm_ref(added(x, delta), weight, 1e-5, residual if with_residual else None)
     got = kernels.rms_norm_triton(x, weight, 1e-5, residual if with_residual else None, max_row_block, delta=delta)
     assert torch.equal(x, before)
     if with_residual:
@@ -203,31 +189,31 @@ def test_rms_norm_adds_a_pending_delta_as_add_delta_does(dtype, with_residual, d
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
 @pytest.mark.parametrize("dora", [False, True])
-def test_silu_and_mul_adds_a_pending_delta_as_add_delta_does(dtype, dora):
+def test_silu_and_mul_adds_a_pending_delta_as_add_delta_does(dtype, dora, pending_delta):
     gen = torch.Generator().manual_seed(9)
     gate_up = randn(7, 2 * 131 + 5, gen=gen, dtype=dtype, scale=3.0)[:, :2 * 131]
     delta = pending_delta(7, 2 * 131, gen, dora)
     before = gate_up.clone()
     got = kernels.silu_and_mul_triton(gate_up, delta)
     assert torch.equal(gate_up, before)
-    assert_close(got, ops.silu_and_mul_ref(delta_added(gate_up, delta)))
+    assert_close(got, ops.silu_and_mul_ref(added(gate_up, delta)))
 
 
 @pytest.mark.parametrize("dora", [False, True])
-def test_public_ops_on_cpu_add_a_pending_delta_first(dora):
+def test_public_ops_on_cpu_add_a_pending_delta_first(dora, pending_delta):
     """On the CPU the public functions add the delta in place (add_delta), then run the reference;
     GeLU-and-mul takes one too."""
     gen = torch.Generator().manual_seed(3)
     x, residual, weight = rms_inputs(6, 64, torch.float32, seed=3)
     delta = pending_delta(6, 64, gen, dora)
-    expect = ops.rms_norm_ref(delta_added(x, delta), weight, 1e-5, residual)
+    expect = ops.rms_norm_ref(added(x, delta), weight, 1e-5, residual)
     got = ops.rms_norm(x.clone(), weight, 1e-5, residual, delta=delta)
     assert torch.equal(got[0], expect[0]) and torch.equal(got[1], expect[1])
     gate_up = randn(6, 128, gen=gen, dtype=torch.float32)
     delta = pending_delta(6, 128, gen, dora)
-    assert torch.equal(ops.silu_and_mul(gate_up.clone(), delta), ops.silu_and_mul_ref(delta_added(gate_up, delta)))
+    assert torch.equal(ops.silu_and_mul(gate_up.clone(), delta), ops.silu_and_mul_ref(added(gate_up, delta)))
     assert torch.equal(ops.gelu_tanh_and_mul(gate_up.clone(), delta),
-                       ops.gelu_tanh_and_mul(delta_added(gate_up, delta)))
+                       ops.gelu_tanh_and_mul(added(gate_up, delta)))
 
 
 # ---- GPU: real shapes, public functions, CUDA graphs ------------------------------------
@@ -247,19 +233,19 @@ def test_real_shapes_rms_norm(hidden, num_tokens, dtype):
 @pytest.mark.cuda
 @pytest.mark.parametrize("num_tokens", [1, 32, 300])
 @pytest.mark.parametrize("dora", [False, True])
-def test_real_shapes_pending_delta(num_tokens, dora):
+def test_real_shapes_pending_delta(num_tokens, dora, pending_delta):
     """bf16 on the GPU: the norm's input and SiLU's operands after the delta are add_delta's bit for
     bit (the residual sum, and the activation of an exact input, show it)."""
     gen = torch.Generator().manual_seed(num_tokens)
     x, residual, weight = rms_inputs(num_tokens, 4096, torch.bfloat16, seed=num_tokens)
     delta = pending_delta(num_tokens, 4096, gen, dora)
     got = ops.rms_norm(x, weight, 1e-5, residual, delta=delta)
-    expect = ops.rms_norm_ref(delta_added(x, delta), weight, 1e-5, residual)
+    expect = ops.rms_norm_ref(added(x, delta), weight, 1e-5, residual)
     assert torch.equal(got[1], expect[1])
     assert_close(got[0], expect[0])
     gate_up = randn(num_tokens, 2 * 11008, gen=gen, dtype=torch.bfloat16, scale=3.0)
     delta = pending_delta(num_tokens, 2 * 11008, gen, dora)
-    assert torch.equal(ops.silu_and_mul(gate_up, delta), ops.silu_and_mul(delta_added(gate_up, delta)))
+    assert torch.equal(ops.silu_and_mul(gate_up, delta), ops.silu_and_mul(added(gate_up, delta)))
 
 
 @pytest.mark.cuda

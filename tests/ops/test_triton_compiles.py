@@ -1,5 +1,6 @@
 """The paged-attention and KV-append kernels compile for a CUDA target (Hopper) in every variant
-(an fp8 cache's too), on a machine without a GPU (tests/ops/conftest.py)."""
+(an fp8 cache's too), and the other kernels in theirs (the layer kernels' with a pending LoRA
+delta too), on a machine without a GPU (tests/ops/conftest.py)."""
 
 import pytest
 
@@ -159,3 +160,30 @@ for block_r, block_k in ((16, 512), (64, 128)):
 
 def test_expert_kernels_compile_for_cuda(compile_for_cuda):
     compile_for_cuda(MOE_SCRIPT)
+
+
+LAYERS_SCRIPT = """
+from punica.ops import layers_triton as k
+
+
+def types(name, consts):
+    if name in ("token_slots", "dora_slots"):
+        return "*i32"
+    if name.startswith("stride") or name in ("hidden", "inter"):
+        return "i32"
+    if name == "eps":
+        return "fp32"
+    return "*fp32" if name in ("d", "out_scales") else "*bf16"
+
+
+for has_delta, dora in ((False, False), (True, False), (True, True)):
+    delta = dict(HAS_DELTA=has_delta, DORA=dora)
+    for residual in (False, True):
+        for blocks in (1, 2):
+            compile_ttir(k._rms_norm_kernel, delta | dict(HAS_RESIDUAL=residual, BLOCK=4096, NUM_BLOCKS=blocks), types)
+    compile_ttir(k._silu_and_mul_kernel, delta | dict(BLOCK=1024), types)
+"""
+
+
+def test_layer_kernels_compile_for_cuda_with_and_without_a_pending_delta(compile_for_cuda):
+    compile_for_cuda(LAYERS_SCRIPT)
