@@ -24,6 +24,7 @@ import triton
 import triton.language as tl
 
 from punica.ops.lora_kernels import dora_out_scales
+from punica.ops.lora_triton import check_dora
 from punica.ops.triton_env import interpreting
 
 MAX_ROW_BLOCK = 16384      # RMSNorm rows up to this many elements are held in registers
@@ -158,12 +159,10 @@ def _delta_args(delta: tuple | None, y: torch.Tensor) -> tuple:
     d, token_slots, dora = delta
     assert d.shape == y.shape and d.dtype == torch.float32 and d.stride(1) == 1, (d.shape, y.shape, d.dtype)
     assert token_slots.shape == y.shape[:1], (token_slots.shape, y.shape)
-    if dora is None:
-        return (d, token_slots, y, y, d.stride(0), 0, 0), (True, False)
-    out_scales, dora_slots = dora
-    assert out_scales.shape[1] == y.shape[1] and out_scales.dtype == torch.float32, (out_scales.shape, y.shape)
-    assert dora_slots.shape == out_scales.shape[:1] and dora_slots.dtype == torch.int32, dora_slots
-    return (d, token_slots, out_scales, dora_slots, d.stride(0), *out_scales.stride()), (True, True)
+    out_scales, dora_slots, stride_os, stride_on, has_dora = check_dora(dora, None, y.shape[1])
+    if not has_dora:
+        out_scales = dora_slots = y
+    return (d, token_slots, out_scales, dora_slots, d.stride(0), stride_os, stride_on), (True, has_dora)
 
 
 def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,

@@ -147,7 +147,7 @@ def _check_token_scales(token_scales: torch.Tensor | None, num_tokens: int) -> t
     return token_scales, True
 
 
-def _check_dora(dora: tuple[torch.Tensor, torch.Tensor] | None, num_slots: int | None, h_out: int) -> tuple:
+def check_dora(dora: tuple[torch.Tensor, torch.Tensor] | None, num_slots: int | None, h_out: int) -> tuple:
     """(out_scales, dora_slots, its two strides, whether the kernel reads them) for a launch;
     num_slots: the pool's slots (None: out_scales' rows)."""
     if dora is None:
@@ -167,7 +167,7 @@ def _expand_rowwise(y, v, lora_b, scales, token_scales, dora, token_slots, seg_i
     block_n, block_r = _rowwise_expand_blocks(h_out, max_rank)
     num_segments = seg_slots.numel()
     token_scales, has_token_scales = _check_token_scales(token_scales, num_tokens)
-    out_scales, dora_slots, stride_os, stride_on, has_dora = _check_dora(dora, lora_b.shape[0], h_out)
+    out_scales, dora_slots, stride_os, stride_on, has_dora = check_dora(dora, lora_b.shape[0], h_out)
     grid = (num_tokens, triton.cdiv(h_out, block_n))
     expand_rowwise_kernel[grid](
         y, v, lora_b, scales, token_scales, out_scales, dora_slots, token_slots, seg_indptr, seg_slots, num_segments,
@@ -232,7 +232,7 @@ def sgmv_expand_triton(y: torch.Tensor, v: torch.Tensor, lora_b: torch.Tensor,
         _expand_rowwise(y, v, lora_b, scales, token_scales, dora, seg_slots, seg_indptr, seg_slots, True, starts)
         return
     token_scales, has_token_scales = _check_token_scales(token_scales, num_tokens)
-    out_scales, dora_slots, stride_os, stride_on, has_dora = _check_dora(dora, lora_b.shape[0], h_out)
+    out_scales, dora_slots, stride_os, stride_on, has_dora = check_dora(dora, lora_b.shape[0], h_out)
     block_r = max(16, triton.next_power_of_2(max_rank))
     block_n = max(16, min(TILE_BLOCK_N, triton.next_power_of_2(h_out)))
     grid = (triton.cdiv(num_tokens, block_m), triton.cdiv(h_out, block_n))
@@ -286,7 +286,7 @@ def add_delta_triton(y: torch.Tensor, d: torch.Tensor, token_slots: torch.Tensor
     num_tokens, h_out = y.shape
     if num_tokens == 0:
         return
-    out_scales, dora_slots, stride_os, stride_on, has_dora = _check_dora(dora, None, h_out)
+    out_scales, dora_slots, stride_os, stride_on, has_dora = check_dora(dora, None, h_out)
     block_n = min(triton.next_power_of_2(h_out), ADD_DELTA_BLOCK_N)
     add_delta_rowwise_kernel[(num_tokens, triton.cdiv(h_out, block_n))](
         y, d, out_scales, dora_slots, token_slots, h_out, *y.stride(), *d.stride(), stride_os, stride_on,
