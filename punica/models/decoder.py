@@ -20,9 +20,10 @@ The elementwise work runs fused (punica.ops.layers): each residual add folds int
 after it, so a layer takes and returns (output, residual stream) as vLLM's layers do; rotary
 and the KV-cache append run as one kernel (q rotated in place, k rotated on its way into the
 cache, k in qkv left as it was); SiLU-and-mul reads the gate/up GEMM's output once. The LoRA
-deltas of o, gate/up and down that the side stream computed beside their GEMMs (decode steps on
-CUDA) are added by the norm or activation that reads the output next, not by launches of their
-own (LoraLinear.forward_deferred): a layer also takes and returns the delta pending on its output.
+deltas that the side stream computed beside the projections' GEMMs (decode steps on CUDA) are added
+by the op that reads the output next (rotary + KV append, the norms, the activation), not by
+launches of their own (LoraLinear.forward_deferred): a layer also takes and returns the delta
+pending on its output.
 With a `weight_format` (punica.models.quantized) the four fused projections hold fp8 weights
 (Fp8Linear, punica.ops.fp8's GEMMs); everything else, and the LoRA path, is unchanged. Under
 tensor parallelism (punica.parallel.tensor_parallel) o and down are row-parallel: their
@@ -97,7 +98,10 @@ class DecoderLayer(nn.Module):
         """h: [T, hidden] normed  ->  (o_proj's output [T, hidden], its LoRA delta if pending);
         this layer's keys and values appended to its part of the KV cache."""
         num_tokens = h.shape[0]
-        qkv = self.qkv_proj(h, batch.lora)
+        qkv, delta = self.qkv_proj.forward_deferred(h, batch.lora)
+        if delta is not None and self.q_norm is not None:  # the norms read q and k with their delta
+            delta.add_to(qkv)
+            delta = None
         q_end, k_end = self.qkv_slices["k"][0], self.qkv_slices["v"][0]
         q = qkv[:, :q_end].view(num_tokens, self.num_heads, self.head_dim)
         k = qkv[:, q_end:k_end].view(num_tokens, self.num_kv_heads, self.head_dim)
@@ -110,7 +114,8 @@ class DecoderLayer(nn.Module):
                                                                                 self.head_dim)
         cos, sin = batch.rope(self.rotary)
         kv_layer, kv_scales = batch.kv.layer(self.index)
-        rope_and_write_kv_(q, k, v, cos, sin, kv_layer, batch.attn.slot_mapping, kv_scales)  # q rotated in place
+        # q rotated in place, the delta of q, k and v added as they are read
+        rope_and_write_kv_(q, k, v, cos, sin, kv_layer, batch.attn.slot_mapping, kv_scales, delta)
         o = paged_attention(q, kv_layer, batch.attn, self.scale, self.window, self.softcap, kv_scales)
         return self.o_proj.forward_deferred(o.reshape(num_tokens, -1), batch.lora)
 

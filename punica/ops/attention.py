@@ -33,12 +33,14 @@ metadata, AttnBatch, lives in punica.ops.attention_batch and is imported from he
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 
 from punica.config import ceil_div
 from punica.ops.attention_batch import AttnBatch
 from punica.ops.kv_cache import check_kv_scales, dequantize_kv_ref, quantize_kv_ref
-from punica.ops.layers import rope_ref
+from punica.ops.layers import PendingDelta, rope_ref
 
 
 def write_kv_ref(kv_layer: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor,
@@ -176,7 +178,7 @@ def write_kv(kv_layer: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapp
 
 def rope_and_write_kv_(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
                        sin: torch.Tensor, kv_layer: torch.Tensor, slot_mapping: torch.Tensor,
-                       kv_scales: torch.Tensor | None = None) -> None:
+                       kv_scales: torch.Tensor | None = None, delta: PendingDelta | None = None) -> None:
     """Rotary embedding of q in place, and each token's rotated key and its value appended to
     the paged cache: `rope_` then `write_kv` in one kernel (one launch instead of two).
 
@@ -189,6 +191,9 @@ def rope_and_write_kv_(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: t
 
     k itself is left as given (unrotated): after this the model reads only q and the cache, so
     the kernel saves writing k back. A caller that needs rotated k calls rope_ and write_kv.
+    `delta`: a LoRA delta pending on q, k and v side by side (the columns of the q/k/v projection
+    whose views they are: [T, (Hq + 2 Hkv) D]), added to them first (PendingDelta.add_to; on CUDA
+    by the kernel as it loads them, which then leaves k and v as they were).
     """
     assert q.shape[0] == k.shape[0] == cos.shape[0] and q.shape[2] == k.shape[2] == 2 * cos.shape[1], \
         (q.shape, k.shape, cos.shape)
@@ -196,7 +201,11 @@ def rope_and_write_kv_(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: t
     check_kv_scales(kv_layer, kv_scales)
     if q.is_cuda:
         from punica.ops.kv_append_triton import rope_and_write_kv_triton_
-        return rope_and_write_kv_triton_(q, k, v, cos, sin, kv_layer, slot_mapping, kv_scales)
+        return rope_and_write_kv_triton_(q, k, v, cos, sin, kv_layer, slot_mapping, kv_scales, delta)
+    if delta is not None:
+        ends = list(itertools.accumulate(x.shape[1] * x.shape[2] for x in (q, k, v)))
+        for x, start, end in zip((q, k, v), [0] + ends, ends):
+            delta.columns(start, end).add_to(x.view(x.shape[0], -1))
     rope_and_write_kv_ref(q, k, v, cos, sin, kv_layer, slot_mapping, kv_scales)
 
 

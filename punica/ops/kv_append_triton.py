@@ -19,6 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
+from punica.ops.layers_triton import delta_args, plus_delta
 from punica.ops.triton_env import interpreting
 
 ROPE_TILE = 512  # elements (heads x D/2) of q, and of k, one rotary + KV-append program handles
@@ -76,40 +77,67 @@ def _write_kv_kernel(
 
 
 @triton.jit
+def _loaded_halves(x, token, stride_token, stride_head, heads, dims, half, ok, d, slot, col, out_scales,
+                   dora_slots, h_out, stride_os, stride_on, HAS_DELTA: tl.constexpr, DORA: tl.constexpr):
+    """(pointer to the first halves, first halves, second halves) of heads `heads` of one token's
+    row x, in x's dtype, with its pending LoRA delta added where HAS_DELTA (d: the token's row of
+    the delta, col: the delta's column of each head's first element)."""
+    first = x + token * stride_token + heads[:, None] * stride_head + dims[None, :]
+    x1 = tl.load(first, mask=ok, other=0.0)
+    x2 = tl.load(first + half, mask=ok, other=0.0)
+    if HAS_DELTA:
+        cols = col[:, None] + dims[None, :]
+        x1 = plus_delta(x1, d, slot, cols, ok, out_scales, dora_slots, h_out, stride_os, stride_on, DORA)
+        x2 = plus_delta(x2, d, slot, cols + half, ok, out_scales, dora_slots, h_out, stride_os, stride_on, DORA)
+    return first, x1, x2
+
+
+@triton.jit
 def _rope_and_write_kv_kernel(
-    q, k, v, kv, scales, cos, sin, slot_mapping, num_heads, num_kv_heads, half,
-    stride_q_token, stride_q_head, stride_k_token, stride_k_head, stride_v_token, stride_v_head,
+    q, k, v, kv, scales, cos, sin, slot_mapping, d, token_slots, out_scales, dora_slots, num_heads, num_kv_heads,
+    half, stride_q_token, stride_q_head, stride_k_token, stride_k_head, stride_v_token, stride_v_head,
     stride_kv_page, stride_kv_kv, stride_kv_token, stride_kv_head, stride_cos, stride_sin,
-    stride_s_page, stride_s_kv, stride_s_token, stride_s_head,
+    stride_s_page, stride_s_kv, stride_s_token, stride_s_head, stride_d, stride_os, stride_on,
     PAGE_SIZE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, FP8: tl.constexpr,
-    EXACT: tl.constexpr,
+    EXACT: tl.constexpr, HAS_DELTA: tl.constexpr, DORA: tl.constexpr,
 ):
     """Heads of one block of one token: q's rotated in place, k's rotated and v's copied into
-    the token's slot (k rounded to its own dtype first, as rope_ then write_kv round)."""
+    the token's slot (k rounded to its own dtype first, as rope_ then write_kv round); with
+    HAS_DELTA each first plus its pending LoRA delta (d's columns: q's, then k's, then v's)."""
     token = tl.program_id(0).to(tl.int64)
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     dims = tl.arange(0, BLOCK_D)
     dim_ok = dims < half
     c = tl.load(cos + token * stride_cos + dims, mask=dim_ok, other=0.0)[None, :]
     s = tl.load(sin + token * stride_sin + dims, mask=dim_ok, other=0.0)[None, :]
+    lora_slot = -1
+    if HAS_DELTA:
+        lora_slot = tl.load(token_slots + token)
+    d += token * stride_d
+    head_dim = 2 * half
+    h_out = (num_heads + 2 * num_kv_heads) * head_dim
     q_ok = (heads < num_heads)[:, None] & dim_ok[None, :]
-    first = q + token * stride_q_token + heads[:, None] * stride_q_head + dims[None, :]
-    x1 = tl.load(first, mask=q_ok, other=0.0).to(tl.float32)
-    x2 = tl.load(first + half, mask=q_ok, other=0.0).to(tl.float32)
+    first, x1, x2 = _loaded_halves(q, token, stride_q_token, stride_q_head, heads, dims, half, q_ok, d, lora_slot,
+                                   heads * head_dim, out_scales, dora_slots, h_out, stride_os, stride_on, HAS_DELTA,
+                                   DORA)
+    x1 = x1.to(tl.float32)
+    x2 = x2.to(tl.float32)
     tl.store(first, (x1 * c - x2 * s).to(q.dtype.element_ty), mask=q_ok)
     tl.store(first + half, (x2 * c + x1 * s).to(q.dtype.element_ty), mask=q_ok)
     kv_ok = (heads < num_kv_heads)[:, None] & dim_ok[None, :]
     slot = tl.load(slot_mapping + token).to(tl.int64)
     dst = (kv + (slot // PAGE_SIZE) * stride_kv_page + (slot % PAGE_SIZE) * stride_kv_token
            + heads[:, None] * stride_kv_head + dims[None, :])
-    first = k + token * stride_k_token + heads[:, None] * stride_k_head + dims[None, :]
-    x1 = tl.load(first, mask=kv_ok, other=0.0).to(tl.float32)
-    x2 = tl.load(first + half, mask=kv_ok, other=0.0).to(tl.float32)
+    _, x1, x2 = _loaded_halves(k, token, stride_k_token, stride_k_head, heads, dims, half, kv_ok, d, lora_slot,
+                               (num_heads + heads) * head_dim, out_scales, dora_slots, h_out, stride_os, stride_on,
+                               HAS_DELTA, DORA)
+    x1 = x1.to(tl.float32)
+    x2 = x2.to(tl.float32)
     k1 = (x1 * c - x2 * s).to(k.dtype.element_ty)
     k2 = (x2 * c + x1 * s).to(k.dtype.element_ty)
-    first = v + token * stride_v_token + heads[:, None] * stride_v_head + dims[None, :]
-    v1 = tl.load(first, mask=kv_ok, other=0.0)
-    v2 = tl.load(first + half, mask=kv_ok, other=0.0)
+    _, v1, v2 = _loaded_halves(v, token, stride_v_token, stride_v_head, heads, dims, half, kv_ok, d, lora_slot,
+                               (num_heads + num_kv_heads + heads) * head_dim, out_scales, dora_slots, h_out,
+                               stride_os, stride_on, HAS_DELTA, DORA)
     if FP8:  # masked elements load as 0, so each row's amax is its own
         k1, k2, v1, v2 = k1.to(tl.float32), k2.to(tl.float32), v1.to(tl.float32), v2.to(tl.float32)
         k_scale = fp8_row_scale(tl.maximum(tl.max(tl.abs(k1), axis=1), tl.max(tl.abs(k2), axis=1)))
@@ -159,9 +187,10 @@ def write_kv_triton(kv_layer: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sl
 
 def rope_and_write_kv_triton_(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
                               sin: torch.Tensor, kv_layer: torch.Tensor, slot_mapping: torch.Tensor,
-                              kv_scales: torch.Tensor | None = None) -> None:
-    """punica.ops.attention.rope_and_write_kv_ (q in place, k untouched). Grid: (token, block of
-    heads), each program rotating ROPE_TILE elements (heads x D/2) of q and as many of k."""
+                              kv_scales: torch.Tensor | None = None, delta: tuple | None = None) -> None:
+    """punica.ops.attention.rope_and_write_kv_ (q in place, k and v untouched; `delta` a
+    punica.ops.layers.PendingDelta of q, k and v side by side). Grid: (token, block of heads), each
+    program rotating ROPE_TILE elements (heads x D/2) of q and as many of k."""
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads, half = k.shape[1], head_dim // 2
     assert head_dim % 2 == 0 and q.stride(2) == k.stride(2) == v.stride(2) == kv_layer.stride(4) == 1, \
@@ -173,9 +202,13 @@ def rope_and_write_kv_triton_(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     max_heads = max(num_heads, num_kv_heads)
     block_h = min(2 if interpreting() else max(1, ROPE_TILE // block_d), triton.next_power_of_2(max_heads))
     scales, s_strides, fp8 = scale_strides(kv_layer, kv_scales)
+    width = (num_heads + 2 * num_kv_heads) * head_dim  # the delta's columns: q's, k's, v's
+    (d, token_slots, out_scales, dora_slots, stride_d, stride_os, stride_on), (has_delta, dora) = delta_args(
+        delta, q, (num_tokens, width))
     _rope_and_write_kv_kernel[(num_tokens, triton.cdiv(max_heads, block_h))](
-        q, k, v, kv_layer, scales, cos, sin, slot_mapping, num_heads, num_kv_heads, half,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        *kv_layer.stride()[:4], cos.stride(0), sin.stride(0), *s_strides,
+        q, k, v, kv_layer, scales, cos, sin, slot_mapping, d, token_slots, out_scales, dora_slots, num_heads,
+        num_kv_heads, half, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        *kv_layer.stride()[:4], cos.stride(0), sin.stride(0), *s_strides, stride_d, stride_os, stride_on,
         PAGE_SIZE=kv_layer.shape[2], BLOCK_H=block_h, BLOCK_D=block_d, FP8=fp8, EXACT=interpreting(),
+        HAS_DELTA=has_delta, DORA=dora,
     )

@@ -33,6 +33,11 @@ class PendingDelta(NamedTuple):
         """y as add_delta leaves it (in place)."""
         add_delta(y, self.d, self.token_slots, self.dora)
 
+    def columns(self, start: int, end: int) -> PendingDelta:
+        """The delta of y's columns start:end (pending on y[:, start:end])."""
+        dora = None if self.dora is None else (self.dora[0][:, start:end], self.dora[1])
+        return PendingDelta(self.d[:, start:end], self.token_slots, dora)
+
 
 def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float,
                  residual: torch.Tensor | None = None):

@@ -33,7 +33,7 @@ SILU_BLOCK = 1024          # intermediate columns per SiLU-and-mul program
 
 
 @triton.jit
-def _plus_delta(v, d, slot, offs, mask, out_scales, dora_slots, h_out, stride_os, stride_on, DORA: tl.constexpr):
+def plus_delta(v, d, slot, offs, mask, out_scales, dora_slots, h_out, stride_os, stride_on, DORA: tl.constexpr):
     """v (one row's values at offs) plus its row's pending LoRA delta d (a pointer to that row), times
     the slot's DoRA out_scales where it is a DoRA slot, rounded once to v's dtype: add_delta."""
     out = v.to(tl.float32) + tl.load(d + offs, mask=mask, other=0.0)
@@ -50,7 +50,7 @@ def _norm_input(x, residual, offs, mask, d, slot, out_scales, dora_slots, hidden
     as the model adds them)."""
     v = tl.load(x + offs, mask=mask, other=0.0)
     if HAS_DELTA:
-        v = _plus_delta(v, d, slot, offs, mask, out_scales, dora_slots, hidden, stride_os, stride_on, DORA)
+        v = plus_delta(v, d, slot, offs, mask, out_scales, dora_slots, hidden, stride_os, stride_on, DORA)
     if HAS_RESIDUAL:
         r = tl.load(residual + offs, mask=mask, other=0.0)
         v = (v.to(tl.float32) + r.to(tl.float32)).to(x.dtype.element_ty)
@@ -138,8 +138,8 @@ def _silu_and_mul_kernel(gate_up, out, d, token_slots, out_scales, dora_slots, i
     if HAS_DELTA:
         slot = tl.load(token_slots + token)
         d += token * stride_d
-        gate = _plus_delta(gate, d, slot, cols, mask, out_scales, dora_slots, 2 * inter, stride_os, stride_on, DORA)
-        up = _plus_delta(up, d, slot, inter + cols, mask, out_scales, dora_slots, 2 * inter, stride_os, stride_on,
+        gate = plus_delta(gate, d, slot, cols, mask, out_scales, dora_slots, 2 * inter, stride_os, stride_on, DORA)
+        up = plus_delta(up, d, slot, inter + cols, mask, out_scales, dora_slots, 2 * inter, stride_os, stride_on,
                          DORA)
     gate = gate.to(tl.float32)
     up = up.to(tl.float32)
@@ -151,15 +151,17 @@ def _row_warps(block: int) -> int:
     return min(max(block // 256, 1), 16)
 
 
-def _delta_args(delta: tuple | None, y: torch.Tensor) -> tuple:
+def delta_args(delta: tuple | None, y: torch.Tensor, shape: tuple[int, int] | None = None) -> tuple:
     """A kernel's (d, token_slots, out_scales, dora_slots, d's row stride, out_scales' strides) for
-    the delta pending on y (punica.ops.layers.PendingDelta), and (HAS_DELTA, DORA); pointers never read are y's."""
+    the delta pending on y (punica.ops.layers.PendingDelta; of `shape`, default y's), and
+    (HAS_DELTA, DORA); pointers never read are y's."""
     if delta is None:
         return (y, y, y, y, 0, 0, 0), (False, False)
     d, token_slots, dora = delta
-    assert d.shape == y.shape and d.dtype == torch.float32 and d.stride(1) == 1, (d.shape, y.shape, d.dtype)
-    assert token_slots.shape == y.shape[:1], (token_slots.shape, y.shape)
-    out_scales, dora_slots, stride_os, stride_on, has_dora = check_dora(dora, None, y.shape[1])
+    shape = tuple(y.shape) if shape is None else shape
+    assert d.shape == shape and d.dtype == torch.float32 and d.stride(1) == 1, (d.shape, shape, d.dtype)
+    assert token_slots.shape == shape[:1], (token_slots.shape, shape)
+    out_scales, dora_slots, stride_os, stride_on, has_dora = check_dora(dora, None, shape[1])
     if not has_dora:
         out_scales = dora_slots = y
     return (d, token_slots, out_scales, dora_slots, d.stride(0), stride_os, stride_on), (True, has_dora)
@@ -178,7 +180,7 @@ def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float, residual:
         block = min(triton.next_power_of_2(hidden), max_row_block)
         # without a residual its pointers are never read or written: pass x's
         r_in, r_out = (x, x) if residual is None else (residual, residual_out)
-        (d, token_slots, out_scales, dora_slots, stride_d, stride_os, stride_on), (has_delta, dora) = _delta_args(
+        (d, token_slots, out_scales, dora_slots, stride_d, stride_os, stride_on), (has_delta, dora) = delta_args(
             delta, x)
         _rms_norm_kernel[(num_tokens,)](
             x, r_in, weight, out, r_out, d, token_slots, out_scales, dora_slots, hidden, eps, x.stride(0),
@@ -216,7 +218,7 @@ def silu_and_mul_triton(gate_up: torch.Tensor, delta: tuple | None = None) -> to
     out = torch.empty(num_tokens, inter, dtype=gate_up.dtype, device=gate_up.device)
     if num_tokens:
         block = 64 if interpreting() else min(SILU_BLOCK, triton.next_power_of_2(inter))
-        (d, token_slots, out_scales, dora_slots, stride_d, stride_os, stride_on), (has_delta, dora) = _delta_args(
+        (d, token_slots, out_scales, dora_slots, stride_d, stride_os, stride_on), (has_delta, dora) = delta_args(
             delta, gate_up)
         _silu_and_mul_kernel[(num_tokens, triton.cdiv(inter, block))](
             gate_up, out, d, token_slots, out_scales, dora_slots, inter, gate_up.stride(0), out.stride(0), stride_d,

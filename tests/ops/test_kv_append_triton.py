@@ -81,6 +81,52 @@ def check_rope_and_write_kv(num_tokens, num_heads, num_kv_heads, head_dim, page_
     return got_kv, written
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)  # the interpreter truncates bf16
+@pytest.mark.parametrize("dora", [False, True])
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16-cache", "fp8-cache"])
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(9, 3, 64), (3, 1, 20)])
+def test_rope_and_write_kv_adds_a_pending_delta_as_add_delta_does(dtype, dora, fp8, num_heads, num_kv_heads,
+                                                                 head_dim, pending_delta):
+    """The kernel with a delta pending on q, k and v (its columns q's, k's, v's) writes what
+    add_delta on the fused row and then the kernel without one write: v's cache rows bit for bit;
+    k and v are left as they were, q holds its rotation of q + its delta."""
+    heads, num_tokens, page_size = (num_heads, num_kv_heads, head_dim), 11, 5
+    cache_dtype = torch.float8_e4m3fn if fp8 else dtype
+    qkv, cos, sin, kv, slots = rope_kv_inputs(num_tokens, *heads, page_size, dtype, cache_dtype, seed=head_dim)
+    scales = torch.zeros(kv.shape[:-1], dtype=torch.float32, device=DEVICE) if fp8 else None
+    delta = pending_delta(num_tokens, qkv.shape[1], torch.Generator().manual_seed(num_heads), dora)
+    expect_qkv, got_qkv = qkv.clone(), qkv.clone()
+    delta.add_to(expect_qkv)
+    added_qkv = expect_qkv.clone()
+    expect_kv, got_kv = kv.clone(), kv.clone()
+    expect_scales, got_scales = (None, None) if scales is None else (scales.clone(), scales.clone())
+    kv_append_triton.rope_and_write_kv_triton_(*split_qkv(expect_qkv, *heads), cos, sin, expect_kv, slots,
+                                               expect_scales)
+    kv_append_triton.rope_and_write_kv_triton_(*split_qkv(got_qkv, *heads), cos, sin, got_kv, slots, got_scales,
+                                               delta)
+    q_end = num_heads * head_dim
+    assert torch.equal(got_qkv[:, q_end:], qkv[:, q_end:])  # k and v untouched
+    assert torch.equal(got_qkv[:, :q_end], expect_qkv[:, :q_end])
+    assert not torch.equal(got_qkv[:, :q_end], qkv[:, :q_end])
+    assert torch.equal(got_kv.float(), expect_kv.float())
+    if scales is not None:
+        assert torch.equal(got_scales, expect_scales)
+    assert not torch.equal(added_qkv, qkv)
+
+
+def test_rope_and_write_kv_public_function_on_cpu_adds_a_pending_delta_first(pending_delta):
+    heads = (4, 2, 16)
+    qkv, cos, sin, kv, slots = rope_kv_inputs(6, *heads, 4, torch.float32, torch.float32, seed=1)
+    delta = pending_delta(6, qkv.shape[1], torch.Generator().manual_seed(2), True)
+    expect_qkv, got_qkv, expect_kv, got_kv = qkv.clone(), qkv.clone(), kv.clone(), kv.clone()
+    delta.add_to(expect_qkv)
+    ops.rope_and_write_kv_ref(*split_qkv(expect_qkv, *heads), cos, sin, expect_kv, slots)
+    ops.rope_and_write_kv_(*split_qkv(got_qkv, *heads), cos, sin, got_kv, slots, delta=delta)
+    assert torch.equal(got_kv, expect_kv)
+    q_end = heads[0] * heads[2]
+    assert torch.equal(got_qkv[:, :q_end], expect_qkv[:, :q_end])
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("num_tokens,num_heads,num_kv_heads,head_dim,page_size", [
     (1, 4, 4, 16, 16),    # one token, no GQA

@@ -1,6 +1,7 @@
 """The paged-attention and KV-append kernels compile for a CUDA target (Hopper) in every variant
-(an fp8 cache's too), and the other kernels in theirs (the layer kernels' with a pending LoRA
-delta too), on a machine without a GPU (tests/ops/conftest.py)."""
+(an fp8 cache's too, rotary + KV append's with a pending LoRA delta), and the other kernels in
+theirs (the layer kernels' with a pending LoRA delta too), on a machine without a GPU
+(tests/ops/conftest.py)."""
 
 import pytest
 
@@ -10,7 +11,7 @@ SCRIPT = """
 from punica.ops import attention_triton as k
 from punica.ops import kv_append_triton as append
 
-INT_POINTERS = {"page_table", "context_lens", "query_start"}
+INT_POINTERS = {"page_table", "context_lens", "query_start", "token_slots", "dora_slots"}
 FLOATS = {"qk_scale", "softcap"}
 
 
@@ -40,8 +41,9 @@ for sliding, softcap, fp8 in ((False, False, False), (False, True, False), (True
 compile_ttir(k.prefill_merge_kernel, dict(HEAD_DIM=128, BLOCK_S=16), types)
 for fp8 in (False, True):
     compile_ttir(append._write_kv_kernel, dict(HEAD_DIM=128, PAGE_SIZE=16, BLOCK_H=8, FP8=fp8, EXACT=False), types)
-    compile_ttir(append._rope_and_write_kv_kernel, dict(PAGE_SIZE=16, BLOCK_H=8, BLOCK_D=64, FP8=fp8, EXACT=False),
-                 types)
+    for has_delta, dora in ((False, False), (True, False), (True, True)):
+        compile_ttir(append._rope_and_write_kv_kernel, dict(PAGE_SIZE=16, BLOCK_H=8, BLOCK_D=64, FP8=fp8, EXACT=False,
+                                                            HAS_DELTA=has_delta, DORA=dora), types)
 """
 
 
