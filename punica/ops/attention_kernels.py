@@ -19,7 +19,7 @@ import triton.language as tl
 
 from punica.ops.fp8_widen_triton import widen_e4m3
 
-STEP_VARYING = ["num_prefills", "partition_size", "stride_table"]  # do_not_specialize (module docstring)
+STEP_VARYING = ["num_prefills", "min_partition", "stride_table"]  # do_not_specialize (module docstring)
 
 
 @triton.jit
@@ -110,7 +110,7 @@ def _prefill_tile(query_start, num_prefills, tile, BLOCK_M: tl.constexpr, MAX_PR
 @triton.jit(do_not_specialize=STEP_VARYING + ["stride_pm_token", "stride_pm_head"])
 def prefill_kernel(
     q, kv, kv_scales, out, part_acc, part_max, part_sum, page_table, context_lens, query_start, num_prefills, group,
-    qk_scale, partition_size, window, softcap,
+    qk_scale, min_partition, window, softcap,
     stride_q_token, stride_q_head, stride_q_dim, stride_o_token, stride_o_head, stride_o_dim,
     stride_kv_page, stride_kv_kv, stride_kv_token, stride_kv_head, stride_kv_dim,
     stride_s_page, stride_s_kv, stride_s_token, stride_s_head, stride_table,
@@ -121,9 +121,10 @@ def prefill_kernel(
     SOFTCAP: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr, FP8: tl.constexpr,
 ):
     """One query tile of one prefill request and query head: its normalised output, or with SPLIT
-    its unnormalised partial over key partition program_id(2) (keys split * partition_size ..
-    + partition_size) with the rows' running max and sum; a partition past the tile's last key
-    writes a sum of 0 (the merge leaves it out)."""
+    its unnormalised partial over key partition program_id(2) of the tile's own keys (cut into
+    num_programs(2) partitions of whole key tiles, each at least min_partition keys) with the rows'
+    running max and sum; a partition past the tile's last key writes a sum of 0 (the merge leaves
+    it out)."""
     head = tl.program_id(1)
     request, block = _prefill_tile(query_start, num_prefills, tl.program_id(0), BLOCK_M, MAX_PREFILLS)
     if request >= num_prefills:
@@ -147,8 +148,10 @@ def prefill_kernel(
     lo, hi = keys_start, keys_end
     if SPLIT:
         split = tl.program_id(2)
-        lo = tl.maximum(split * partition_size, keys_start)
-        hi = tl.minimum(split * partition_size + partition_size, keys_end)
+        part = tl.maximum(tl.cdiv(tl.cdiv(keys_end - keys_start, tl.num_programs(2)), BLOCK_N) * BLOCK_N,
+                          min_partition)  # whole key tiles (min_partition is some)
+        lo = keys_start + split * part
+        hi = tl.minimum(lo + part, keys_end)
         if lo >= hi:
             stats = tokens * stride_pm_token + head * stride_pm_head + split * stride_pm_split
             tl.store(part_sum + stats, tl.zeros([BLOCK_M], tl.float32), mask=row_ok)

@@ -7,9 +7,13 @@
   its request by a prefix sum of the per-request tile counts, and surplus programs exit.
   Longest-context tiles come first. Key tiles wholly before the tile's first query run
   without masks; the tiles on the diagonal apply the causal mask. When few tiles would leave
-  SMs idle (a chunk of a long prompt over its cached context), the keys are cut into partitions
-  as decode's are (`prefill_partition`): a third grid axis, unnormalised partials with their
-  running max and sum per row, and a merge kernel per (prefill token, query head).
+  SMs idle (a chunk of a long prompt over its cached context), each tile's keys are cut into
+  partitions (`prefill_split_count`): a third grid axis, unnormalised partials with their running
+  max and sum per row, and a merge kernel per (prefill token, query head). As decode's, the
+  partitions are cut from the tile's own keys, not from the page table's width: a CUDA graph's
+  table is as wide as the longest context allowed (34,816 keys in benchmarks.long_prompt), and
+  partitions of that would leave a 127-token chunk at 15k cached tokens 2 of its 4 splits, and at
+  4k one.
 * Decode: flash decoding. Each request's keys (its context, or its window's end of it) are cut
   into `num_splits` partitions of whole key tiles; one program per (decode request, KV head,
   partition) attends all query heads of its KV head, so K and V are read once per group, and
@@ -155,27 +159,25 @@ def decode_min_partition(num_decodes: int, num_kv_heads: int, num_splits: int, d
     return MAX_PARTITION
 
 
-def prefill_partition(num_prefill_tokens: int, block_m: int, num_heads: int, max_context: int, block_n: int,
-                      device: torch.device, num_splits: int | None = None) -> tuple[int, int]:
-    """(partition_size, num_splits) of the keys of prefill tiles over contexts up to max_context.
+def prefill_split_count(num_prefill_tokens: int, block_m: int, num_heads: int, max_context: int,
+                        device: torch.device) -> int:
+    """Partitions of each prefill tile's keys (the kernel cuts the tile's own keys into them, each at
+    least PREFILL_MIN_PARTITION keys).
 
     A chunk of a long prompt is a few query tiles over a long cached context: one program per tile
-    and head would leave most SMs idle while each reads the whole context. By default: the most
-    splits whose programs, the tiles the prefill tokens fill at least (num_prefill_tokens //
-    block_m, at least one) times heads times splits, stay within one wave of
-    PREFILL_PROGRAMS_PER_SM per SM, keeping partitions of at least PREFILL_MIN_PARTITION keys;
-    partitions are whole key tiles. A split that starts a second wave costs more than it saves: on
-    the H100 a 512-token chunk over 2,048 cached tokens (256 programs unsplit) took 76.7 us unsplit
-    against 99.3 with 2 splits on bf16 pages, and a 128-token chunk over 4,096 took 59.4 us with 4
-    splits against 73.5 with 6. Only shapes decide, so the split count of a CUDA-graph bucket is
-    fixed; partitions past a tile's keys exit at once.
+    and head would leave most SMs idle while each reads the whole context. The most splits whose
+    programs, the tiles the prefill tokens fill at least (num_prefill_tokens // block_m, at least
+    one) times heads times splits, stay within one wave of PREFILL_PROGRAMS_PER_SM per SM, and no
+    more than the context bound max_context holds partitions of PREFILL_MIN_PARTITION keys. A split
+    that starts a second wave costs more than it saves: on the H100 a 512-token chunk over 2,048
+    cached tokens (256 programs unsplit) took 76.7 us unsplit against 99.3 with 2 splits on bf16
+    pages, and a 128-token chunk over 4,096 took 59.4 us with 4 splits against 73.5 with 6. Only
+    shapes decide, so the split count of a CUDA-graph bucket is fixed; partitions past a tile's keys
+    exit at once.
     """
-    if num_splits is None:
-        tiles = max(1, num_prefill_tokens // block_m)
-        wanted = PREFILL_PROGRAMS_PER_SM * num_sms(device) // (tiles * num_heads)
-        num_splits = max(1, min(wanted, max_context // PREFILL_MIN_PARTITION))
-    partition = triton.cdiv(triton.cdiv(max_context, num_splits), block_n) * block_n
-    return partition, triton.cdiv(max_context, partition)
+    tiles = max(1, num_prefill_tokens // block_m)
+    wanted = PREFILL_PROGRAMS_PER_SM * num_sms(device) // (tiles * num_heads)
+    return max(1, min(wanted, max_context // PREFILL_MIN_PARTITION))
 
 
 def _partials(out: torch.Tensor, num_rows: int, splits: int) -> tuple:
@@ -194,8 +196,10 @@ def paged_attention_triton(q: torch.Tensor, kv_layer: torch.Tensor, batch: AttnB
                            num_splits: int | None = None, window: int = 0, softcap: float = 0.0,
                            prefill_splits: int | None = None, kv_scales: torch.Tensor | None = None) -> torch.Tensor:
     """punica.ops.attention.paged_attention; `num_splits` overrides the decode split count,
-    `prefill_splits` the prefill tiles' (prefill_partition). An fp8 cache takes the tile sizes of
-    bf16, its elements converted to q's dtype as they load."""
+    `prefill_splits` the prefill tiles' (each tile's keys cut into that many partitions of whole key
+    tiles, of any size; by default `prefill_split_count`'s, each at least PREFILL_MIN_PARTITION
+    keys). An fp8 cache takes the tile sizes of bf16, its elements converted to q's dtype as they
+    load."""
     assert window >= 0 and softcap >= 0, (window, softcap)
     num_tokens, num_heads, head_dim = q.shape
     page_size, num_kv_heads = kv_layer.shape[2], kv_layer.shape[3]
@@ -215,13 +219,16 @@ def paged_attention_triton(q: torch.Tensor, kv_layer: torch.Tensor, batch: AttnB
         num_prefill_tokens = num_tokens - num_decodes
         num_tiles = num_prefill_tokens // block_m + num_prefills
         max_context = batch.page_table.shape[1] * page_size
-        partition, splits = prefill_partition(num_prefill_tokens, block_m, num_heads, max_context, block_n,
-                                              q.device, prefill_splits)
+        splits, min_partition = prefill_splits, 0
+        if splits is None:
+            splits = prefill_split_count(num_prefill_tokens, block_m, num_heads, max_context, q.device)
+            min_partition = PREFILL_MIN_PARTITION
         part_acc, part_max, part_sum, pa_strides, pm_strides = _partials(out, num_prefill_tokens, splits)
         prefill_kernel[(num_tiles, num_heads, splits)](
             q, kv_layer, scales, out, part_acc, part_max, part_sum, batch.page_table, batch.context_lens,
-            batch.query_start, num_prefills, group, qk_scale, partition, window, softcap, *q.stride(), *out.stride(),
-            *kv_layer.stride(), *s_strides, batch.page_table.stride(0), *pa_strides, *pm_strides, BLOCK_M=block_m,
+            batch.query_start, num_prefills, group, qk_scale, min_partition, window, softcap, *q.stride(),
+            *out.stride(), *kv_layer.stride(), *s_strides, batch.page_table.stride(0), *pa_strides, *pm_strides,
+            BLOCK_M=block_m,
             BLOCK_N=block_n, MAX_PREFILLS=max(MIN_PREFILL_SLOTS, triton.next_power_of_2(num_prefills)),
             SPLIT=splits > 1, num_warps=warps, num_stages=stages, **common,
         )

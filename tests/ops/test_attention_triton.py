@@ -109,22 +109,32 @@ def test_prefill_splits_merge_to_the_reference(prefill_splits, window, softcap):
                     prefill_splits=prefill_splits)
 
 
-def test_prefill_partition_policy():
+def test_prefill_partitions_are_cut_from_each_tile_s_keys():
+    """Under a page table far wider than the contexts (a CUDA graph's bound), every split of a tile
+    reads part of its keys: the merged output is the reference's, with and without a window; then
+    the default split count, whose partitions hold at least PREFILL_MIN_PARTITION keys (a chunk of
+    8 queries over 1,100 keys: 2 splits of 560 keys on the interpreter's 2 SMs)."""
+    for window in (0, 40):
+        check_attention(**CHUNKS, page_size=16, num_heads=4, num_kv_heads=2, head_dim=32, dtype=torch.float32,
+                        seed=21 + window, num_splits=2, pad_pages=40, window=window, prefill_splits=4)
+    assert kernels.prefill_split_count(8, 32, 1, 1136, torch.device(DEVICE)) == 2
+    check_attention([8, 1], [1100, 30], 1, page_size=16, num_heads=1, num_kv_heads=1, head_dim=16,
+                    dtype=torch.float32, seed=5, pad_pages=2)
+
+
+def test_prefill_split_count_policy():
     """A chunk of one query tile over a long context bound is split into the most partitions whose
-    programs fit one wave of PREFILL_PROGRAMS_PER_SM per SM, never below PREFILL_MIN_PARTITION
-    keys; many tiles are not split. Three heads on the CPU (a wave of 4) stay unsplit: 2 splits
-    would start a second wave."""
+    programs fit one wave of PREFILL_PROGRAMS_PER_SM per SM, no more than the bound holds
+    partitions of PREFILL_MIN_PARTITION keys; many tiles are not split. Three heads on the CPU (a
+    wave of 4) stay unsplit: 2 splits would start a second wave."""
     sms, device = num_sms(torch.device(DEVICE)), torch.device(DEVICE)
     wave = kernels.PREFILL_PROGRAMS_PER_SM * sms
     for heads in (1, 3, 32):
-        partition, splits = kernels.prefill_partition(136, 128, heads, 18432, 64, device)
+        splits = kernels.prefill_split_count(136, 128, heads, 18432, device)
         assert splits == max(1, min(wave // heads, 18432 // kernels.PREFILL_MIN_PARTITION)), heads
         assert splits == 1 or splits * heads <= wave, (heads, splits)
-        assert partition % 64 == 0 and partition >= kernels.PREFILL_MIN_PARTITION
-        assert (splits - 1) * partition < 18432 <= splits * partition
-    assert kernels.prefill_partition(4096, 128, 32, 18432, 64, device) == (18432, 1)
-    assert kernels.prefill_partition(136, 128, 32, 1000, 64, device) == (1024, 1)
-    assert kernels.prefill_partition(30, 32, 4, 160, 16, device, num_splits=5) == (32, 5)
+    assert kernels.prefill_split_count(4096, 128, 32, 18432, device) == 1
+    assert kernels.prefill_split_count(136, 128, 1, 1000, device) == 1
 
 
 @pytest.mark.parametrize("window,num_splits", [(1, None), (7, 2), (24, 3), (40, 1), (200, 2)])
