@@ -61,7 +61,10 @@ TILE_BLOCK_K = 64      # shrink tiles: h_in per loop step
 TILE_BLOCK_N = 128     # expand tiles: h_out columns per program
 TILE_WARPS = 4
 TILE_STAGES = 3
-TILE_PROGRAMS_PER_SM = 8  # shrink splits h_in until tiles x splits reach this many per SM
+# shrink splits h_in until tiles x splits reach this many per SM: on an H100 a 7B layer's four
+# shrinks over 512-2,048 tokens took 14-22% less than at 8 a SM in one prompt, 12-20% in 8-16 up
+# to 1,024 tokens, the same at 2,048 in 16 (docs/benchmarks.md, LoRA operators)
+TILE_PROGRAMS_PER_SM = 2
 TILE_MAX_BLOCK_R = 128  # shrink tiles: ranks per program (a group's n*R ranks may take several)
 ENABLE_PDL = True      # programmatic dependent launch on Hopper+ (see the module docstring)
 MAX_SLICES = 3         # slices of one sliced expand (q/k/v)
