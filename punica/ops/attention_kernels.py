@@ -149,7 +149,7 @@ def prefill_kernel(
     if SPLIT:
         split = tl.program_id(2)
         part = tl.maximum(tl.cdiv(tl.cdiv(keys_end - keys_start, tl.num_programs(2)), BLOCK_N) * BLOCK_N,
-                          min_partition)  # whole key tiles (min_partition is some)
+                          min_partition)  # whole key tiles: min_partition is a multiple of BLOCK_N
         lo = keys_start + split * part
         hi = tl.minimum(lo + part, keys_end)
         if lo >= hi:

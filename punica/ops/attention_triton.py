@@ -223,13 +223,13 @@ def paged_attention_triton(q: torch.Tensor, kv_layer: torch.Tensor, batch: AttnB
         if splits is None:
             splits = prefill_split_count(num_prefill_tokens, block_m, num_heads, max_context, q.device)
             min_partition = PREFILL_MIN_PARTITION
+        assert min_partition % block_n == 0, (min_partition, block_n)  # partitions of whole key tiles
         part_acc, part_max, part_sum, pa_strides, pm_strides = _partials(out, num_prefill_tokens, splits)
         prefill_kernel[(num_tiles, num_heads, splits)](
             q, kv_layer, scales, out, part_acc, part_max, part_sum, batch.page_table, batch.context_lens,
             batch.query_start, num_prefills, group, qk_scale, min_partition, window, softcap, *q.stride(),
             *out.stride(), *kv_layer.stride(), *s_strides, batch.page_table.stride(0), *pa_strides, *pm_strides,
-            BLOCK_M=block_m,
-            BLOCK_N=block_n, MAX_PREFILLS=max(MIN_PREFILL_SLOTS, triton.next_power_of_2(num_prefills)),
+            BLOCK_M=block_m, BLOCK_N=block_n, MAX_PREFILLS=max(MIN_PREFILL_SLOTS, triton.next_power_of_2(num_prefills)),
             SPLIT=splits > 1, num_warps=warps, num_stages=stages, **common,
         )
         if splits > 1:
