@@ -124,7 +124,7 @@ def sweep(kind, l2, device, rng, gen) -> list[dict]:
 
 def split_sweep(l2, device, rng, gen) -> list[dict]:
     """Decode's split count over the keys (punica.ops.attention_triton.decode_partition) on both
-    caches, where few programs read few bytes each; then the prefill's (prefill_partition) on
+    caches, where few programs read few bytes each; then the prefill's (prefill_split_count) on
     chunks over long cached contexts, each forced count's output checked first."""
     rows = []
     for num_requests, context in SPLIT_POINTS:
@@ -141,9 +141,9 @@ def split_sweep(l2, device, rng, gen) -> list[dict]:
         context = chunk + cached
         copies, _ = make_copies(1, chunk, context, 1, l2, device, rng, gen)
         for cache, (pages, scales) in caches(copies).items():
-            block_m, block_n = kernels._prefill_blocks(HEAD_DIM, DTYPE, cache == "fp8")[:2]
+            block_m = kernels._prefill_blocks(HEAD_DIM, DTYPE, cache == "fp8")[0]
             max_context = copies[0].batch.page_table.shape[1] * PAGE_SIZE
-            default = kernels.prefill_partition(chunk, block_m, NUM_HEADS, max_context, block_n, device)[1]
+            default = kernels.prefill_split_count(chunk, block_m, NUM_HEADS, max_context, device)
             row = dict(kind="prefill_splits", cache=cache, queries=chunk, context=context, default_splits=default)
             ref = reference(copies[0], pages, scales)
             for splits in SPLITS:
