@@ -93,6 +93,13 @@ def _attend(acc, m, l, qt, kv_head, scale_head, pages_row, lo, hi, query_pos, wi
 
 
 @triton.jit
+def _partition_size(num_keys, num_splits, min_partition, BLOCK_N: tl.constexpr):
+    """Keys of each of num_splits partitions that cut num_keys keys: whole key tiles, at least
+    min_partition (a multiple of BLOCK_N) keys."""
+    return tl.maximum(tl.cdiv(tl.cdiv(num_keys, num_splits), BLOCK_N) * BLOCK_N, min_partition)
+
+
+@triton.jit
 def _prefill_tile(query_start, num_prefills, tile, BLOCK_M: tl.constexpr, MAX_PREFILLS: tl.constexpr):
     """(request, query block) of prefill tile `tile`; request == num_prefills past the last.
     Each request's blocks are numbered last (longest context) first."""
@@ -148,8 +155,7 @@ def prefill_kernel(
     lo, hi = keys_start, keys_end
     if SPLIT:
         split = tl.program_id(2)
-        part = tl.maximum(tl.cdiv(tl.cdiv(keys_end - keys_start, tl.num_programs(2)), BLOCK_N) * BLOCK_N,
-                          min_partition)  # whole key tiles: min_partition is a multiple of BLOCK_N
+        part = _partition_size(keys_end - keys_start, tl.num_programs(2), min_partition, BLOCK_N)
         lo = keys_start + split * part
         hi = tl.minimum(lo + part, keys_end)
         if lo >= hi:
@@ -224,8 +230,7 @@ def _decode_partition(context_len, window, num_splits, min_partition, BLOCK_N: t
     first = 0
     if SLIDING:
         first = tl.maximum(context_len - window, 0)
-    part = tl.cdiv(tl.cdiv(context_len - first, num_splits), BLOCK_N) * BLOCK_N
-    return first, tl.maximum(part, min_partition)
+    return first, _partition_size(context_len - first, num_splits, min_partition, BLOCK_N)
 
 
 @triton.jit(do_not_specialize=["num_prefills", "min_partition", "stride_table", "stride_pm_request",
