@@ -77,7 +77,8 @@ class Engine:
                                    waiting=waiting_queue(config),
                                    eos_token_ids=frozenset(eos), max_model_len=self.max_model_len,
                                    latency=(LatencyBudget(config.max_itl_ratio, chunk_sizes=executor.chunk_sizes,
-                                                          row_sizes=executor.row_sizes)
+                                                          row_sizes=executor.row_sizes,
+                                                          query_tile=executor.query_tile)
                                             if config.max_itl_ratio else None))
         if self.scheduler.latency is not None and config.chunked_prefill:
             calibrate(executor, self.scheduler.latency,

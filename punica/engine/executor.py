@@ -39,6 +39,7 @@ class Executor(Protocol):
     device: torch.device          # where the model runs (rank 0's under tensor parallelism)
     chunk_sizes: tuple[int, ...]  # the prompt tokens steps compute, by size (ModelRunner.chunk_sizes)
     row_sizes: tuple[int, ...]    # the GEMM rows between which steps pad (ModelRunner.row_sizes)
+    query_tile: int               # queries of a prefill attention tile (ModelRunner.query_tile)
 
     def run(self, step: StepInput) -> torch.Tensor:
         """Logits [step.num_logits.sum(), V] float32 on the device of the sampler (ModelRunner.run)."""
@@ -62,6 +63,7 @@ class LocalExecutor:
         self.device = worker.device
         self.chunk_sizes = worker.runner.chunk_sizes
         self.row_sizes = worker.runner.row_sizes
+        self.query_tile = worker.runner.query_tile
 
     def run(self, step: StepInput) -> torch.Tensor:
         return self.worker.runner.run(step)

@@ -13,6 +13,7 @@ from punica.engine.step_input import StepInput
 from punica.models.decoder import DecoderForCausalLM
 from punica.models.forward_batch import ForwardBatch
 from punica.models.quantized import pack_cpu_linears, packed_linears
+from punica.ops.attention import prefill_query_tile
 from punica.ops.kv_cache import kv_bytes_per_token as layer_bytes_per_token
 from punica.ops.linear import (
     CPU_SKINNY_BLOCK,
@@ -97,6 +98,12 @@ class ModelRunner:
         """The prompt tokens a step computes when it replays a graph (CudaGraphs.chunk_sizes); ()
         when every step runs eagerly, computing just its own."""
         return self.graphs.chunk_sizes if self.graphs is not None else ()
+
+    @property
+    def query_tile(self) -> int:
+        """Queries of the prefill attention's tiles, each reading its request's cached context
+        (punica.ops.attention.prefill_query_tile): what a chunk size's attention costs by."""
+        return prefill_query_tile(self.device, self.model.config.head_dim, self.model.embed.weight.dtype)
 
     @property
     def row_sizes(self) -> tuple[int, ...]:

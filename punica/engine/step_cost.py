@@ -36,11 +36,18 @@ prompt on the H200). The first model learns the cost of keys from chunks at ever
 
 A step that replays a CUDA graph computes its bucket's prompt tokens whatever its chunk
 (`chunk_sizes`, punica.engine.cuda_graphs): a chunk one token past a size runs in the next bucket
-and costs what that size costs (129 tokens run as 256). So the model counts a step's prompt tokens
-as the size that ran them, and a chunk that fits a size is the most tokens that its size's step,
-prompt tokens padded, has room for. When not even the smallest size has room (far into a long
-prompt, where reading its context takes most of the room), the chunk is that size whole: fewer
-tokens would cost the same step.
+and costs what that size costs (129 tokens run as 256). Its attention reads the cached context as
+if for the size's query rows too: the prefill kernel cuts each query tile's keys into a split count
+fixed by the size (punica.ops.attention_triton.prefill_split_count: fewer splits for more tiles, so
+that the size's tiles fill one wave), so each program's share of the context, and the attention's
+time, grows with the size's tiles, whichever of them the chunk fills (on an H100 at 14.6k cached
+tokens, a step of 31 decodes beside a 128-token chunk took 15.9 ms, beside 138 tokens run as 256
+21.2). So the model counts a step's prompt tokens as the size that ran them and its pairs over the
+cached context as the size's query rows (`attention_rows`: whole tiles of `query_tile` queries)
+times the longest cached context of its chunks (`prefix`), and a chunk that fits a size is the most
+tokens that its size's step, so padded, has room for. When not even the smallest size has room
+(far into a long prompt, where reading its context takes most of the room), the chunk is that size
+whole: fewer tokens would cost the same step.
 
 On a CPU the GEMMs of a step's rows (decodes and prompt tokens together) pad from one size to the
 next (`row_sizes`, punica.ops.linear: W @ x^T computes 9 to 16 rows as 16): a chunk whose rows fall
@@ -83,6 +90,8 @@ class StepFeatures:
     attention: float    # (query, key) pairs over the step's rows
     keys: int           # keys attended over the step's rows (each row's context, its own tokens included)
     num_decodes: int    # requests that decode (not in the model: what pads the GEMMs' rows with the chunks')
+    prefix: int = 0     # the longest cached context of its prompt chunks (not in the model: what a size's
+    #                     padding query rows read, module docstring)
 
     @classmethod
     def of(cls, output: SchedulerOutput) -> StepFeatures:
@@ -95,7 +104,8 @@ class StepFeatures:
         attention = sum(scheduled * (computed + (scheduled + 1) / 2)
                         for computed, scheduled in zip(num_computed, num_scheduled))
         rows = len(num_computed)
-        return cls(rows, prompt, attention, sum(num_computed) + sum(num_scheduled), rows - num_prefills)
+        return cls(rows, prompt, attention, sum(num_computed) + sum(num_scheduled), rows - num_prefills,
+                   max(num_computed[:num_prefills], default=0))
 
     @classmethod
     def decodes(cls, contexts: list[int]) -> StepFeatures:
@@ -187,10 +197,11 @@ class LatencyBudget:
     """The prompt tokens of a step beside running decodes (module docstring)."""
 
     def __init__(self, max_itl_ratio: float, min_chunk: int = MIN_CHUNK, chunk_sizes: tuple[int, ...] = (),
-                 row_sizes: tuple[int, ...] = ()):
+                 row_sizes: tuple[int, ...] = (), query_tile: int = 1):
         assert max_itl_ratio > 1.0, max_itl_ratio
         self.max_itl_ratio, self.min_chunk = max_itl_ratio, min_chunk
         self.chunk_sizes = tuple(sorted(chunk_sizes))  # the prompt tokens steps compute (module docstring)
+        self.query_tile = query_tile                   # queries of a prefill attention tile (module docstring)
         self.row_sizes = tuple(sorted(row_sizes))      # rows in (size, next size] compute the next (docstring)
         self.model = StepCostModel()          # every step
         self.decode_model = StepCostModel()   # decode-only steps
@@ -205,6 +216,10 @@ class LatencyBudget:
         block = self._row_block(num_decodes, prompt_tokens)
         return block[1] if block else prompt_tokens
 
+    def attention_rows(self, size: int) -> int:
+        """The query rows for which a step of this chunk size reads its cached context: its whole tiles."""
+        return -(-size // self.query_tile) * self.query_tile
+
     def _row_block(self, num_decodes: int, prompt_tokens: int) -> tuple[int, int] | None:
         """(start, top) in prompt tokens of the row block that a chunk of this many falls in beside
         `num_decodes` decodes (start < prompt_tokens <= top), or None."""
@@ -216,7 +231,9 @@ class LatencyBudget:
 
     def observe(self, features: StepFeatures, seconds: float) -> None:
         if features.prompt_tokens:
-            features = replace(features, prompt_tokens=self.padded(features.prompt_tokens, features.num_decodes))
+            size = self.padded(features.prompt_tokens, features.num_decodes)
+            padding = self.attention_rows(size) - features.prompt_tokens if size in self.chunk_sizes else 0
+            features = replace(features, prompt_tokens=size, attention=features.attention + padding * features.prefix)
         else:
             decodes = self.decode_model
             if (decodes.num_observed >= MIN_DECODE_STEPS and seconds > STALL_RATIO * decodes.predict(features)
@@ -241,11 +258,12 @@ class LatencyBudget:
         model = self.model
         decodes = StepFeatures.decodes(decode_contexts)
         _, c_rows, c_tokens, c_attention, c_keys = model.coefficients
-        # overrun * (model's decodes + c_rows + c_tokens * T + c_attention * C * (position + (C + 1) / 2)
-        #   + c_keys * (position + C)) <= ratio * steady, for a chunk of C tokens that runs as T
+        # overrun * (model's decodes + c_rows + c_tokens * T + c_attention * (R * position + C * (C + 1) / 2)
+        #   + c_keys * (position + C)) <= ratio * steady, for a chunk of C tokens that runs as T, its
+        # cached context read for R query rows (R = C but in a chunk size: its attention_rows)
         room = (self.max_itl_ratio * self.steady(decodes) / model.overrun - model.predict(decodes) - c_rows
                 - c_keys * position)
-        a, b = c_attention / 2, c_attention * (position + 0.5) + c_keys
+        a, b = c_attention / 2, c_attention / 2 + c_keys
 
         def most(room: float, per_token: float) -> float:
             """The largest C with a * C^2 + (b + per_token) * C <= room."""
@@ -255,14 +273,16 @@ class LatencyBudget:
                 return (-(b + per_token) + math.sqrt((b + per_token) ** 2 + 4 * a * room)) / (2 * a)
             return room / (b + per_token) if b + per_token > 0.0 else math.inf
 
-        chunk = most(room, c_tokens)  # T = C
+        chunk = most(room, c_tokens + c_attention * position)  # T = R = C
         sizes = self.chunk_sizes
         if sizes and chunk <= sizes[-1]:  # T = the size that runs it; at least the smallest size
-            chunk = max(sizes[0], *(min(size, most(room - c_tokens * size, 0.0)) for size in sizes))
+            chunk = max(sizes[0], *(min(size, most(room - c_tokens * size
+                                                   - c_attention * position * self.attention_rows(size), 0.0))
+                                    for size in sizes))
         floor, num_decodes = self.min_chunk, len(decode_contexts)
         if block := self._row_block(num_decodes, int(min(chunk, 1 << 30))):  # T = the block's top, else its start
             start, top = block
-            chunk = max(start, min(top, most(room - c_tokens * top, 0.0)))
+            chunk = max(start, min(top, most(room - c_tokens * top, c_attention * position)))
         if chunk < floor and (block := self._row_block(num_decodes, floor)):
             start, top = block
             floor = start if 2 * start >= floor else top

@@ -209,6 +209,15 @@ def rope_and_write_kv_(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: t
     rope_and_write_kv_ref(q, k, v, cos, sin, kv_layer, slot_mapping, kv_scales)
 
 
+def prefill_query_tile(device: torch.device, head_dim: int, dtype: torch.dtype) -> int:
+    """Queries for which a prefill's attention on `device` reads the cached context at once: a CUDA
+    kernel's query tile (punica.ops.attention_triton); 1 elsewhere."""
+    if device.type != "cuda":
+        return 1
+    from punica.ops.attention_triton import prefill_query_tile as tile
+    return tile(head_dim, dtype)
+
+
 def paged_attention(q: torch.Tensor, kv_layer: torch.Tensor, batch: AttnBatch, scale: float,
                     window: int = 0, softcap: float = 0.0, kv_scales: torch.Tensor | None = None) -> torch.Tensor:
     """Causal GQA attention of every request's queries over its pages (prefills first, then decodes),

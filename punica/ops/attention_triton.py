@@ -110,6 +110,12 @@ def _prefill_blocks(head_dim: int, dtype: torch.dtype, fp8: bool = False) -> tup
     return FP8_PREFILL_CONFIG if fp8 else PREFILL_CONFIG
 
 
+def prefill_query_tile(head_dim: int, dtype: torch.dtype) -> int:
+    """Queries of a prefill tile (BLOCK_M) for heads of head_dim computed in `dtype`, over a cache of
+    any format: each tile's programs read its request's cached context."""
+    return _prefill_blocks(head_dim, dtype)[0]
+
+
 def _decode_blocks(head_dim: int, dtype: torch.dtype, fp8: bool = False) -> tuple[int, int, int]:
     """(BLOCK_N, num_warps, num_stages); `fp8`: over an fp8 cache, widened to `dtype`."""
     if interpreting():

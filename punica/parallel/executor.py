@@ -80,6 +80,7 @@ class TensorParallelExecutor:
         self.device = worker.device
         self.chunk_sizes = worker.runner.chunk_sizes
         self.row_sizes = worker.runner.row_sizes
+        self.query_tile = worker.runner.query_tile
 
     def run(self, step: StepInput) -> torch.Tensor:
         assert not step.any_fed, "a tensor-parallel step reads every token from the host"

@@ -35,6 +35,7 @@ class CostedExecutor:
     can_feed_sampled = True
     device = torch.device("cpu")
     chunk_sizes = row_sizes = ()
+    query_tile = 1
 
     def __init__(self, clock: Clock):
         self.clock = clock

@@ -23,7 +23,7 @@ def step_features(contexts, chunk, position):
     if not chunk:
         return decodes
     return StepFeatures(decodes.rows + 1, chunk, decodes.attention + chunk * (position + (chunk + 1) / 2),
-                        decodes.keys + position + chunk, decodes.rows)
+                        decodes.keys + position + chunk, decodes.rows, position)
 
 
 def random_steps(n, seed):
@@ -41,7 +41,7 @@ def test_features_of_a_plan_count_rows_prompt_tokens_attention_pairs_and_keys():
     output = SchedulerOutput(step=1, request_ids=("p", "d1", "d2"), num_computed=(100, 7, 30),
                              num_scheduled=(10, 1, 1), num_prefills=1, sampling_rows=(1, 2), preempted_ids=())
     features = StepFeatures.of(output)
-    assert features == StepFeatures(3, 10, 10 * (100 + 5.5) + 8 + 31, 110 + 8 + 31, 2)
+    assert features == StepFeatures(3, 10, 10 * (100 + 5.5) + 8 + 31, 110 + 8 + 31, 2, 100)
     assert StepFeatures.decodes([7, 30]) == StepFeatures(2, 0, 8 + 31, 8 + 31, 2)
 
 
@@ -194,10 +194,16 @@ def test_the_steady_step_follows_the_decodes_contexts_by_what_chunks_taught():
 SIZES = (32, 64, 128, 256, 512)  # the prompt tokens of a GPU's CUDA-graph buckets
 
 
-def bucketed(features):
-    """What a step runs when its prompt tokens are padded to the next of SIZES (none past the last)."""
-    padded = next((size for size in SIZES if size >= features.prompt_tokens), features.prompt_tokens)
-    return replace(features, prompt_tokens=padded if features.prompt_tokens else 0)
+def bucketed(features, query_tile=1):
+    """What a step runs when its prompt tokens are padded to the next of SIZES (none past the last):
+    that size's tokens, and its cached context read for the size's query rows (whole tiles of
+    `query_tile`)."""
+    if not features.prompt_tokens or features.prompt_tokens > SIZES[-1]:
+        return features
+    size = next(size for size in SIZES if size >= features.prompt_tokens)
+    rows = -(-size // query_tile) * query_tile
+    return replace(features, prompt_tokens=size,
+                   attention=features.attention + (rows - features.prompt_tokens) * features.prefix)
 
 
 def test_chunks_are_cut_to_what_their_bucket_size_has_room_for():
@@ -218,6 +224,35 @@ def test_chunks_are_cut_to_what_their_bucket_size_has_room_for():
 
         assert step(chunk) <= 2.0 * decode_only * (1 + 1e-3), (chunk, contexts, position)
         assert all(step(c) > 2.0 * decode_only for c in range(chunk + 1, 700)), (chunk, contexts, position)
+
+
+def test_a_chunk_past_a_size_pays_for_the_next_sizes_context_reads():
+    """Far into a long prompt, a chunk a few tokens past a size reads the cached context for the next
+    size's query rows (the attention kernel's split count is the size's), and a size under the query
+    tile for the tile's: the chunk stays at the size below, or fills the next where its room allows;
+    every chunk is the most tokens whose step stays within the ratio."""
+    tile = 64
+    budget = LatencyBudget(2.0, chunk_sizes=SIZES, query_tile=tile)
+    assert [budget.attention_rows(size) for size in SIZES] == [64, 64, 128, 256, 512]
+    reads = (0.004, 1e-5, 8e-6, 2e-9, 1e-8)  # the cached context's reads dominate far into a prompt
+    rng = random.Random(17)
+    for _ in range(400):
+        contexts = [rng.randint(100, 600) for _ in range(31)]
+        features = step_features(contexts, rng.choice([0, rng.randint(1, 600)]), rng.randint(0, 32000))
+        budget.observe(features, cost(bucketed(features, tile), reads))
+    contexts = [300] * 31
+    decode_only = cost(StepFeatures.decodes(contexts), reads)
+    chunks = {}
+    for position in range(0, 32000, 1000):
+        chunk = chunks[position] = budget.prompt_tokens(contexts, position)
+
+        def step(c):
+            return cost(bucketed(step_features(contexts, c, position), tile), reads)
+
+        assert step(chunk) <= 2.0 * decode_only * (1 + 1e-3) or chunk == SIZES[0], (chunk, position)
+        assert all(step(c) > 2.0 * decode_only for c in range(chunk + 1, 700)), (chunk, position)
+    assert {chunks[p] for p in chunks if chunks[p] <= SIZES[-1]} <= set(SIZES)  # whole sizes, none a few past
+    assert SIZES[0] in chunks.values() and SIZES[-2] in chunks.values()
 
 
 def test_chunks_past_the_largest_size_are_not_padded_and_none_is_under_the_smallest():
