@@ -195,7 +195,7 @@ def sgmv_shrink_tile_kernel(
     x, lora_a, v, seg_indptr, seg_slots, num_tokens, num_segments, num_steps, h_in, max_rank,
     k_per_split, stride_xt, stride_xk, stride_as, stride_ar, stride_ak, stride_vt, stride_vr,
     FAN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
-    ATOMIC: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr,
+    UPCAST: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr,
 ):
     row0 = tl.program_id(0) * BLOCK_M
     rows = row0 + tl.arange(0, BLOCK_M)
@@ -223,10 +223,9 @@ def sgmv_shrink_tile_kernel(
                 acc = tl.dot(xt, at, acc, input_precision=PRECISION)
             out = v + rows[:, None].to(tl.int64) * stride_vt + ranks[None, :] * stride_vr
             out_ok = in_seg[:, None] & (ranks < max_rank)[None, :]
-            if ATOMIC:
-                tl.atomic_add(out, acc, mask=out_ok, sem="relaxed")  # the launch boundary orders them
-            else:
-                tl.store(out, acc, mask=out_ok)
+            # into v zeroed before the launch, whether h_in is split or not: a launch of one split (a
+            # long prompt run eagerly) runs the variant that the CUDA graphs' capture compiled
+            tl.atomic_add(out, acc, mask=out_ok, sem="relaxed")  # the launch boundary orders them
 
 
 @triton.jit

@@ -9,9 +9,9 @@ Two schedules, both sync-free and allocation-free beyond the returned `v`:
   even a decode batch of 64 tokens launches hundreds of programs to fill the SMs.
 * tiled (SGMV with long segments): one program per tile of BLOCK_M tokens, `tl.dot` on tensor
   cores. A tile loops over the segments it overlaps, found by a FAN-ary search of seg_indptr.
-  Shrink splits h_in across programs when tiles alone cannot fill the GPU, adding into a
-  zeroed fp32 `v` with atomics, and the ranks into blocks of at most 128 (a group's stacked A
-  has n*R rows).
+  Shrink splits h_in across programs when tiles alone cannot fill the GPU, and the ranks into
+  blocks of at most 128 (a group's stacked A has n*R rows); it adds into a zeroed fp32 `v` with
+  atomics, split or not, so that every launch runs one variant.
 
 A sliced expand (a projection group, punica.ops.lora) passes the starts of slices 1 and 2 as
 plain ints (h_out for slices that do not exist; at most MAX_SLICES slices). A program's column
@@ -211,7 +211,7 @@ def sgmv_shrink_triton(x: torch.Tensor, lora_a: torch.Tensor, seg_indptr: torch.
     sgmv_shrink_tile_kernel[grid](
         x, lora_a, v, seg_indptr, seg_slots, num_tokens, num_segments, _search_steps(num_segments),
         h_in, max_rank, k_per_split, *x.stride(), *lora_a.stride(), *v.stride(),
-        FAN=FAN, BLOCK_M=block_m, BLOCK_R=block_r, BLOCK_K=block_k, ATOMIC=grid[1] > 1,
+        FAN=FAN, BLOCK_M=block_m, BLOCK_R=block_r, BLOCK_K=block_k,
         UPCAST=interpreting(), PRECISION=_precision(x.dtype), PDL=_pdl(x.device),
         num_warps=TILE_WARPS, num_stages=TILE_STAGES, launch_pdl=_pdl(x.device),
     )
