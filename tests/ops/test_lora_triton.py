@@ -266,6 +266,34 @@ def test_sliced_expand_rejects_mismatched_shapes():
                                    slice_bounds=(0, 2, 4, 6, 9))
 
 
+def test_the_tiled_shrink_runs_one_variant_split_or_not(monkeypatch):
+    """A short prompt splits h_in across programs, a long one (run eagerly, past the CUDA graphs'
+    sizes) takes one split: both launch the kernel with the same compile-time arguments, so a long
+    prompt never compiles a variant while others wait, and both match the reference."""
+    launches = []
+    kernel = kernels.sgmv_shrink_tile_kernel
+
+    class Recorded:
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                launches.append((grid[1], {k: v for k, v in kwargs.items() if k not in ("num_warps", "num_stages")}))
+                return kernel[grid](*args, **kwargs)
+            return launch
+
+    monkeypatch.setattr(kernels, "sgmv_shrink_tile_kernel", Recorded())
+    gen = torch.Generator().manual_seed(3)
+    a, _, _ = make_pool(2, [8, 8], 256, 8, torch.float32, gen)
+    for num_tokens in (64, 64 * 2 * kernels.TILE_PROGRAMS_PER_SM * num_sms(torch.device(DEVICE))):
+        x = torch.randn(num_tokens, 256, generator=gen).to(DEVICE)
+        half = num_tokens // 2
+        batch = LoraBatch.build([0, 1], [half, num_tokens - half], device=DEVICE, kernel="sgmv")
+        got = kernels.sgmv_shrink_triton(x, a, batch.seg_indptr, batch.seg_slots, block_m=64)
+        want = ops.sgmv_shrink_ref(x, a, batch.seg_indptr, batch.seg_slots)
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    (splits_short, short), (splits_long, long) = launches
+    assert splits_short > 1 and splits_long == 1 and short == long
+
+
 def test_sgmv_runs_rowwise_exactly_where_bgmv_is_preferred():
     for num_tokens, num_segments, block_m in [(64, 64, 1), (64, 1, 1), (4096, 4096, 1),
                                               (4096, 300, 1), (4096, 16, 64), (512, 20, 16)]:
