@@ -69,6 +69,7 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
+from punica.config import ceil_div
 from punica.engine.scheduler_output import SchedulerOutput
 
 FORGETTING = 0.995          # a step's weight in the fit shrinks by this factor per later step
@@ -218,7 +219,7 @@ class LatencyBudget:
 
     def attention_rows(self, size: int) -> int:
         """The query rows for which a step of this chunk size reads its cached context: its whole tiles."""
-        return -(-size // self.query_tile) * self.query_tile
+        return ceil_div(size, self.query_tile) * self.query_tile
 
     def _row_block(self, num_decodes: int, prompt_tokens: int) -> tuple[int, int] | None:
         """(start, top) in prompt tokens of the row block that a chunk of this many falls in beside
