@@ -200,9 +200,7 @@ def main() -> None:
         clock = Clock(engine)  # one per engine: it wraps the scheduler's observe
         for name, chunked, budget, ratio in modes:
             engine.scheduler.chunked_prefill, engine.scheduler.max_num_batched_tokens = chunked, budget
-            engine.scheduler.latency = (LatencyBudget(ratio, chunk_sizes=engine.executor.chunk_sizes,
-                                                     row_sizes=engine.executor.row_sizes,
-                                                     query_tile=engine.executor.query_tile) if ratio else None)
+            engine.scheduler.latency = LatencyBudget.of_executor(ratio, engine.executor) if ratio else None
             rows += run_mode(clock, name, args.prompts, args.decodes, config.vocab_size, rng)
     columns = ["mode", "prompt_tokens", "steady_itl_p50_ms", "itl_p50_ms", "itl_p99_ms", "itl_max_ms",
                "p99_over_steady", "ttft_ms", "steps", "compiles", "chunk_p50", "over_predicted_p50"]

@@ -76,9 +76,7 @@ class Engine:
                                    ready=partial(adapter_ready, self.adapters),
                                    waiting=waiting_queue(config),
                                    eos_token_ids=frozenset(eos), max_model_len=self.max_model_len,
-                                   latency=(LatencyBudget(config.max_itl_ratio, chunk_sizes=executor.chunk_sizes,
-                                                          row_sizes=executor.row_sizes,
-                                                          query_tile=executor.query_tile)
+                                   latency=(LatencyBudget.of_executor(config.max_itl_ratio, executor)
                                             if config.max_itl_ratio else None))
         if self.scheduler.latency is not None and config.chunked_prefill:
             calibrate(executor, self.scheduler.latency,

@@ -209,6 +209,13 @@ class LatencyBudget:
         self.num_stalls = 0                   # decode-only steps not learned from as stalls, in a row
         self._last_decodes: StepFeatures | None = None  # the last decode-only step learned from
 
+    @classmethod
+    def of_executor(cls, max_itl_ratio: float, executor) -> LatencyBudget:
+        """The budget of the steps that `executor` (punica.engine.executor.Executor) runs: its chunk
+        sizes, row sizes and prefill query tile."""
+        return cls(max_itl_ratio, chunk_sizes=executor.chunk_sizes, row_sizes=executor.row_sizes,
+                   query_tile=executor.query_tile)
+
     def padded(self, prompt_tokens: int, num_decodes: int = 0) -> int:
         """The prompt tokens a step of this many beside `num_decodes` decodes computes: the smallest
         chunk size that holds them, or the top of the row block that their rows fall in."""
