@@ -18,7 +18,10 @@ running decodes' ITL p50/p99/max over their tokens between the prompt's arrival 
 token, the steady ITL p50 before it, their ratio, the prompt's time to first token, the Triton
 kernels compiled meanwhile (`compiles`: 0 on a warmed engine), and with a latency budget, how its
 steps with prompt tokens ran against the cost model's prediction (`over_predicted_p50`/`_p90`: step
-time over prediction, made before the step was fitted) and their chunks (`chunk_p50`).
+time over prediction, made before the step was fitted), their chunks (`chunk_p50`) and the slowest
+one over the budget's decode-only step of its decodes (`over_budget_steady_max`: what the budget
+holds within max_itl_ratio; the ratio over the steady ITL also counts the decodes' own growth while
+the prompt prefills, and the host's delays in returning tokens).
 
 The first mode is the first long-prompt traffic after start-up (graph capture, then one short
 request per adapter to make the adapters resident): run the command with TRITON_CACHE_DIR set
@@ -53,16 +56,21 @@ STEADY_STEPS = 20
 AFTER_STEPS = 3
 
 
+def times_over(seconds: float, predicted: float) -> float:
+    return seconds / predicted if predicted > 0 else math.inf
+
+
 class Clock:
     """Steps the engine, stamping every new token of every request with the time its step returned;
     counts the Triton kernels compiled, and logs each step with prompt tokens that the scheduler's
-    latency budget observes as (chunk tokens, step seconds / predicted seconds)."""
+    latency budget observes as (chunk tokens, step seconds / predicted seconds, step seconds / the
+    budget's decode-only step of the step's decodes), the budget's model as it stood before the step."""
 
     def __init__(self, engine):
         self.engine = engine
         self.stamps: dict[str, list[float]] = {}
         self.compiled: list[str] = []
-        self.chunk_steps: list[tuple[int, float]] = []
+        self.chunk_steps: list[tuple[int, float, float]] = []
         scheduler = engine.scheduler
         observe = scheduler.observe
 
@@ -70,7 +78,10 @@ class Clock:
             features = StepFeatures.of(output)
             if scheduler.latency is not None and features.prompt_tokens:
                 predicted = scheduler.latency.model.predict(features)
-                self.chunk_steps.append((features.prompt_tokens, seconds / predicted if predicted > 0 else math.inf))
+                decodes = StepFeatures.decodes(list(output.num_computed[output.num_prefills:]))
+                steady = scheduler.latency.steady(decodes)
+                self.chunk_steps.append((features.prompt_tokens, times_over(seconds, predicted),
+                                         times_over(seconds, steady)))
             observe(output, seconds)
 
         scheduler.observe = logged_observe
@@ -122,15 +133,16 @@ def run_mode(clock: Clock, name: str, prompt_lens: list[int], decodes: int, voca
                "compiles": len(clock.compiled) - compiled}
         row["p99_over_steady"] = row["itl_p99_ms"] / row["steady_itl_p50_ms"]
         if chunk_steps := clock.chunk_steps[logged:]:
-            chunks, over = zip(*chunk_steps)
+            chunks, over, over_steady = zip(*chunk_steps)
             row |= {"chunk_p50": statistics.median(chunks), "over_predicted_p50": statistics.median(over),
-                    "over_predicted_p90": percentile(list(over), 0.9)}
+                    "over_predicted_p90": percentile(list(over), 0.9), "over_budget_steady_max": max(over_steady)}
         rows.append(row)
         print(f"{name} {length}: ITL p99 {row['itl_p99_ms']:.1f} ms ({row['p99_over_steady']:.2f}x steady "
               f"{row['steady_itl_p50_ms']:.1f}), max {row['itl_max_ms']:.1f}, TTFT {row['ttft_ms']:.0f} ms, "
               f"{row['compiles']} kernels compiled {sorted(set(clock.compiled[compiled:]))}"
               + (f", chunk p50 {row['chunk_p50']:.0f}, step / predicted p50 {row['over_predicted_p50']:.2f} "
-                 f"p90 {row['over_predicted_p90']:.2f}" if chunk_steps else ""), flush=True)
+                 f"p90 {row['over_predicted_p90']:.2f}, slowest / budget's steady {row['over_budget_steady_max']:.2f}"
+                 if chunk_steps else ""), flush=True)
     for rid in ids:
         engine.abort(rid)
     while engine.has_unfinished():
@@ -203,7 +215,8 @@ def main() -> None:
             engine.scheduler.latency = LatencyBudget.of_executor(ratio, engine.executor) if ratio else None
             rows += run_mode(clock, name, args.prompts, args.decodes, config.vocab_size, rng)
     columns = ["mode", "prompt_tokens", "steady_itl_p50_ms", "itl_p50_ms", "itl_p99_ms", "itl_max_ms",
-               "p99_over_steady", "ttft_ms", "steps", "compiles", "chunk_p50", "over_predicted_p50"]
+               "p99_over_steady", "ttft_ms", "steps", "compiles", "chunk_p50", "over_predicted_p50",
+               "over_budget_steady_max"]
     print(format_table(rows, columns))
     device_name = torch.cuda.get_device_name() if device == "cuda" else "cpu"
     meta = {"device": device_name, "preset": args.preset, "decodes": args.decodes, "date": time.strftime("%Y-%m-%d"),
