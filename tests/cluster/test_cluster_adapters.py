@@ -109,5 +109,5 @@ def test_run_time_adapters_reach_every_worker_late_ones_too_and_roll_back_on_ref
         finally:
             await cluster.shutdown()
 
-    finished = asyncio.run(asyncio.wait_for(main(), 90))
+    finished = asyncio.run(asyncio.wait_for(main(), 180))
     assert finished.finish_reason == "length" and len(finished.token_ids) == 40  # it ran on after the unload
