@@ -21,7 +21,8 @@ steps with prompt tokens ran against the cost model's prediction (`over_predicte
 time over prediction, made before the step was fitted), their chunks (`chunk_p50`) and the slowest
 one over the budget's decode-only step of its decodes (`over_budget_steady_max`: what the budget
 holds within max_itl_ratio; the ratio over the steady ITL also counts the decodes' own growth while
-the prompt prefills, and the host's delays in returning tokens).
+the prompt prefills, and the host's delays in returning tokens), and Python's garbage collections
+meanwhile (`gc_collections`, `gc_max_ms`: the longest, a pause of the host's step loop).
 
 The first mode is the first long-prompt traffic after start-up (graph capture, then one short
 request per adapter to make the adapters resident): run the command with TRITON_CACHE_DIR set
@@ -34,6 +35,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import gc
 import math
 import random
 import statistics
@@ -64,13 +66,24 @@ class Clock:
     """Steps the engine, stamping every new token of every request with the time its step returned;
     counts the Triton kernels compiled, and logs each step with prompt tokens that the scheduler's
     latency budget observes as (chunk tokens, step seconds / predicted seconds, step seconds / the
-    budget's decode-only step of the step's decodes), the budget's model as it stood before the step."""
+    budget's decode-only step of the step's decodes), the budget's model as it stood before the step;
+    and records Python's garbage collections as (start, end)."""
 
     def __init__(self, engine):
         self.engine = engine
         self.stamps: dict[str, list[float]] = {}
         self.compiled: list[str] = []
         self.chunk_steps: list[tuple[int, float, float]] = []
+        self.collections: list[tuple[float, float]] = []
+        started = []
+
+        def collection(phase, info):
+            if phase == "start":
+                started.append(time.perf_counter())
+            elif started:
+                self.collections.append((started.pop(), time.perf_counter()))
+
+        gc.callbacks.append(collection)
         scheduler = engine.scheduler
         observe = scheduler.observe
 
@@ -132,6 +145,8 @@ def run_mode(clock: Clock, name: str, prompt_lens: list[int], decodes: int, voca
                "itl_max_ms": max(during), "ttft_ms": 1e3 * (first - arrival), "steps": steps,
                "compiles": len(clock.compiled) - compiled}
         row["p99_over_steady"] = row["itl_p99_ms"] / row["steady_itl_p50_ms"]
+        pauses = [end - begin for begin, end in clock.collections if arrival < end <= first]
+        row |= {"gc_collections": len(pauses), "gc_max_ms": 1e3 * max(pauses, default=0.0)}
         if chunk_steps := clock.chunk_steps[logged:]:
             chunks, over, over_steady = zip(*chunk_steps)
             row |= {"chunk_p50": statistics.median(chunks), "over_predicted_p50": statistics.median(over),
@@ -139,7 +154,8 @@ def run_mode(clock: Clock, name: str, prompt_lens: list[int], decodes: int, voca
         rows.append(row)
         print(f"{name} {length}: ITL p99 {row['itl_p99_ms']:.1f} ms ({row['p99_over_steady']:.2f}x steady "
               f"{row['steady_itl_p50_ms']:.1f}), max {row['itl_max_ms']:.1f}, TTFT {row['ttft_ms']:.0f} ms, "
-              f"{row['compiles']} kernels compiled {sorted(set(clock.compiled[compiled:]))}"
+              f"{row['compiles']} kernels compiled {sorted(set(clock.compiled[compiled:]))}, "
+              f"{row['gc_collections']} collections (longest {row['gc_max_ms']:.1f} ms)"
               + (f", chunk p50 {row['chunk_p50']:.0f}, step / predicted p50 {row['over_predicted_p50']:.2f} "
                  f"p90 {row['over_predicted_p90']:.2f}, slowest / budget's steady {row['over_budget_steady_max']:.2f}"
                  if chunk_steps else ""), flush=True)
@@ -216,7 +232,7 @@ def main() -> None:
             rows += run_mode(clock, name, args.prompts, args.decodes, config.vocab_size, rng)
     columns = ["mode", "prompt_tokens", "steady_itl_p50_ms", "itl_p50_ms", "itl_p99_ms", "itl_max_ms",
                "p99_over_steady", "ttft_ms", "steps", "compiles", "chunk_p50", "over_predicted_p50",
-               "over_budget_steady_max"]
+               "over_budget_steady_max", "gc_collections", "gc_max_ms"]
     print(format_table(rows, columns))
     device_name = torch.cuda.get_device_name() if device == "cuda" else "cpu"
     meta = {"device": device_name, "preset": args.preset, "decodes": args.decodes, "date": time.strftime("%Y-%m-%d"),
