@@ -25,14 +25,17 @@ the OVERRUN_QUANTILE of the last OVERRUN_WINDOW such ratios.
 `LatencyBudget` sizes a step's prompt chunk: with decodes running, the most prompt tokens C (at
 the position where the first prompt's chunk starts) for which the predicted step, times the
 overrun, stays within `max_itl_ratio` times the decode-only step of the same decodes (`steady`);
-never fewer than MIN_CHUNK, so a prompt always advances. The steady step is what a second model,
-fitted to decode-only steps alone, gives for the last decode-only step (what the decodes' steady
-gaps were: the steps with chunks cannot pull it up), plus what the first model gives for the
-change from that step's decodes to these. Decode-only steps differ in little but their growing
-contexts, so the second model's cost per key is whatever noise made it; while a prompt runs in
-chunks there are no decode-only steps and the decodes' contexts grow past every one seen, and
-extrapolated that far the noise grew the steady step with every chunk (0.05 ms a step over a 16k
-prompt on the H200). The first model learns the cost of keys from chunks at every position.
+never fewer than MIN_CHUNK, so a prompt always advances. The steady step is the median of what
+the decodes' last STEADY_STEPS decode-only steps took, as measured, each moved to these decodes by
+what the model gives for the change from that step's decodes to these. Not a model's prediction
+for those steps: one fitted to decode-only steps alone, with forgetting, over steps of other
+batches and contexts, is off by a few percent at the last of them (on an H100, 8.21 ms for steps
+that took 7.98-8.01), and the chunks beside them would carry that over into the decodes' gaps; and
+its cost per key is whatever noise made it, since decode-only steps differ in little but their
+growing contexts: while a prompt runs in chunks there are no decode-only steps and the decodes'
+contexts grow past every one seen, and extrapolated that far the noise grows the steady step with
+every chunk (0.05 ms a step over a 16k prompt on the H200). The model of every step learns the
+cost of keys from chunks at every position.
 
 A step that replays a CUDA graph computes its bucket's prompt tokens whatever its chunk
 (`chunk_sizes`, punica.engine.cuda_graphs): a chunk one token past a size runs in the next bucket
@@ -56,7 +59,8 @@ rows up to the block's start. The floor does too: when its rows fall in a block,
 start if that is at least half the floor (a cheaper step), else the block's top (which costs what
 the floor's step costs).
 
-A decode-only step that takes over STALL_RATIO times that model's prediction stalled (the host
+A decode-only step that takes over STALL_RATIO times what a model fitted to decode-only steps alone
+predicts stalled (the host
 paused between steps: a long prompt added, a garbage collection) and neither model learns from it:
 for the same reason, one such step would read as a steep cost per key. MAX_STALLS of them in a row
 are no stall but the hardware slowing down, and the models learn from them again.
@@ -65,6 +69,7 @@ are no stall but the hardware slowing down, and the models learn from them again
 from __future__ import annotations
 
 import math
+import statistics
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
@@ -82,6 +87,7 @@ MIN_OVERRUNS = 4            # fewer kept: no correction (1.0)
 STALL_RATIO = 2.0           # a decode-only step this far over its prediction stalled (module docstring)
 MIN_DECODE_STEPS = 8        # decode-only steps seen before any counts as stalled
 MAX_STALLS = 4              # stalls in a row that are the hardware slowing instead
+STEADY_STEPS = 8            # the last decode-only steps whose times give the steady step
 
 
 @dataclass(frozen=True)
@@ -207,7 +213,8 @@ class LatencyBudget:
         self.model = StepCostModel()          # every step
         self.decode_model = StepCostModel()   # decode-only steps
         self.num_stalls = 0                   # decode-only steps not learned from as stalls, in a row
-        self._last_decodes: StepFeatures | None = None  # the last decode-only step learned from
+        # the last decode-only steps learned from, with their seconds
+        self._last_decodes: deque[tuple[StepFeatures, float]] = deque(maxlen=STEADY_STEPS)
 
     @classmethod
     def of_executor(cls, max_itl_ratio: float, executor) -> LatencyBudget:
@@ -250,15 +257,16 @@ class LatencyBudget:
                 return
             self.num_stalls = 0
             decodes.observe(features, seconds)
-            self._last_decodes = features
+            self._last_decodes.append((features, seconds))
         self.model.observe(features, seconds)
 
     def steady(self, decodes: StepFeatures) -> float:
         """The predicted time of this decode-only step (module docstring)."""
         last, model = self._last_decodes, self.model
-        if last is None:
+        if not last:
             return model.predict(decodes)
-        return self.decode_model.predict(last) + model.predict(decodes) - model.predict(last)
+        now = model.predict(decodes)
+        return statistics.median(seconds + now - model.predict(features) for features, seconds in last)
 
     def prompt_tokens(self, decode_contexts: list[int], position: int) -> int:
         """The most prompt tokens a step may compute beside decodes at these contexts (tokens cached

@@ -168,6 +168,20 @@ def test_a_stalled_decode_step_does_not_inflate_the_steady_step():
     assert budget.decode_model.predict(probe) == pytest.approx(3.0 * cost(probe), rel=0.1)
 
 
+def test_the_steady_step_is_what_the_last_decode_only_steps_took():
+    """Decode-only steps at one time, then the last few 5% faster (another batch's, or the
+    hardware's, pace): the steady step is what those last steps took, not a fit over them all, so
+    a chunk beside them stays within the ratio of the decodes' gaps as they were."""
+    budget = LatencyBudget(2.0)
+    contexts = [500] * 8
+    for step in range(200):
+        features = StepFeatures.decodes([c + step for c in contexts])
+        budget.observe(features, cost(features) * (0.95 if step >= 192 else 1.0))
+    now = StepFeatures.decodes([c + 200 for c in contexts])
+    assert budget.decode_model.predict(now) > 0.97 * cost(now)
+    assert budget.steady(now) == pytest.approx(0.95 * cost(now), rel=0.005)
+
+
 def test_the_steady_step_follows_the_decodes_contexts_by_what_chunks_taught():
     """Decode-only steps whose time drifts up 4% while their contexts grow by 20 (noise that the
     decode-only fit reads as a cost per key), then chunks at every position, which show that keys
