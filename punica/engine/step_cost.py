@@ -59,11 +59,11 @@ rows up to the block's start. The floor does too: when its rows fall in a block,
 start if that is at least half the floor (a cheaper step), else the block's top (which costs what
 the floor's step costs).
 
-A decode-only step that takes over STALL_RATIO times what a model fitted to decode-only steps alone
-predicts stalled (the host
-paused between steps: a long prompt added, a garbage collection) and neither model learns from it:
-for the same reason, one such step would read as a steep cost per key. MAX_STALLS of them in a row
-are no stall but the hardware slowing down, and the models learn from them again.
+A decode-only step that takes over STALL_RATIO times what a model fitted to decode-only steps
+alone predicts stalled (the host paused between steps: a long prompt added, a garbage collection):
+neither model learns from it, nor does the steady step; for the same reason, one such step would
+read as a steep cost per key. MAX_STALLS of them in a row are no stall but the hardware slowing
+down, and the models learn from them again.
 """
 
 from __future__ import annotations

@@ -161,6 +161,7 @@ def test_a_stalled_decode_step_does_not_inflate_the_steady_step():
     probe = StepFeatures.decodes([c + 100 for c in contexts])
     assert budget.decode_model.predict(probe) == pytest.approx(cost(probe), rel=0.01)
     assert budget.model.predict(probe) == pytest.approx(cost(probe), rel=0.01)
+    assert budget.steady(probe) == pytest.approx(cost(probe), rel=0.01)
     for step in range(60, 260):
         features = StepFeatures.decodes([c + step for c in contexts])
         budget.observe(features, 3.0 * cost(features))
