@@ -262,11 +262,11 @@ class LatencyBudget:
 
     def steady(self, decodes: StepFeatures) -> float:
         """The predicted time of this decode-only step (module docstring)."""
-        last, model = self._last_decodes, self.model
-        if not last:
-            return model.predict(decodes)
+        model = self.model
         now = model.predict(decodes)
-        return statistics.median(seconds + now - model.predict(features) for features, seconds in last)
+        if not self._last_decodes:
+            return now
+        return statistics.median(seconds + now - model.predict(features) for features, seconds in self._last_decodes)
 
     def prompt_tokens(self, decode_contexts: list[int], position: int) -> int:
         """The most prompt tokens a step may compute beside decodes at these contexts (tokens cached
