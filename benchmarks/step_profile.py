@@ -5,7 +5,7 @@ steps that also run a chunk of a long prompt.
     python -m benchmarks.step_profile [--preset llama-2-7b] [--decodes 31] [--prompt 16384]
         [--budgets 158 512] [--at 0 2048 15000] [--steps 10] [--out results/step_profile]
     python -m benchmarks.step_profile --decode-only --batches 1 32 --context 512 [--steps 10]
-    either with [--quantization fp8] [--kv-cache-dtype fp8] [--files 4]
+    either with [--quantization fp8] [--kv-cache-dtype fp8] [--files 4] [--no-pdl]
 
 One engine (random weights, CUDA graphs, overlapped steps, rank-16 adapters on all 7 projections,
 request i on its own adapter) serves --decodes requests that decode from 64-token prompts. Per
@@ -42,6 +42,7 @@ from benchmarks.common import format_table, save_figure, write_results
 from benchmarks.long_prompt import decodes_engine
 from punica.config import KV_CACHE_DTYPES, QUANTIZATIONS
 from punica.engine.sampling_params import SamplingParams
+from punica.ops import lora_triton
 
 GROUPS = (  # first match wins
     ("attention, prefill", r"prefill_(kernel|merge)"),
@@ -144,8 +145,10 @@ def profile_budgets(engine, config, args, trace_dir: Path, rng: random.Random) -
         for at in args.at:
             while engine.requests[long_id].num_cached < at:
                 engine.step()
-            rows.append({"budget": budget, "point": f"chunk after {engine.requests[long_id].num_cached}",
-                         **profile_steps(engine, args.steps, trace_dir)})
+            cached = engine.requests[long_id].num_cached
+            profile = profile_steps(engine, args.steps, trace_dir)
+            chunk_tokens = (engine.requests[long_id].num_cached - cached) / args.steps
+            rows.append({"budget": budget, "point": f"chunk after {cached}", "chunk_tokens": chunk_tokens, **profile})
         abort_all(engine, ids + [long_id])
     return rows
 
@@ -185,8 +188,12 @@ def main() -> None:
     parser.add_argument("--quantization", choices=QUANTIZATIONS, default="none", help="of the base weights")
     parser.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto")
     parser.add_argument("--files", type=int, help="adapter files behind the distinct names (default: one per name)")
+    parser.add_argument("--no-pdl", action="store_true",
+                        help="launch the LoRA kernels without programmatic dependent launch, so that each kernel's "
+                             "profiled time is its own (with it, a kernel's time includes its wait for the one before)")
     parser.add_argument("--out", type=Path, default=Path("results/step_profile"))
     args = parser.parse_args()
+    lora_triton.ENABLE_PDL = not args.no_pdl
     if args.decode_only and args.context > 1024:
         parser.error("--context: at most 1024 (the KV room per decode)")
     rng = random.Random(0)
@@ -203,9 +210,10 @@ def main() -> None:
     for row in rows:
         where = (f"batch {row['batch']}, context {row['context']}, {row['adapters']} adapters"
                  if args.decode_only else f"budget {row['budget']}")
-        print(f"{where}, {row['point']}: {row['launches_per_step']:.0f} kernels, wall {row['wall_ms']:.2f} ms/step, "
-              f"GPU {row['gpu_ms']:.2f} ms/step, idle {row['gpu_idle_ms']:.2f} ms/step, "
-              f"host waiting on the device {row['host_waits_ms']:.2f} ms/step")
+        chunk = f" ({row['chunk_tokens']:.0f} prompt tokens a step)" if "chunk_tokens" in row else ""
+        print(f"{where}, {row['point']}{chunk}: {row['launches_per_step']:.0f} kernels, "
+              f"wall {row['wall_ms']:.2f} ms/step, GPU {row['gpu_ms']:.2f} ms/step, "
+              f"idle {row['gpu_idle_ms']:.2f} ms/step, host waiting on the device {row['host_waits_ms']:.2f} ms/step")
         for gap in row["largest_gaps_us"]:
             print(f"  gap {gap['us']:.0f} us after {gap['after']} before {gap['before']}")
         print(format_table([{"group": g, "us_per_step": us} for g, us in row["groups_us"].items()],
@@ -214,7 +222,7 @@ def main() -> None:
                             for k, us in row["top_kernels_us"].items()], ["kernel", "us_per_step", "launches"]))
     shape = ({"batches": args.batches, "context": args.context} if args.decode_only
              else {"decodes": args.decodes, "prompt": args.prompt})
-    meta = {"device": torch.cuda.get_device_name(), "preset": args.preset, **shape,
+    meta = {"device": torch.cuda.get_device_name(), "preset": args.preset, **shape, "pdl": not args.no_pdl,
             "quantization": args.quantization, "kv_cache_dtype": args.kv_cache_dtype,
             "date": time.strftime("%Y-%m-%d"), "torch": torch.__version__}
     path = write_results(args.out, "step_profile", rows, meta)
