@@ -23,6 +23,10 @@ one over the budget's decode-only step of its decodes (`over_budget_steady_max`:
 holds within max_itl_ratio; the ratio over the steady ITL also counts the decodes' own growth while
 the prompt prefills, and the host's delays in returning tokens), and Python's garbage collections
 meanwhile (`gc_collections`, `gc_max_ms`: the longest, a pause of the host's step loop).
+Once the prompt's request has finished, 20 more steps give the decodes' steady ITL after it
+(`steady_after_itl_p50_ms`), and `p99_over_interpolated_steady` is the 99th percentile of each gap
+over the steady ITL at its time, on a straight line from the one before the prompt to the one
+after: the gaps over the decodes' own step as their contexts grew while the prompt prefilled.
 
 The first mode is the first long-prompt traffic after start-up (graph capture, then one short
 request per adapter to make the adapters resident): run the command with TRITON_CACHE_DIR set
@@ -108,11 +112,23 @@ class Clock:
 
     def gaps(self, request_ids: list[str], start: float, end: float) -> list[float]:
         """Inter-token gaps (ms) of these requests' tokens stamped in (start, end]."""
+        return [gap for gap, _ in self.timed_gaps(request_ids, start, end)]
+
+    def timed_gaps(self, request_ids: list[str], start: float, end: float) -> list[tuple[float, float]]:
+        """(gap in ms, its end's stamp) of these requests' tokens stamped in (start, end]."""
         gaps = []
         for rid in request_ids:
             times = self.stamps.get(rid, [])
-            gaps += [1e3 * (b - a) for a, b in zip(times, times[1:]) if start < b <= end]
+            gaps += [(1e3 * (b - a), b) for a, b in zip(times, times[1:]) if start < b <= end]
         return gaps
+
+
+def over_interpolated(gaps: list[tuple[float, float]], start: float, end: float, before: float,
+                      after: float) -> list[float]:
+    """Each gap (ms, its end's stamp in [start, end]) over the steady gap at its time, from `before`
+    at start to `after` at end in a straight line: the decodes' own step as their contexts grew."""
+    span = max(end - start, 1e-9)
+    return [gap / (before + (after - before) * min(max((stamp - start) / span, 0.0), 1.0)) for gap, stamp in gaps]
 
 
 def run_mode(clock: Clock, name: str, prompt_lens: list[int], decodes: int, vocab: int,
@@ -138,10 +154,19 @@ def run_mode(clock: Clock, name: str, prompt_lens: list[int], decodes: int, voca
         first = clock.stamps[long_id][0]
         for _ in range(AFTER_STEPS):
             clock.step()
+        while long_id in engine.requests:  # the prompt's last tokens: then decode-only steps
+            clock.step()
+        after_start = time.perf_counter()
+        for _ in range(STEADY_STEPS):
+            clock.step()
         # read from the stamps once the prompt is done: between two steps, reading them all would
         # delay the next step (milliseconds, the more the longer the run) and show in the gaps timed
         steady, during = clock.gaps(ids, steady_start, arrival), clock.gaps(ids, arrival, first)
+        steady_after = statistics.median(clock.gaps(ids, after_start, time.perf_counter()))
+        over = over_interpolated(clock.timed_gaps(ids, arrival, first), arrival, first, statistics.median(steady),
+                                 steady_after)
         row = {"mode": name, "prompt_tokens": length, "steady_itl_p50_ms": statistics.median(steady),
+               "steady_after_itl_p50_ms": steady_after, "p99_over_interpolated_steady": percentile(over, 0.99),
                "itl_p50_ms": statistics.median(during), "itl_p99_ms": percentile(during, 0.99),
                "itl_max_ms": max(during), "ttft_ms": 1e3 * (first - arrival), "steps": steps,
                "compiles": len(clock.compiled) - compiled}
@@ -154,7 +179,9 @@ def run_mode(clock: Clock, name: str, prompt_lens: list[int], decodes: int, voca
                     "over_predicted_p90": percentile(list(over), 0.9), "over_budget_steady_max": max(over_steady)}
         rows.append(row)
         print(f"{name} {length}: ITL p99 {row['itl_p99_ms']:.1f} ms ({row['p99_over_steady']:.2f}x steady "
-              f"{row['steady_itl_p50_ms']:.1f}), max {row['itl_max_ms']:.1f}, TTFT {row['ttft_ms']:.0f} ms, "
+              f"{row['steady_itl_p50_ms']:.1f}; {row['p99_over_interpolated_steady']:.2f}x the steady ITL at its "
+              f"time, {row['steady_after_itl_p50_ms']:.1f} after), max {row['itl_max_ms']:.1f}, "
+              f"TTFT {row['ttft_ms']:.0f} ms, "
               f"{row['compiles']} kernels compiled {sorted(set(clock.compiled[compiled:]))}, "
               f"{row['gc_collections']} collections (longest {row['gc_max_ms']:.1f} ms)"
               + (f", chunk p50 {row['chunk_p50']:.0f}, step / predicted p50 {row['over_predicted_p50']:.2f} "
@@ -232,7 +259,8 @@ def main() -> None:
             engine.scheduler.latency = LatencyBudget.of_executor(ratio, engine.executor) if ratio else None
             rows += run_mode(clock, name, args.prompts, args.decodes, config.vocab_size, rng)
     columns = ["mode", "prompt_tokens", "steady_itl_p50_ms", "itl_p50_ms", "itl_p99_ms", "itl_max_ms",
-               "p99_over_steady", "ttft_ms", "steps", "compiles", "chunk_p50", "over_predicted_p50",
+               "p99_over_steady", "steady_after_itl_p50_ms", "p99_over_interpolated_steady", "ttft_ms", "steps",
+               "compiles", "chunk_p50", "over_predicted_p50",
                "over_budget_steady_max", "gc_collections", "gc_max_ms"]
     print(format_table(rows, columns))
     device_name = torch.cuda.get_device_name() if device == "cuda" else "cpu"
