@@ -161,11 +161,12 @@ def run_mode(clock: Clock, name: str, prompt_lens: list[int], decodes: int, voca
             clock.step()
         # read from the stamps once the prompt is done: between two steps, reading them all would
         # delay the next step (milliseconds, the more the longer the run) and show in the gaps timed
-        steady, during = clock.gaps(ids, steady_start, arrival), clock.gaps(ids, arrival, first)
+        steady = statistics.median(clock.gaps(ids, steady_start, arrival))
         steady_after = statistics.median(clock.gaps(ids, after_start, time.perf_counter()))
-        over_then = over_interpolated(clock.timed_gaps(ids, arrival, first), arrival, first,
-                                      statistics.median(steady), steady_after)
-        row = {"mode": name, "prompt_tokens": length, "steady_itl_p50_ms": statistics.median(steady),
+        timed = clock.timed_gaps(ids, arrival, first)
+        during = [gap for gap, _ in timed]
+        over_then = over_interpolated(timed, arrival, first, steady, steady_after)
+        row = {"mode": name, "prompt_tokens": length, "steady_itl_p50_ms": steady,
                "steady_after_itl_p50_ms": steady_after, "p99_over_interpolated_steady": percentile(over_then, 0.99),
                "itl_p50_ms": statistics.median(during), "itl_p99_ms": percentile(during, 0.99),
                "itl_max_ms": max(during), "ttft_ms": 1e3 * (first - arrival), "steps": steps,
