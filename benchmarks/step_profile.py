@@ -21,7 +21,8 @@ Per profiled point: wall ms per step (host scheduling, the graph replay, samplin
 (the sum of kernel durations), the GPU's idle time per step (no kernel running; the largest gaps
 with the kernels around them), the host's time in CUDA synchronize calls per step (reading each
 step's tokens waits for the step before it; any other wait stalls the overlap), and each kernel
-group's us per step. Writes step_profile.json under
+group's us per step; beside a prompt, also the decodes' mean context as the point starts (their
+attention reads it, and it grows a token a step while the prompt's chunks run). Writes step_profile.json under
 --out and prints a table per point.
 """
 
@@ -31,6 +32,7 @@ import argparse
 import json
 import random
 import re
+import statistics
 import tempfile
 import time
 from collections import defaultdict
@@ -128,6 +130,12 @@ def profile_decodes(engine, config, batches: list[int], context: int, steps: int
     return rows
 
 
+def mean_context(engine, request_ids: list[str]) -> float:
+    """The requests' mean cached tokens: what their decode attention reads grows with it, step by step,
+    while a prompt's chunks run beside them."""
+    return statistics.fmean(engine.requests[rid].num_cached for rid in request_ids)
+
+
 def profile_budgets(engine, config, args, trace_dir: Path, rng: random.Random) -> list[dict]:
     """Per step budget: steady decode steps of --decodes requests, then the steps that run chunks
     of one --prompt-token prompt beside them, from each --at point."""
@@ -138,7 +146,8 @@ def profile_budgets(engine, config, args, trace_dir: Path, rng: random.Random) -
                for i in range(args.decodes)]
         for _ in range(20):
             engine.step()
-        rows.append({"budget": budget, "point": "decode", **profile_steps(engine, args.steps, trace_dir)})
+        rows.append({"budget": budget, "point": "decode", "decode_context": mean_context(engine, ids),
+                     **profile_steps(engine, args.steps, trace_dir)})
         long_id = engine.add_request([rng.randrange(3, config.vocab_size) for _ in range(args.prompt)],
                                      SamplingParams(max_tokens=2, temperature=0, ignore_eos=True),
                                      f"lora{args.decodes}")
@@ -146,9 +155,11 @@ def profile_budgets(engine, config, args, trace_dir: Path, rng: random.Random) -
             while engine.requests[long_id].num_cached < at:
                 engine.step()
             cached = engine.requests[long_id].num_cached
+            context = mean_context(engine, ids)
             profile = profile_steps(engine, args.steps, trace_dir)
             chunk_tokens = (engine.requests[long_id].num_cached - cached) / args.steps
-            rows.append({"budget": budget, "point": f"chunk after {cached}", "chunk_tokens": chunk_tokens, **profile})
+            rows.append({"budget": budget, "point": f"chunk after {cached}", "chunk_tokens": chunk_tokens,
+                         "decode_context": context, **profile})
         abort_all(engine, ids + [long_id])
     return rows
 
@@ -211,6 +222,8 @@ def main() -> None:
         where = (f"batch {row['batch']}, context {row['context']}, {row['adapters']} adapters"
                  if args.decode_only else f"budget {row['budget']}")
         chunk = f" ({row['chunk_tokens']:.0f} prompt tokens a step)" if "chunk_tokens" in row else ""
+        if "decode_context" in row:
+            chunk += f", decodes at context {row['decode_context']:.0f}"
         print(f"{where}, {row['point']}{chunk}: {row['launches_per_step']:.0f} kernels, "
               f"wall {row['wall_ms']:.2f} ms/step, GPU {row['gpu_ms']:.2f} ms/step, "
               f"idle {row['gpu_idle_ms']:.2f} ms/step, host waiting on the device {row['host_waits_ms']:.2f} ms/step")
