@@ -21,9 +21,9 @@ Per profiled point: wall ms per step (host scheduling, the graph replay, samplin
 (the sum of kernel durations), the GPU's idle time per step (no kernel running; the largest gaps
 with the kernels around them), the host's time in CUDA synchronize calls per step (reading each
 step's tokens waits for the step before it; any other wait stalls the overlap), and each kernel
-group's us per step; beside a prompt, also the decodes' mean context as the point starts (their
-attention reads it, and it grows a token a step while the prompt's chunks run). Writes step_profile.json under
---out and prints a table per point.
+group's us per step; and, without --decode-only, the decodes' mean context as the point starts
+(their attention reads it, and it grows a token a step while the prompt's chunks run). Writes
+step_profile.json under --out and prints a table per point.
 """
 
 from __future__ import annotations
@@ -221,10 +221,10 @@ def main() -> None:
     for row in rows:
         where = (f"batch {row['batch']}, context {row['context']}, {row['adapters']} adapters"
                  if args.decode_only else f"budget {row['budget']}")
-        chunk = f" ({row['chunk_tokens']:.0f} prompt tokens a step)" if "chunk_tokens" in row else ""
+        detail = f" ({row['chunk_tokens']:.0f} prompt tokens a step)" if "chunk_tokens" in row else ""
         if "decode_context" in row:
-            chunk += f", decodes at context {row['decode_context']:.0f}"
-        print(f"{where}, {row['point']}{chunk}: {row['launches_per_step']:.0f} kernels, "
+            detail += f", decodes at context {row['decode_context']:.0f}"
+        print(f"{where}, {row['point']}{detail}: {row['launches_per_step']:.0f} kernels, "
               f"wall {row['wall_ms']:.2f} ms/step, GPU {row['gpu_ms']:.2f} ms/step, "
               f"idle {row['gpu_idle_ms']:.2f} ms/step, host waiting on the device {row['host_waits_ms']:.2f} ms/step")
         for gap in row["largest_gaps_us"]:
