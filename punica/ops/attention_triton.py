@@ -241,7 +241,7 @@ def paged_attention_triton(q: torch.Tensor, kv_layer: torch.Tensor, batch: AttnB
         if splits > 1:
             prefill_merge_kernel[(num_prefill_tokens, num_heads)](
                 out, part_acc, part_max, part_sum, splits, *out.stride(), *pa_strides, *pm_strides,
-                HEAD_DIM=head_dim, BLOCK_S=max(2, triton.next_power_of_2(splits)), num_warps=4,
+                HEAD_DIM=head_dim, BLOCK_S=max(2, triton.next_power_of_2(splits)), num_warps=1,
             )
     if num_decodes:
         block_n, warps, stages = _decode_blocks(head_dim, tile_dtype, fp8)
