@@ -89,6 +89,9 @@ PREFILL_CONFIG = (64, 64, 4, 3)       # BLOCK_M, BLOCK_N, num_warps, num_stages
 FP8_PREFILL_CONFIG = (64, 128, 4, 2)
 DECODE_CONFIG = (64, 2, 3)            # BLOCK_N, num_warps, num_stages
 FP8_DECODE_CONFIG = (64, 2, 3)
+# a prefill merge program reads one token's and head's [splits, head_dim] partials, a few KB: one warp
+# took 2.8-3.8 us a layer where four took 7.3-13.0 (H100, docs/benchmarks.md)
+PREFILL_MERGE_WARPS = 1
 
 
 def _precision(dtype: torch.dtype) -> str:
@@ -241,7 +244,8 @@ def paged_attention_triton(q: torch.Tensor, kv_layer: torch.Tensor, batch: AttnB
         if splits > 1:
             prefill_merge_kernel[(num_prefill_tokens, num_heads)](
                 out, part_acc, part_max, part_sum, splits, *out.stride(), *pa_strides, *pm_strides,
-                HEAD_DIM=head_dim, BLOCK_S=max(2, triton.next_power_of_2(splits)), num_warps=1,
+                HEAD_DIM=head_dim, BLOCK_S=max(2, triton.next_power_of_2(splits)),
+                num_warps=PREFILL_MERGE_WARPS,
             )
     if num_decodes:
         block_n, warps, stages = _decode_blocks(head_dim, tile_dtype, fp8)
