@@ -20,10 +20,12 @@ listed with its launches per step.
 Per profiled point: wall ms per step (host scheduling, the graph replay, sampling), GPU ms per step
 (the sum of kernel durations), the GPU's idle time per step (no kernel running; the largest gaps
 with the kernels around them), the host's time in CUDA synchronize calls per step (reading each
-step's tokens waits for the step before it; any other wait stalls the overlap), and each kernel
-group's us per step; and, without --decode-only, the decodes' mean context as the point starts
-(their attention reads it, and it grows a token a step while the prompt's chunks run). Writes
-step_profile.json under --out and prints a table per point.
+step's tokens waits for the step before it; any other wait stalls the overlap), the time per step
+in which only the side streams' kernels run (the main stream, the one that runs the GEMMs, has none
+running: it waits on them, or has nothing queued), and each kernel group's us per step; and,
+without --decode-only, the decodes' mean context as the point starts (their attention reads it,
+and it grows a token a step while the prompt's chunks run). Writes step_profile.json under --out
+and prints a table per point.
 """
 
 from __future__ import annotations
@@ -68,6 +70,48 @@ def group_of(kernel: str) -> str:
     return next((name for name, pattern in GROUPS if re.search(pattern, kernel)), "other")
 
 
+def merged(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """The union of (start, end) intervals, as disjoint intervals in order."""
+    out: list[tuple[float, float]] = []
+    for start, end in sorted(intervals):
+        if out and start <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], end))
+        else:
+            out.append((start, end))
+    return out
+
+
+def uncovered(intervals: list[tuple[float, float]], cover: list[tuple[float, float]]) -> float:
+    """How much of the disjoint `intervals` the disjoint `cover` leaves out."""
+    total, i = 0.0, 0
+    for start, end in intervals:
+        while i < len(cover) and cover[i][1] <= start:
+            i += 1
+        at, j = start, i
+        while j < len(cover) and cover[j][0] < end:
+            total += max(0.0, cover[j][0] - at)
+            at = max(at, cover[j][1])
+            j += 1
+        total += max(0.0, end - at)
+    return total
+
+
+def side_alone_us(kernels: list[dict]) -> float:
+    """Kernel time (trace units) during which only kernels off the main stream run: the main stream
+    is the one whose kernels spend the most in GEMMs (the decoder's own path), the others are the
+    side streams that LoRA's kernels run on."""
+    by_stream: dict[object, list[dict]] = defaultdict(list)
+    for event in kernels:
+        by_stream[event.get("args", {}).get("stream", event.get("tid"))].append(event)
+    if len(by_stream) < 2:
+        return 0.0
+    main = max(by_stream, key=lambda s: (sum(e["dur"] for e in by_stream[s] if group_of(e["name"]).startswith("gemm")),
+                                         sum(e["dur"] for e in by_stream[s])))
+    spans = {s: [(e["ts"], e["ts"] + e["dur"]) for e in events] for s, events in by_stream.items()}
+    side = merged([span for s, ss in spans.items() if s != main for span in ss])
+    return uncovered(side, merged(spans[main]))
+
+
 def profile_steps(engine, steps: int, trace_dir: Path) -> dict:
     """Run `steps` engine steps under torch.profiler: wall and kernel time per step, by group."""
     torch.cuda.synchronize()
@@ -99,6 +143,7 @@ def profile_steps(engine, steps: int, trace_dir: Path) -> dict:
     return {"wall_ms": 1e3 * wall / steps, "gpu_ms": sum(by_group.values()) / 1e3 / steps,
             "host_waits_ms": waited / 1e3 / steps, "launches_per_step": sum(launches.values()) / steps,
             "gpu_idle_ms": sum(g for g, _, _ in gaps) / 1e3 / steps,
+            "side_alone_ms": side_alone_us(kernels) / 1e3 / steps,
             "largest_gaps_us": [{"us": g, "after": a, "before": b} for g, a, b in sorted(gaps, reverse=True)[:6]],
             "groups_us": {g: us / steps for g, us in sorted(by_group.items(), key=lambda kv: -kv[1])},
             "top_kernels_us": {k: us / steps for k, us in top},
@@ -226,7 +271,8 @@ def main() -> None:
             detail += f", decodes at context {row['decode_context']:.0f}"
         print(f"{where}, {row['point']}{detail}: {row['launches_per_step']:.0f} kernels, "
               f"wall {row['wall_ms']:.2f} ms/step, GPU {row['gpu_ms']:.2f} ms/step, "
-              f"idle {row['gpu_idle_ms']:.2f} ms/step, host waiting on the device {row['host_waits_ms']:.2f} ms/step")
+              f"idle {row['gpu_idle_ms']:.2f} ms/step, side streams alone {row['side_alone_ms']:.2f} ms/step, "
+              f"host waiting on the device {row['host_waits_ms']:.2f} ms/step")
         for gap in row["largest_gaps_us"]:
             print(f"  gap {gap['us']:.0f} us after {gap['after']} before {gap['before']}")
         print(format_table([{"group": g, "us_per_step": us} for g, us in row["groups_us"].items()],
