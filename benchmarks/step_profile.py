@@ -70,46 +70,28 @@ def group_of(kernel: str) -> str:
     return next((name for name, pattern in GROUPS if re.search(pattern, kernel)), "other")
 
 
-def merged(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
-    """The union of (start, end) intervals, as disjoint intervals in order."""
-    out: list[tuple[float, float]] = []
+def busy_time(intervals: list[tuple[float, float]]) -> float:
+    """The length of the union of (start, end) intervals: overlaps count once."""
+    total, until = 0.0, float("-inf")
     for start, end in sorted(intervals):
-        if out and start <= out[-1][1]:
-            out[-1] = (out[-1][0], max(out[-1][1], end))
-        else:
-            out.append((start, end))
-    return out
-
-
-def uncovered(intervals: list[tuple[float, float]], cover: list[tuple[float, float]]) -> float:
-    """How much of the disjoint `intervals` the disjoint `cover` leaves out."""
-    total, i = 0.0, 0
-    for start, end in intervals:
-        while i < len(cover) and cover[i][1] <= start:
-            i += 1
-        at, j = start, i
-        while j < len(cover) and cover[j][0] < end:
-            total += max(0.0, cover[j][0] - at)
-            at = max(at, cover[j][1])
-            j += 1
-        total += max(0.0, end - at)
+        total += max(0.0, end - max(start, until))
+        until = max(until, end)
     return total
 
 
 def side_alone_us(kernels: list[dict]) -> float:
-    """Kernel time (trace units) during which only kernels off the main stream run: the main stream
-    is the one whose kernels spend the most in GEMMs (the decoder's own path), the others are the
-    side streams that LoRA's kernels run on."""
+    """Kernel time (trace units) during which only kernels off the main stream run (all streams' busy
+    time less the main stream's): the main stream is the one whose kernels spend the most in GEMMs
+    (the decoder's own path), the others are the side streams that LoRA's kernels run on."""
     by_stream: dict[object, list[dict]] = defaultdict(list)
     for event in kernels:
         by_stream[event.get("args", {}).get("stream", event.get("tid"))].append(event)
-    if len(by_stream) < 2:
-        return 0.0
-    main = max(by_stream, key=lambda s: (sum(e["dur"] for e in by_stream[s] if group_of(e["name"]).startswith("gemm")),
-                                         sum(e["dur"] for e in by_stream[s])))
-    spans = {s: [(e["ts"], e["ts"] + e["dur"]) for e in events] for s, events in by_stream.items()}
-    side = merged([span for s, ss in spans.items() if s != main for span in ss])
-    return uncovered(side, merged(spans[main]))
+    main = max(by_stream, default=None,
+               key=lambda s: (sum(e["dur"] for e in by_stream[s] if group_of(e["name"]).startswith("gemm")),
+                              sum(e["dur"] for e in by_stream[s])))
+    def spans(events: list[dict]) -> list[tuple[float, float]]:
+        return [(e["ts"], e["ts"] + e["dur"]) for e in events]
+    return busy_time(spans(kernels)) - busy_time(spans(by_stream.get(main, [])))
 
 
 def profile_steps(engine, steps: int, trace_dir: Path) -> dict:

@@ -1,18 +1,18 @@
 """benchmarks.step_profile's side-stream time: the kernel time in which only streams other than the
 GEMMs' run, from the profiler's kernel events."""
 
-from benchmarks.step_profile import merged, side_alone_us, uncovered
+from benchmarks.step_profile import busy_time, side_alone_us
 
 
 def kernel(name, stream, ts, dur):
     return {"name": name, "ts": ts, "dur": dur, "args": {"stream": stream}}
 
 
-def test_intervals_merge_and_what_a_cover_leaves_out():
-    assert merged([(5, 7), (0, 2), (1, 3), (7, 8)]) == [(0, 3), (5, 8)]
-    assert uncovered([(0, 10)], [(2, 3), (5, 12)]) == 2 + 2
-    assert uncovered([(0, 2), (4, 6)], [(1, 5)]) == 1 + 1
-    assert uncovered([(0, 2)], []) == 2 and uncovered([], [(0, 1)]) == 0
+def test_overlapping_intervals_count_once():
+    assert busy_time([(5, 7), (0, 2), (1, 3), (7, 8)]) == 3 + 3
+    assert busy_time([(0, 10), (2, 3), (5, 12)]) - busy_time([(2, 3), (5, 12)]) == 2 + 2
+    assert busy_time([(0, 2), (4, 6), (1, 5)]) - busy_time([(1, 5)]) == 1 + 1
+    assert busy_time([(0, 2)]) == 2 and busy_time([]) == 0
 
 
 def test_only_the_side_streams_time_outside_the_gemms_stream_counts():
