@@ -116,9 +116,11 @@ class StaticBatch:
         fields = np.split(self.host.numpy(), np.cumsum(self.sizes)[:-1])
         self._fields = tuple(fields[:-1]) + (fields[-1].reshape(b, max_pages),)
         self._scales = self.host_scales.numpy()
-        # the prefill rows' SGMV tile height, from the bucket's tokens per prefill request (the
-        # padding one left out); 1: every row runs BGMV, and the segments cover no token
-        self.sgmv_block_m = sgmv_block_m(bucket.prefill_tokens, bucket.num_prefills - 1) if bucket.num_prefills else 1
+        # the prefill rows' SGMV tile height, from the bucket's prompt tokens and prefill requests
+        # (the padding request and its tokens left out: a 64-token chunk runs BGMV, as outside a
+        # graph); 1: every row runs BGMV, and the segments cover no token
+        self.sgmv_block_m = (sgmv_block_m(bucket.prefill_tokens - bucket.num_prefills + 1, bucket.num_prefills - 1)
+                             if bucket.num_prefills else 1)
         self.no_segments = torch.zeros(1, dtype=torch.int32, device=device)
         self.copied = torch.cuda.Event() if device.type == "cuda" else None
         self.fill(None)

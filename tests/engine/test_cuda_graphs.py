@@ -11,6 +11,7 @@ from punica.engine.cuda_graphs import Bucket, CudaGraphs, StaticBatch, buckets, 
 from punica.engine.request import PENDING, Request
 from punica.engine.sampling_params import SamplingParams
 from punica.engine.step_input import StepInput
+from punica.ops.lora_shapes import sgmv_block_m
 
 
 def test_decode_batch_sizes():
@@ -49,6 +50,17 @@ def test_bucket_fits_and_order():
     assert mixed == {35: 4, 68: 5, 136: 9, 272: 17, 544: 33, 800: 33, 1056: 33, 1568: 33, 2080: 33}
     assert any(b.fits(step_of([prefill(64)] * 32, [])) for b in all_buckets), "a whole batch of 64-token prompts"
     assert max(b.prefill_tokens for b in buckets(32, 600)) == 544  # a padding request fits a context
+
+
+def test_a_mixed_bucket_runs_the_lora_kernels_of_its_prompt_tokens():
+    """A mixed bucket's prompt rows run SGMV's tiles only where its prompt tokens would outside a
+    graph (punica.ops.lora_shapes): the 64-token chunk's bucket (68 prefill rows with its padding
+    requests' tokens) runs every row on BGMV, as an eager step of a 64-token chunk does."""
+    by_chunk = {b.prefill_tokens - b.num_prefills + 1: StaticBatch(b, 4, 16, 0, torch.device("cpu")).sgmv_block_m
+                for b in buckets(32, 2048) if b.num_prefills}
+    assert sgmv_block_m(64, 1) == by_chunk[64] == by_chunk[32] == 1
+    assert sorted(by_chunk) == [32, 64, 128, 256, 512, 768, 1024, 1536, 2048]
+    assert all(block_m > 1 for chunk, block_m in by_chunk.items() if chunk >= 128)
 
 
 @pytest.fixture
