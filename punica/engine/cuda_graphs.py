@@ -79,6 +79,12 @@ class Bucket:
     def num_requests(self) -> int:
         return self.num_prefills + self.num_decodes
 
+    @property
+    def prompt_tokens(self) -> int:
+        """A mixed bucket's prompt tokens: its prefill rows less the one it keeps for each of
+        num_prefills - 1 padding requests (`buckets`)."""
+        return self.prefill_tokens - self.num_prefills + 1
+
     def fits(self, step: StepInput) -> bool:
         if not step.num_prefills:
             return self.num_prefills == 0 and step.num_decodes <= self.num_decodes
@@ -119,8 +125,7 @@ class StaticBatch:
         # the prefill rows' SGMV tile height, from the bucket's prompt tokens and prefill requests
         # (the padding request and its tokens left out: a 64-token chunk runs BGMV, as outside a
         # graph); 1: every row runs BGMV, and the segments cover no token
-        self.sgmv_block_m = (sgmv_block_m(bucket.prefill_tokens - bucket.num_prefills + 1, bucket.num_prefills - 1)
-                             if bucket.num_prefills else 1)
+        self.sgmv_block_m = sgmv_block_m(bucket.prompt_tokens, bucket.num_prefills - 1) if bucket.num_prefills else 1
         self.no_segments = torch.zeros(1, dtype=torch.int32, device=device)
         self.copied = torch.cuda.Event() if device.type == "cuda" else None
         self.fill(None)
@@ -228,7 +233,7 @@ class CudaGraphs:
     def chunk_sizes(self) -> tuple[int, ...]:
         """The prompt tokens of the mixed buckets, smallest first: a step's prompt tokens run at the
         first size that holds them (besides their requests' padding, which every bucket has room for)."""
-        return tuple(b.bucket.prefill_tokens - b.bucket.num_prefills + 1 for b in self.batches if b.bucket.num_prefills)
+        return tuple(b.bucket.prompt_tokens for b in self.batches if b.bucket.num_prefills)
 
     def run(self, step: StepInput) -> torch.Tensor | None:
         """Logits [step.num_requests, V] float32 from the smallest bucket that fits the step, or None

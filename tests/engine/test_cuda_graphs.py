@@ -56,7 +56,7 @@ def test_a_mixed_bucket_runs_the_lora_kernels_of_its_prompt_tokens():
     """A mixed bucket's prompt rows run SGMV's tiles only where its prompt tokens would outside a
     graph (punica.ops.lora_shapes): the 64-token chunk's bucket (68 prefill rows with its padding
     requests' tokens) runs every row on BGMV, as an eager step of a 64-token chunk does."""
-    by_chunk = {b.prefill_tokens - b.num_prefills + 1: StaticBatch(b, 4, 16, 0, torch.device("cpu")).sgmv_block_m
+    by_chunk = {b.prompt_tokens: StaticBatch(b, 4, 16, 0, torch.device("cpu")).sgmv_block_m
                 for b in buckets(32, 2048) if b.num_prefills}
     assert sgmv_block_m(64, 1) == by_chunk[64] == by_chunk[32] == 1
     assert sorted(by_chunk) == [32, 64, 128, 256, 512, 768, 1024, 1536, 2048]
