@@ -256,8 +256,13 @@ def lora_expand(y: torch.Tensor, v: torch.Tensor, lora_b: torch.Tensor, scales: 
                 indices: LoraIndices, slice_bounds: tuple[int, ...] | None = None,
                 dora: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
     """The second half of `add_lora`: y += each token's v @ B.T * scale * its token scale, in place,
-    then DoRA slots' rows times their out_scales; SGMV and BGMV as `lora_shrink`."""
+    then DoRA slots' rows times their out_scales; SGMV and BGMV as `lora_shrink` (on CUDA, a mixed
+    batch whose SGMV runs tiles: both in one launch)."""
     n, token_scales = indices.sgmv_tokens, indices.token_scales
+    if y.is_cuda and 0 < n < y.shape[0] and indices.sgmv_block_m > 1:
+        from punica.ops.lora_triton import mixed_expand_triton
+        return mixed_expand_triton(y, v, lora_b, indices.seg_indptr, indices.seg_slots, indices.token_slots, n,
+                                   scales, indices.sgmv_block_m, slice_bounds, token_scales, dora)
     if n > 0:
         sgmv_expand(y[:n], v[:n], lora_b, indices.seg_indptr, indices.seg_slots, scales, slice_bounds,
                     token_scales[:n], dora, indices.sgmv_block_m)

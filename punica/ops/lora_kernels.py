@@ -130,9 +130,23 @@ def expand_rowwise_kernel(
     TOKEN_SCALES: tl.constexpr, DORA: tl.constexpr, ACCUMULATE: tl.constexpr, PDL: tl.constexpr,
 ):
     """y += delta (ACCUMULATE), or y = delta with zeros for tokens of no slot; DoRA only when
-    accumulating."""
-    t = tl.program_id(0)
-    col0 = tl.program_id(1) * BLOCK_N
+    accumulating. One program per token and block of columns."""
+    _expand_row(tl.program_id(0), tl.program_id(1), y, v, lora_b, scales, token_scales, out_scales, dora_slots,
+                token_slots, seg_indptr, seg_slots, num_segments, num_steps, h_out, max_rank, slice1_start,
+                slice2_start, stride_yt, stride_yn, stride_vt, stride_vr, stride_bs, stride_bn, stride_br, stride_os,
+                stride_on, SEGMENTED, FAN, BLOCK_N, BLOCK_R, TOKEN_SCALES, DORA, ACCUMULATE, PDL)
+
+
+@triton.jit
+def _expand_row(
+    t, col_block, y, v, lora_b, scales, token_scales, out_scales, dora_slots, token_slots, seg_indptr, seg_slots,
+    num_segments, num_steps, h_out, max_rank, slice1_start, slice2_start, stride_yt, stride_yn, stride_vt, stride_vr,
+    stride_bs, stride_bn, stride_br, stride_os, stride_on,
+    SEGMENTED: tl.constexpr, FAN: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
+    TOKEN_SCALES: tl.constexpr, DORA: tl.constexpr, ACCUMULATE: tl.constexpr, PDL: tl.constexpr,
+):
+    """expand_rowwise_kernel's program for token t and column block col_block."""
+    col0 = col_block * BLOCK_N
     cols = col0 + tl.arange(0, BLOCK_N)
     ranks = tl.arange(0, BLOCK_R)
     slot = _row_slot(t, token_slots, seg_indptr, seg_slots, num_segments, num_steps, SEGMENTED, FAN)
@@ -248,9 +262,26 @@ def sgmv_expand_tile_kernel(
     SLICED: tl.constexpr, TOKEN_SCALES: tl.constexpr, DORA: tl.constexpr, PRECISION: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    row0 = tl.program_id(0) * BLOCK_M
+    """One program per tile of BLOCK_M tokens and block of BLOCK_N columns."""
+    _expand_tile(tl.program_id(0), tl.program_id(1), y, v, lora_b, scales, token_scales, out_scales, dora_slots,
+                 seg_indptr, seg_slots, num_tokens, num_segments, num_steps, h_out, max_rank, slice1_start,
+                 slice2_start, stride_yt, stride_yn, stride_vt, stride_vr, stride_bs, stride_bn, stride_br, stride_os,
+                 stride_on, FAN, BLOCK_M, BLOCK_N, BLOCK_R, SLICED, TOKEN_SCALES, DORA, PRECISION, PDL)
+
+
+@triton.jit
+def _expand_tile(
+    tile, col_block, y, v, lora_b, scales, token_scales, out_scales, dora_slots, seg_indptr, seg_slots, num_tokens,
+    num_segments, num_steps, h_out, max_rank, slice1_start, slice2_start, stride_yt, stride_yn, stride_vt, stride_vr,
+    stride_bs, stride_bn, stride_br, stride_os, stride_on,
+    FAN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
+    SLICED: tl.constexpr, TOKEN_SCALES: tl.constexpr, DORA: tl.constexpr, PRECISION: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    """sgmv_expand_tile_kernel's program for a tile of tokens and a block of columns."""
+    row0 = tile * BLOCK_M
     rows = row0 + tl.arange(0, BLOCK_M)
-    col0 = tl.program_id(1) * BLOCK_N
+    col0 = col_block * BLOCK_N
     cols = col0 + tl.arange(0, BLOCK_N)
     ranks = tl.arange(0, BLOCK_R)
     rank_ok = ranks < max_rank
@@ -284,3 +315,34 @@ def sgmv_expand_tile_kernel(
                 result = result * dora_out_scales(out_scales, dora_slots, slot, cols, h_out, stride_os,
                                                    stride_on)[None, :]
             tl.store(out, result.to(y.dtype.element_ty), mask=out_ok)
+
+
+@triton.jit(do_not_specialize=["num_tokens", "num_segments", "num_steps", "tile_programs"])
+def mixed_expand_kernel(
+    y, v, lora_b, scales, token_scales, out_scales, dora_slots, token_slots, seg_indptr, seg_slots, num_tokens,
+    num_segments, num_steps, tile_programs, h_out, max_rank, slice1_start, slice2_start, stride_yt, stride_yn,
+    stride_vt, stride_vr, stride_bs, stride_bn, stride_br, stride_os, stride_on,
+    FAN: tl.constexpr, BLOCK_M: tl.constexpr, TILE_BLOCK_N: tl.constexpr, TILE_BLOCK_R: tl.constexpr,
+    ROW_BLOCK_N: tl.constexpr, ROW_BLOCK_R: tl.constexpr, SLICED: tl.constexpr, TOKEN_SCALES: tl.constexpr,
+    DORA: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr,
+):
+    """A mixed batch's expand in one launch: its first `tile_programs` programs are
+    sgmv_expand_tile_kernel's over the SGMV tokens [0, num_tokens) (tile-major), the rest
+    expand_rowwise_kernel's, accumulating, over the BGMV tokens from num_tokens on (token-major),
+    each by its token_slots."""
+    pid = tl.program_id(0)
+    tile_col_blocks = tl.cdiv(h_out, TILE_BLOCK_N)
+    if pid < tile_programs:
+        _expand_tile(pid // tile_col_blocks, pid % tile_col_blocks, y, v, lora_b, scales, token_scales, out_scales,
+                     dora_slots, seg_indptr, seg_slots, num_tokens, num_segments, num_steps, h_out, max_rank,
+                     slice1_start, slice2_start, stride_yt, stride_yn, stride_vt, stride_vr, stride_bs, stride_bn,
+                     stride_br, stride_os, stride_on, FAN, BLOCK_M, TILE_BLOCK_N, TILE_BLOCK_R, SLICED, TOKEN_SCALES,
+                     DORA, PRECISION, PDL)
+    else:
+        row_col_blocks = tl.cdiv(h_out, ROW_BLOCK_N)
+        q = pid - tile_programs
+        _expand_row(num_tokens + q // row_col_blocks, q % row_col_blocks, y, v, lora_b, scales, token_scales,
+                    out_scales, dora_slots, token_slots, seg_indptr, seg_slots, num_segments, num_steps, h_out,
+                    max_rank, slice1_start, slice2_start, stride_yt, stride_yn, stride_vt, stride_vr, stride_bs,
+                    stride_bn, stride_br, stride_os, stride_on, False, FAN, ROW_BLOCK_N, ROW_BLOCK_R, TOKEN_SCALES,
+                    DORA, True, PDL)

@@ -45,6 +45,7 @@ import triton
 from punica.ops.lora_kernels import (
     add_delta_rowwise_kernel,
     expand_rowwise_kernel,
+    mixed_expand_kernel,
     sgmv_expand_tile_kernel,
     sgmv_shrink_tile_kernel,
     shrink_rowwise_kernel,
@@ -245,6 +246,38 @@ def sgmv_expand_triton(y: torch.Tensor, v: torch.Tensor, lora_b: torch.Tensor,
         *lora_b.stride(), stride_os, stride_on, FAN=FAN, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_R=block_r,
         SLICED=starts[0] < h_out, TOKEN_SCALES=has_token_scales, DORA=has_dora, PRECISION=_precision(lora_b.dtype),
         PDL=_pdl(y.device), num_warps=TILE_WARPS, num_stages=TILE_STAGES, launch_pdl=_pdl(y.device),
+    )
+
+
+def mixed_expand_triton(y: torch.Tensor, v: torch.Tensor, lora_b: torch.Tensor, seg_indptr: torch.Tensor,
+                        seg_slots: torch.Tensor, token_slots: torch.Tensor, sgmv_tokens: int, scales: torch.Tensor,
+                        block_m: int, slice_bounds: tuple[int, ...] | None = None,
+                        token_scales: torch.Tensor | None = None,
+                        dora: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+    """punica.ops.lora.lora_expand of a mixed batch in one launch: sgmv_expand_triton's tiles of
+    `block_m` (> 1) rows over tokens [0, sgmv_tokens) (the segments cover exactly them) and
+    bgmv_expand_triton's rows over the rest, each by its token_slots."""
+    assert TILE_WARPS == EXPAND_ROWWISE_WARPS, "the launch runs both schedules' programs at one warp count"
+    starts = _check_expand(y, v, lora_b, slice_bounds)
+    num_tokens, h_out = y.shape
+    assert 0 < sgmv_tokens < num_tokens and block_m > 1 and token_slots.shape == (num_tokens,), (
+        sgmv_tokens, num_tokens, block_m, token_slots.shape)
+    max_rank = lora_b.shape[2]
+    num_segments = seg_slots.numel()
+    token_scales, has_token_scales = _check_token_scales(token_scales, num_tokens)
+    out_scales, dora_slots, stride_os, stride_on, has_dora = check_dora(dora, lora_b.shape[0], h_out)
+    tile_block_n = max(16, min(TILE_BLOCK_N, triton.next_power_of_2(h_out)))
+    row_block_n, row_block_r = _rowwise_expand_blocks(h_out, max_rank)
+    tile_programs = triton.cdiv(sgmv_tokens, block_m) * triton.cdiv(h_out, tile_block_n)
+    grid = (tile_programs + (num_tokens - sgmv_tokens) * triton.cdiv(h_out, row_block_n),)
+    mixed_expand_kernel[grid](
+        y, v, lora_b, scales, token_scales, out_scales, dora_slots, token_slots, seg_indptr, seg_slots, sgmv_tokens,
+        num_segments, _search_steps(num_segments), tile_programs, h_out, max_rank, *starts, *y.stride(), *v.stride(),
+        *lora_b.stride(), stride_os, stride_on, FAN=FAN, BLOCK_M=block_m, TILE_BLOCK_N=tile_block_n,
+        TILE_BLOCK_R=max(16, triton.next_power_of_2(max_rank)), ROW_BLOCK_N=row_block_n, ROW_BLOCK_R=row_block_r,
+        SLICED=starts[0] < h_out, TOKEN_SCALES=has_token_scales, DORA=has_dora, PRECISION=_precision(lora_b.dtype),
+        PDL=_pdl(y.device), num_warps=TILE_WARPS, num_stages=TILE_STAGES, launch_pdl=_pdl(y.device),
+        enable_fp_fusion=False,
     )
 
 

@@ -210,6 +210,40 @@ def test_group_kernels_match_reference(workload, h_in, slice_bounds, rank):
     check_group_kernels(slots, lens, max(slots) + 2, rank, h_in, slice_bounds, dtype, rng, gen, block_ms=(1, 16))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("slice_bounds,block_m", [((0, 24, 32, 40), 16), ((0, 150), 32)])
+def test_a_mixed_expand_in_one_launch_equals_its_tiles_then_its_rows(dtype, slice_bounds, block_m):
+    """The mixed expand (SGMV's tiles over the prompt rows, row-wise programs over the decodes')
+    leaves y as the tiled expand of the first rows and the row-wise expand of the others do, bit
+    for bit: slot -1 segments and decodes, a DoRA slot, token scales, sliced or not."""
+    gen = torch.Generator().manual_seed(11)
+    a, b, scales = make_group_pool(4, [8, 4, 6, 2], 16, slice_bounds, dtype, gen)
+    dora = (torch.rand(4, slice_bounds[-1], generator=gen).to(DEVICE) + 0.5,
+            torch.tensor([0, 1, 0, 0], dtype=torch.int32, device=DEVICE))
+    batch = LoraBatch.build([2, -1, 0, 1, -1, 3, 1, 0], [9, 5, 20, 1, 1, 1, 1, 1], device=DEVICE, kernel="sgmv",
+                            num_prefills=3, request_scales=[1.0, 1.0, 0.5, 2.0, 1.0, 1.0, 0.25, 1.0])
+    n = batch.sgmv_tokens
+    assert n == 34 and batch.token_slots.numel() == 39
+    x = torch.randn(39, 16, generator=gen).to(dtype).to(DEVICE)
+    y0 = torch.randn(39, slice_bounds[-1], generator=gen).to(dtype).to(DEVICE)
+    v = ops.bgmv_shrink_ref(x, a, batch.token_slots)
+    got, expect = y0.clone(), y0.clone()
+    kernels.mixed_expand_triton(got, v, b, batch.seg_indptr, batch.seg_slots, batch.token_slots, n, scales,
+                                block_m, slice_bounds, batch.token_scales, dora)
+    kernels.sgmv_expand_triton(expect[:n], v[:n], b, batch.seg_indptr, batch.seg_slots, scales, block_m,
+                               slice_bounds, batch.token_scales[:n], dora)
+    kernels.bgmv_expand_triton(expect[n:], v[n:], b, batch.token_slots[n:], scales, slice_bounds,
+                               batch.token_scales[n:], dora)
+    assert torch.equal(got, expect)
+    assert torch.equal(got[9:14], y0[9:14]) and torch.equal(got[35], y0[35])  # no adapter
+    reference = y0.clone()
+    ops.sgmv_expand_ref(reference, v, b, batch.seg_indptr, batch.seg_slots, scales, slice_bounds,
+                        batch.token_scales, dora)
+    ops.bgmv_expand_ref(reference[n:], v[n:], b, batch.token_slots[n:], scales, slice_bounds,
+                        batch.token_scales[n:], dora)
+    torch.testing.assert_close(got, reference, rtol=Y_TOL[dtype][0], atol=Y_TOL[dtype][1])
+
+
 def test_delta_and_add_equal_the_bgmv_expand_in_bf16():
     """A q/k/v-like group in bf16 with a DoRA slot, token scales and a token without LoRA: the
     expand split into bgmv_delta + add_delta rounds y exactly as the expand does."""

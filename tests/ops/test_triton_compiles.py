@@ -55,7 +55,8 @@ LORA_SCRIPT = """
 from punica.ops import lora_kernels as k
 
 INT_POINTERS = {"token_slots", "seg_indptr", "seg_slots", "dora_slots"}
-INTS = {"num_segments", "num_steps", "h_out", "max_rank", "slice1_start", "slice2_start"}
+INTS = {"num_segments", "num_steps", "h_out", "max_rank", "slice1_start", "slice2_start", "num_tokens",
+        "tile_programs"}
 
 
 def types(name, consts):
@@ -73,10 +74,16 @@ for accumulate, dora in ((True, False), (True, True), (False, False)):
     compile_ttir(k.expand_rowwise_kernel, rowwise | dict(ACCUMULATE=accumulate, DORA=dora), types)
 for dora in (False, True):
     compile_ttir(k.add_delta_rowwise_kernel, dict(BLOCK_N=512, DORA=dora, PDL=True), types)
+tile = dict(FAN=64, BLOCK_M=16, BLOCK_R=16, TOKEN_SCALES=True, PRECISION="tf32", PDL=True)
+for sliced, dora in ((False, False), (True, True)):
+    compile_ttir(k.sgmv_expand_tile_kernel, tile | dict(BLOCK_N=128, SLICED=sliced, DORA=dora), types)
+    compile_ttir(k.mixed_expand_kernel, dict(FAN=64, BLOCK_M=16, TILE_BLOCK_N=128, TILE_BLOCK_R=16, ROW_BLOCK_N=512,
+                                             ROW_BLOCK_R=16, SLICED=sliced, TOKEN_SCALES=True, DORA=dora,
+                                             PRECISION="tf32", PDL=True), types)
 """
 
 
-def test_rowwise_lora_expand_and_delta_kernels_compile_for_cuda(compile_for_cuda):
+def test_lora_expand_and_delta_kernels_compile_for_cuda(compile_for_cuda):
     compile_for_cuda(LORA_SCRIPT)
 
 
