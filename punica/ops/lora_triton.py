@@ -13,6 +13,10 @@ Two schedules, both sync-free and allocation-free beyond the returned `v`:
   blocks of at most 128 (a group's stacked A has n*R rows); it adds into a zeroed fp32 `v` with
   atomics, split or not, so that every launch runs one variant.
 
+A mixed batch's expand (a prompt chunk's rows tiled, decodes' row-wise) runs both schedules'
+programs in one launch (mixed_expand_triton): the decodes' programs need not wait for the tiles'
+launch to end, and the step launches one kernel fewer a projection.
+
 A sliced expand (a projection group, punica.ops.lora) passes the starts of slices 1 and 2 as
 plain ints (h_out for slices that do not exist; at most MAX_SLICES slices). A program's column
 block may straddle a slice boundary: it loops over the slices its columns touch (almost
