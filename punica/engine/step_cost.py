@@ -25,7 +25,10 @@ the OVERRUN_QUANTILE of the last OVERRUN_WINDOW such ratios.
 `LatencyBudget` sizes a step's prompt chunk: with decodes running, the most prompt tokens C (at
 the position where the first prompt's chunk starts) for which the predicted step, times the
 overrun, stays within `max_itl_ratio` times the decode-only step of the same decodes (`steady`);
-never fewer than MIN_CHUNK, so a prompt always advances. The steady step is the median of what
+never fewer than MIN_CHUNK (the floor), so a prompt keeps advancing where a step's cost beside a long
+cached context leaves room for few tokens, unless the floor's step would pass FLOOR_HEADROOM times
+that bound: then the most tokens within it, one at least. (On a 2-core CPU far into a 4k-token
+prompt, an 8-token chunk's step took 2.8-3.1x the decode-only step.) The steady step is the median of what
 the decodes' last STEADY_STEPS decode-only steps took, as measured, each moved to these decodes by
 what the model gives for the change from that step's decodes to these. Not a model's prediction
 for those steps: one fitted to decode-only steps alone, with forgetting, over steps of other
@@ -80,6 +83,7 @@ from punica.engine.scheduler_output import SchedulerOutput
 FORGETTING = 0.995          # a step's weight in the fit shrinks by this factor per later step
 RIDGE = 1e-6                # on the scaled features but c0: solvable before every feature has varied
 MIN_CHUNK = 8               # prompt tokens a step beside decodes may always compute
+FLOOR_HEADROOM = 1.25       # how far past the ratio's bound the floor's step may go (module docstring)
 NUM_FEATURES = 5
 OVERRUN_WINDOW = 32         # steps with prompt tokens whose overrun is kept
 OVERRUN_QUANTILE = 0.9
@@ -277,8 +281,8 @@ class LatencyBudget:
         # overrun * (model's decodes + c_rows + c_tokens * T + c_attention * (R * position + C * (C + 1) / 2)
         #   + c_keys * (position + C)) <= ratio * steady, for a chunk of C tokens that runs as T, its
         # cached context read for R query rows (R = C but in a chunk size: its attention_rows)
-        room = (self.max_itl_ratio * self.steady(decodes) / model.overrun - model.predict(decodes) - c_rows
-                - c_keys * position)
+        bound = self.max_itl_ratio * self.steady(decodes) / model.overrun
+        room = bound - model.predict(decodes) - c_rows - c_keys * position
         a, b = c_attention / 2, c_attention / 2 + c_keys
 
         def most(room: float, per_token: float) -> float:
@@ -299,6 +303,9 @@ class LatencyBudget:
         if block := self._row_block(num_decodes, int(min(chunk, 1 << 30))):  # T = the block's top, else its start
             start, top = block
             chunk = max(start, min(top, most(room - c_tokens * top, c_attention * position)))
+        if chunk < floor and bound > 0.0:  # the floor's step within FLOOR_HEADROOM times the bound (docstring)
+            headroom = (FLOOR_HEADROOM - 1.0) * bound
+            floor = max(1, int(min(floor, most(room + headroom, c_tokens + c_attention * position))))
         if chunk < floor and (block := self._row_block(num_decodes, floor)):
             start, top = block
             floor = start if 2 * start >= floor else top

@@ -8,7 +8,7 @@ import pytest
 
 from punica.config import EngineConfig
 from punica.engine.scheduler_output import SchedulerOutput
-from punica.engine.step_cost import MIN_CHUNK, LatencyBudget, StepCostModel, StepFeatures
+from punica.engine.step_cost import FLOOR_HEADROOM, MIN_CHUNK, LatencyBudget, StepCostModel, StepFeatures
 
 TRUE = (0.1, 0.02, 0.002, 1e-6, 2e-5)  # c0, per row, per prompt token, per (query, key) pair, per key read
 
@@ -98,12 +98,18 @@ def test_the_chunk_is_the_largest_within_the_ratio(position):
     assert budget.prompt_tokens(contexts, position + 20_000) < chunk  # longer context, dearer tokens
 
 
-def test_a_chunk_never_falls_below_the_floor():
-    budget = LatencyBudget(1.5)
-    assert budget.prompt_tokens([10], 0) == MIN_CHUNK  # nothing seen yet
-    for features in random_steps(300, seed=6):
-        budget.observe(features, cost(features, (0.001, 0.0, 1.0, 0.0, 0.0)))  # a prompt token costs a whole second
-    assert budget.prompt_tokens([10], 0) == MIN_CHUNK
+def test_a_chunk_falls_below_the_floor_only_where_the_floors_step_passes_the_headroom():
+    """A decode-only step of 0.1 s: where no chunk fits the ratio 2.0 but the floor's step fits
+    FLOOR_HEADROOM (1.25) times that bound (0.015 s a prompt token: 6 tokens fit, 8 take 0.22 s),
+    the chunk is the floor; where a token costs 0.045 s, the most within 0.25 s (3); where a token
+    costs a whole second, one token: a prompt always advances. Before any step is seen, the floor."""
+    assert FLOOR_HEADROOM == 1.25
+    assert LatencyBudget(1.5).prompt_tokens([10], 0) == MIN_CHUNK  # nothing seen yet
+    for per_token, want in ((0.015, MIN_CHUNK), (0.045, 3), (1.0, 1)):
+        budget = LatencyBudget(2.0)
+        for features in random_steps(300, seed=6):
+            budget.observe(features, cost(features, (0.1, 0.0, per_token, 0.0, 0.0)))
+        assert budget.prompt_tokens([10], 0) == want, per_token
 
 
 def test_the_ratio_is_off_or_over_one():
@@ -325,9 +331,10 @@ def test_chunks_whose_rows_fall_in_a_block_take_its_top_or_its_start():
 
 @pytest.mark.parametrize("num_decodes,floor", [(1, 7), (4, 4), (5, 11), (7, 9), (8, MIN_CHUNK), (12, MIN_CHUNK)])
 def test_a_floor_whose_rows_fall_in_a_block_moves_to_its_start_or_its_top(num_decodes, floor):
-    """With no room for even the floor, a chunk of MIN_CHUNK tokens beside 1-7 decodes would take 9-15
-    rows, costing 16: the floor is the block's start where that keeps half of it, else its top."""
+    """With no room for the floor within the ratio (but within its headroom), a chunk of MIN_CHUNK
+    tokens beside 1-7 decodes would take 9-15 rows, costing 16: the floor is the block's start where
+    that keeps half of it, else its top."""
     budget = LatencyBudget(2.0, row_sizes=ROW_SIZES)
     for features in random_steps(300, seed=16):
-        budget.observe(features, cost(features, (0.001, 0.0, 1.0, 0.0, 0.0)))  # a prompt token costs a whole second
+        budget.observe(features, cost(features, (0.1, 0.0, 0.015, 0.0, 0.0)))  # 6 prompt tokens fit the ratio
     assert budget.prompt_tokens([100] * num_decodes, 0) == floor
