@@ -82,7 +82,7 @@ from punica.engine.scheduler_output import SchedulerOutput
 
 FORGETTING = 0.995          # a step's weight in the fit shrinks by this factor per later step
 RIDGE = 1e-6                # on the scaled features but c0: solvable before every feature has varied
-MIN_CHUNK = 8               # prompt tokens a step beside decodes may always compute
+MIN_CHUNK = 8               # prompt tokens a step beside decodes computes at least, within FLOOR_HEADROOM
 FLOOR_HEADROOM = 1.25       # how far past the ratio's bound the floor's step may go (module docstring)
 NUM_FEATURES = 5
 OVERRUN_WINDOW = 32         # steps with prompt tokens whose overrun is kept
