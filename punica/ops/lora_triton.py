@@ -105,6 +105,11 @@ def _rowwise_expand_blocks(h_out: int, max_rank: int) -> tuple[int, int]:
     return block_n, block_r
 
 
+def _tile_expand_blocks(h_out: int, max_rank: int) -> tuple[int, int]:
+    """(BLOCK_N, BLOCK_R) of the tiled expand's programs, whichever launch runs them."""
+    return max(16, min(TILE_BLOCK_N, triton.next_power_of_2(h_out))), max(16, triton.next_power_of_2(max_rank))
+
+
 def _shrink_out(x: torch.Tensor, max_rank: int, out: torch.Tensor | None) -> torch.Tensor:
     shape = (x.shape[0], max_rank)
     if out is None:
@@ -241,8 +246,7 @@ def sgmv_expand_triton(y: torch.Tensor, v: torch.Tensor, lora_b: torch.Tensor,
         return
     token_scales, has_token_scales = _check_token_scales(token_scales, num_tokens)
     out_scales, dora_slots, stride_os, stride_on, has_dora = check_dora(dora, lora_b.shape[0], h_out)
-    block_r = max(16, triton.next_power_of_2(max_rank))
-    block_n = max(16, min(TILE_BLOCK_N, triton.next_power_of_2(h_out)))
+    block_n, block_r = _tile_expand_blocks(h_out, max_rank)
     grid = (triton.cdiv(num_tokens, block_m), triton.cdiv(h_out, block_n))
     sgmv_expand_tile_kernel[grid](
         y, v, lora_b, scales, token_scales, out_scales, dora_slots, seg_indptr, seg_slots, num_tokens, num_segments,
@@ -270,7 +274,7 @@ def mixed_expand_triton(y: torch.Tensor, v: torch.Tensor, lora_b: torch.Tensor, 
     num_segments = seg_slots.numel()
     token_scales, has_token_scales = _check_token_scales(token_scales, num_tokens)
     out_scales, dora_slots, stride_os, stride_on, has_dora = check_dora(dora, lora_b.shape[0], h_out)
-    tile_block_n = max(16, min(TILE_BLOCK_N, triton.next_power_of_2(h_out)))
+    tile_block_n, tile_block_r = _tile_expand_blocks(h_out, max_rank)
     row_block_n, row_block_r = _rowwise_expand_blocks(h_out, max_rank)
     tile_programs = triton.cdiv(sgmv_tokens, block_m) * triton.cdiv(h_out, tile_block_n)
     grid = (tile_programs + (num_tokens - sgmv_tokens) * triton.cdiv(h_out, row_block_n),)
@@ -278,7 +282,7 @@ def mixed_expand_triton(y: torch.Tensor, v: torch.Tensor, lora_b: torch.Tensor, 
         y, v, lora_b, scales, token_scales, out_scales, dora_slots, token_slots, seg_indptr, seg_slots, sgmv_tokens,
         num_segments, _search_steps(num_segments), tile_programs, h_out, max_rank, *starts, *y.stride(), *v.stride(),
         *lora_b.stride(), stride_os, stride_on, FAN=FAN, BLOCK_M=block_m, TILE_BLOCK_N=tile_block_n,
-        TILE_BLOCK_R=max(16, triton.next_power_of_2(max_rank)), ROW_BLOCK_N=row_block_n, ROW_BLOCK_R=row_block_r,
+        TILE_BLOCK_R=tile_block_r, ROW_BLOCK_N=row_block_n, ROW_BLOCK_R=row_block_r,
         SLICED=starts[0] < h_out, TOKEN_SCALES=has_token_scales, DORA=has_dora, PRECISION=_precision(lora_b.dtype),
         PDL=_pdl(y.device), num_warps=TILE_WARPS, num_stages=TILE_STAGES, launch_pdl=_pdl(y.device),
         enable_fp_fusion=False,
