@@ -293,7 +293,8 @@ class LatencyBudget:
                 return (-(b + per_token) + math.sqrt((b + per_token) ** 2 + 4 * a * room)) / (2 * a)
             return room / (b + per_token) if b + per_token > 0.0 else math.inf
 
-        chunk = most(room, c_tokens + c_attention * position)  # T = R = C
+        token_cost = c_tokens + c_attention * position  # a token of a chunk with T = R = C
+        chunk = most(room, token_cost)
         sizes = self.chunk_sizes
         if sizes and chunk <= sizes[-1]:  # T = the size that runs it; at least the smallest size
             chunk = max(sizes[0], *(min(size, most(room - c_tokens * size
@@ -305,7 +306,7 @@ class LatencyBudget:
             chunk = max(start, min(top, most(room - c_tokens * top, c_attention * position)))
         if chunk < floor and bound > 0.0:  # the floor's step within FLOOR_HEADROOM times the bound (docstring)
             headroom = (FLOOR_HEADROOM - 1.0) * bound
-            floor = max(1, int(min(floor, most(room + headroom, c_tokens + c_attention * position))))
+            floor = max(1, int(min(floor, most(room + headroom, token_cost))))
         if chunk < floor and (block := self._row_block(num_decodes, floor)):
             start, top = block
             floor = start if 2 * start >= floor else top
