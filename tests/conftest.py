@@ -272,6 +272,28 @@ def load_peft_model_fixture():
     return load_peft_model
 
 
+def load_adapters(engine, names):
+    """Make every adapter of `names` resident in the engine's pool before a test's steps: each read
+    (on a worker thread) is waited for, so which steps the adapters' requests join never depends on
+    how fast the reads ran beside them."""
+    manager = engine.adapters
+    for _ in range(3):  # a poll starts the reads, the next takes them in and copies, the last sees the copies
+        manager.poll(list(names))
+        for future, _ in list(manager.reads.values()):
+            future.result()
+        if manager.device.type == "cuda":
+            torch.cuda.synchronize(manager.device)
+    manager.poll(list(names))
+    tiers = {name: manager.snapshot()["adapters"][name]["tier"] for name in names}
+    assert set(tiers.values()) == {"gpu"}, f"adapters not resident after their reads: {tiers}"
+
+
+@pytest.fixture(scope="session", name="load_adapters")
+def load_adapters_fixture():
+    """The function `load_adapters(engine, names)`: the adapters resident, their reads waited for."""
+    return load_adapters
+
+
 def run_all(engine, requests, params_for):
     ids = [engine.add_request(prompt, params_for(max_tokens), adapter) for prompt, adapter, max_tokens in requests]
     outs = {}

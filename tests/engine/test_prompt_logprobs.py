@@ -63,9 +63,11 @@ def chat_workload(seed):
             for name in (None, "a", "b", "c") * 3]
 
 
-def test_prompt_logprobs_match_a_full_forward_with_chunks_cache_and_preemption(setup, make_engine, run_all):
+def test_prompt_logprobs_match_a_full_forward_with_chunks_cache_and_preemption(setup, make_engine, run_all,
+                                                                               load_adapters):
     _, _, peft_model = setup
     engine = make_engine(setup, max_batch_size=6, page_size=4, kv_cache_tokens=128, max_num_batched_tokens=12)
+    load_adapters(engine, ["a", "b", "c"])  # the steps, and so the preemptions, never follow the reads' speed
     workload = chat_workload(seed=2)
     run_all(engine, [(prompt[:16], name, 1) for prompt, name, _ in workload], lambda n: SamplingParams(max_tokens=n))
     ks = [3, None, 0, 5, 20, None] * 2
