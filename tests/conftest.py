@@ -277,13 +277,13 @@ def load_adapters(engine, names):
     (on a worker thread) is waited for, so which steps the adapters' requests join never depends on
     how fast the reads ran beside them."""
     manager = engine.adapters
-    for _ in range(3):  # a poll starts the reads, the next takes them in and copies, the last sees the copies
-        manager.poll(list(names))
-        for future, _ in list(manager.reads.values()):
-            future.result()
-        if manager.device.type == "cuda":
-            torch.cuda.synchronize(manager.device)
-    manager.poll(list(names))
+    manager.poll(list(names))  # starts the reads
+    for future, _ in list(manager.reads.values()):
+        future.result()
+    manager.poll(list(names))  # takes them into the host tier and starts the copies into slots
+    if manager.device.type == "cuda":
+        torch.cuda.synchronize(manager.device)
+    manager.poll(list(names))  # the copies done: resident
     tiers = {name: manager.snapshot()["adapters"][name]["tier"] for name in names}
     assert set(tiers.values()) == {"gpu"}, f"adapters not resident after their reads: {tiers}"
 
