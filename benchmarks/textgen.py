@@ -23,6 +23,9 @@ the meta says how many slots there were. Each row counts the adapter reads (disk
 copies (host tier -> GPU slot) during its run, with their mean seconds from start to taken in by the
 engine.
 
+The JSON (--out) is written again after every run, so a run stopped midway (a time limit) leaves the
+rows of the runs that finished.
+
 --quantizations: the engine's runs (every workload) once per format, on the same dummy weights:
 base weights none (the dtype's) or fp8 (e4m3, per-channel scales: punica.models.quantized), and
 with "+fp8kv" an fp8 KV cache (punica.ops.kv_cache; the same --kv-cache-tokens); rows say which
@@ -63,6 +66,7 @@ import random
 import statistics
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -185,13 +189,15 @@ def plot(rows: list[dict], path: Path, title: str) -> None:
 
 def engine_runs(engine_args: EngineArgs, config: ModelConfig, dtype: torch.dtype, device: str,
                 runs: list[tuple[str, str]], names: dict[str, dict[str, str]], prompts: list[list[int]],
-                lengths: list[tuple[int, int]], bandwidth: float | None = None, **sampling: float) -> list[dict]:
-    """The engine's rows of every (workload, adapter kind) run on one model (one tensor-parallel
-    engine with all names registered, or one model in this process under an engine per run). With
-    `bandwidth` (given on one GPU for models without experts), each row's floor_tokens_per_s: its
-    tokens over floor_seconds of this model's weights and KV cache, and of_floor, its tokens per
-    second over that. `sampling`: serve_all's temperature and top_p."""
-    tp, num_requests, rows = engine_args.tensor_parallel_size, len(prompts), []
+                lengths: list[tuple[int, int]], rows: list[dict], finished: Callable[[], None],
+                bandwidth: float | None = None, **sampling: float) -> None:
+    """Append to `rows` the engine's row of every (workload, adapter kind) run on one model (one
+    tensor-parallel engine with all names registered, or one model in this process under an engine
+    per run), calling `finished` after each. With `bandwidth` (given on one GPU for models without
+    experts), each row's floor_tokens_per_s: its tokens over floor_seconds of this model's weights
+    and KV cache, and of_floor, its tokens per second over that. `sampling`: serve_all's
+    temperature and top_p."""
+    tp, num_requests = engine_args.tensor_parallel_size, len(prompts)
     quantization = format_label(engine_args.quantization, engine_args.kv_cache_dtype)
     model = dummy_model(config, dtype, device, quantization=engine_args.quantization) if tp == 1 else None
     floor = None
@@ -227,6 +233,7 @@ def engine_runs(engine_args: EngineArgs, config: ModelConfig, dtype: torch.dtype
                   f"{rows[-1]['tokens_per_s']:.1f} tokens/s; during the run {rows[-1]['reads']} adapter reads "
                   f"(mean {rows[-1]['read_s_mean']} s), {rows[-1]['copies']} copies into slots "
                   f"(mean {rows[-1]['copy_s_mean']} s)", flush=True)
+            finished()
             del engine
             if device == "cuda":
                 torch.cuda.empty_cache()
@@ -236,7 +243,6 @@ def engine_runs(engine_args: EngineArgs, config: ModelConfig, dtype: torch.dtype
     del model
     if device == "cuda":
         torch.cuda.empty_cache()
-    return rows
 
 
 def main() -> None:
@@ -277,27 +283,7 @@ def main() -> None:
     engine_args = from_arguments(EngineArgs, args, model=args.preset, load_format="dummy", max_loras=args.requests,
                                  max_lora_rank=args.rank,
                                  kv_cache_tokens=EngineConfig.max_batch_size * args.max_total + 1024)
-    rows = []
-    with tempfile.TemporaryDirectory() as tmp:
-        kinds = ("lora", "dora") if args.dora else ("lora",)
-        names = {}
-        for kind in kinds:
-            files = [save_random_adapter(Path(tmp) / f"{kind}{i}", config, args.rank, seed=i, dora=kind == "dora")
-                     for i in range(args.files)]
-            names[kind] = {f"{kind}{i}": str(files[i % len(files)]) for i in range(args.requests)}
-        runs = [(w, kind) for w in ("backbone", *WORKLOADS) if w in args.workloads
-                for kind in (("lora",) if w == "backbone" else kinds)]
-        for label in args.quantizations:
-            rows += engine_runs(dataclasses.replace(engine_args, **format_fields(label)), config, dtype, device,
-                                runs, names, prompts, lengths, bandwidth, temperature=args.temperature,
-                                top_p=args.top_p)
     hf_ran = not args.skip_hf and tp == 1 and config.family == "llama"
-    if not args.skip_hf and tp > 1:
-        print(f"HF+PEFT baseline skipped: it runs on one device, the engine on {tp}", flush=True)
-    elif not args.skip_hf and config.family != "llama":
-        print(f"HF+PEFT baseline skipped: it builds a Llama, and {args.preset} is {config.family}", flush=True)
-    elif not args.skip_hf:
-        rows += hf_baseline(config, args.workloads, args.hf_requests, args.hf_max_total, args.rank, dtype, device)
     device_name = torch.cuda.get_device_name() if device == "cuda" else "cpu"
     meta = {"device": device_name if tp == 1 else f"{tp}x {device_name}", "preset": args.preset,
             "tensor_parallel_size": tp,
@@ -308,7 +294,30 @@ def main() -> None:
             "quantizations": args.quantizations, "temperature": args.temperature, "top_p": args.top_p,
             "hf_requests": args.hf_requests if hf_ran else 0, "hf_max_total": args.hf_max_total,
             "hf_batch": HF_BATCH, "date": time.strftime("%Y-%m-%d")}
-    write_results(args.out, "textgen", rows, meta)
+    rows = []
+
+    def save() -> None:
+        write_results(args.out, "textgen", rows, meta)
+
+    with tempfile.TemporaryDirectory() as tmp:
+        kinds = ("lora", "dora") if args.dora else ("lora",)
+        names = {}
+        for kind in kinds:
+            files = [save_random_adapter(Path(tmp) / f"{kind}{i}", config, args.rank, seed=i, dora=kind == "dora")
+                     for i in range(args.files)]
+            names[kind] = {f"{kind}{i}": str(files[i % len(files)]) for i in range(args.requests)}
+        runs = [(w, kind) for w in ("backbone", *WORKLOADS) if w in args.workloads
+                for kind in (("lora",) if w == "backbone" else kinds)]
+        for label in args.quantizations:
+            engine_runs(dataclasses.replace(engine_args, **format_fields(label)), config, dtype, device, runs, names,
+                        prompts, lengths, rows, save, bandwidth, temperature=args.temperature, top_p=args.top_p)
+    if not args.skip_hf and tp > 1:
+        print(f"HF+PEFT baseline skipped: it runs on one device, the engine on {tp}", flush=True)
+    elif not args.skip_hf and config.family != "llama":
+        print(f"HF+PEFT baseline skipped: it builds a Llama, and {args.preset} is {config.family}", flush=True)
+    elif not args.skip_hf:
+        rows += hf_baseline(config, args.workloads, args.hf_requests, args.hf_max_total, args.rank, dtype, device)
+        save()
     plot(rows, args.out / "textgen.png", f"{args.preset}, rank {args.rank}, {meta['device']}, TP={tp}")
     print(meta)
     engine_rows = [r for r in rows if r["system"] == "punica"]
