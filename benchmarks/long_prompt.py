@@ -22,7 +22,8 @@ time over prediction, made before the step was fitted), their chunks (`chunk_p50
 one over the budget's decode-only step of its decodes (`over_budget_steady_max`: what the budget
 holds within max_itl_ratio; the ratio over the steady ITL also counts the decodes' own growth while
 the prompt prefills, and the host's delays in returning tokens), and Python's garbage collections
-meanwhile (`gc_collections`, `gc_max_ms`: the longest, a pause of the host's step loop).
+meanwhile (`gc_collections`, `gc_max_ms`: the longest, a pause of the host's step loop); each of
+those steps is in the row's `chunk_steps` (chunk, prefix, decodes, ms, predicted_ms, steady_ms).
 Once the prompt's request has finished, 20 more steps give the decodes' steady ITL after it
 (`steady_after_itl_p50_ms`), and `p99_over_interpolated_steady` is the 99th percentile of each gap
 over the steady ITL at its time, on a straight line from the one before the prompt to the one
@@ -69,15 +70,16 @@ def times_over(seconds: float, predicted: float) -> float:
 class Clock:
     """Steps the engine, stamping every new token of every request with the time its step returned;
     counts the Triton kernels compiled, and logs each step with prompt tokens that the scheduler's
-    latency budget observes as (chunk tokens, step seconds / predicted seconds, step seconds / the
-    budget's decode-only step of the step's decodes), the budget's model as it stood before the step;
-    and records Python's garbage collections as (start, end)."""
+    latency budget observes: its chunk tokens, the chunk's cached context (prefix), its decodes, its
+    time (ms), the time the budget's model predicted for it and for a decode-only step of its
+    decodes (the model as it stood before the step); and records Python's garbage collections as
+    (start, end)."""
 
     def __init__(self, engine):
         self.engine = engine
         self.stamps: dict[str, list[float]] = {}
         self.compiled: list[str] = []
-        self.chunk_steps: list[tuple[int, float, float]] = []
+        self.chunk_steps: list[dict] = []
         self.collections: list[tuple[float, float]] = []
         started = []
 
@@ -97,8 +99,9 @@ class Clock:
                 predicted = scheduler.latency.model.predict(features)
                 decodes = StepFeatures.decodes(list(output.num_computed[output.num_prefills:]))
                 steady = scheduler.latency.steady(decodes)
-                self.chunk_steps.append((features.prompt_tokens, times_over(seconds, predicted),
-                                         times_over(seconds, steady)))
+                self.chunk_steps.append({"chunk": features.prompt_tokens, "prefix": features.prefix,
+                                         "decodes": features.num_decodes, "ms": 1e3 * seconds,
+                                         "predicted_ms": 1e3 * predicted, "steady_ms": 1e3 * steady})
             observe(output, seconds)
 
         scheduler.observe = logged_observe
@@ -175,9 +178,11 @@ def run_mode(clock: Clock, name: str, prompt_lens: list[int], decodes: int, voca
         pauses = [end - begin for begin, end in clock.collections if arrival < end <= first]
         row |= {"gc_collections": len(pauses), "gc_max_ms": 1e3 * max(pauses, default=0.0)}
         if chunk_steps := clock.chunk_steps[logged:]:
-            chunks, over, over_steady = zip(*chunk_steps)
-            row |= {"chunk_p50": statistics.median(chunks), "over_predicted_p50": statistics.median(over),
-                    "over_predicted_p90": percentile(list(over), 0.9), "over_budget_steady_max": max(over_steady)}
+            over = [times_over(s["ms"], s["predicted_ms"]) for s in chunk_steps]
+            row |= {"chunk_p50": statistics.median(s["chunk"] for s in chunk_steps),
+                    "over_predicted_p50": statistics.median(over), "over_predicted_p90": percentile(over, 0.9),
+                    "over_budget_steady_max": max(times_over(s["ms"], s["steady_ms"]) for s in chunk_steps),
+                    "chunk_steps": chunk_steps}
         rows.append(row)
         print(f"{name} {length}: ITL p99 {row['itl_p99_ms']:.1f} ms ({row['p99_over_steady']:.2f}x steady "
               f"{row['steady_itl_p50_ms']:.1f}; {row['p99_over_interpolated_steady']:.2f}x the steady ITL at its "
