@@ -63,8 +63,9 @@ STEADY_STEPS = 20
 AFTER_STEPS = 3
 
 
-def times_over(seconds: float, predicted: float) -> float:
-    return seconds / predicted if predicted > 0 else math.inf
+def times_over(measured: float, predicted: float) -> float:
+    """measured over predicted (the same unit), inf where nothing was predicted."""
+    return measured / predicted if predicted > 0 else math.inf
 
 
 class Clock:
