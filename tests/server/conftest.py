@@ -1,3 +1,4 @@
+import json
 import socket
 import threading
 import time
@@ -76,6 +77,25 @@ def pytest_collection_modifyitems(items):
 def free_port_fixture():
     """The function `free_port() -> int`."""
     return free_port
+
+
+def read_answer(sock: socket.socket) -> tuple[int, dict]:
+    """The status and JSON body of the next answer on a connection kept open: read up to its Content-Length."""
+    raw = b""
+    while b"\r\n\r\n" not in raw:
+        raw += sock.recv(65536)
+    head, _, body = raw.partition(b"\r\n\r\n")
+    length = int(next(line.split(b":")[1] for line in head.split(b"\r\n")
+                      if line.lower().startswith(b"content-length:")))
+    while len(body) < length:
+        body += sock.recv(65536)
+    return int(head.split()[1]), json.loads(body)
+
+
+@pytest.fixture(scope="session", name="read_answer")
+def read_answer_fixture():
+    """The function `read_answer(sock) -> (status, JSON body)`."""
+    return read_answer
 
 
 @pytest.fixture(scope="session")

@@ -86,19 +86,6 @@ def answer(raw: bytes) -> tuple[int, dict]:
     return int(head.split()[1]), json.loads(body)
 
 
-def read_answer(sock: socket.socket) -> tuple[int, dict]:
-    """The status and JSON body of an answer on a connection kept open: read up to its Content-Length."""
-    raw = b""
-    while b"\r\n\r\n" not in raw:
-        raw += sock.recv(65536)
-    head, _, body = raw.partition(b"\r\n\r\n")
-    length = int(next(line.split(b":")[1] for line in head.split(b"\r\n")
-                      if line.lower().startswith(b"content-length")))
-    while len(body) < length:
-        body += sock.recv(65536)
-    return answer(head + b"\r\n\r\n" + body)
-
-
 def health(server) -> int:
     return httpx.get(server.url + "/health", timeout=WAIT_S).status_code
 
@@ -110,7 +97,7 @@ def test_a_head_that_never_ends_is_closed_at_the_header_timeout(guarded, head):
     assert health(server) == 200
 
 
-def test_the_next_head_on_a_kept_alive_connection_has_the_header_timeout_too(guarded):
+def test_the_next_head_on_a_kept_alive_connection_has_the_header_timeout_too(guarded, read_answer):
     server = guarded(header_timeout_s=1)
     sock = connect(server.port, head=PARTIAL_HEAD + b"\r\n")
     assert read_answer(sock) == (200, {"status": "ok"})
@@ -173,7 +160,7 @@ def test_past_its_cap_a_client_address_closes_its_own_connection_idle_longest(gu
         sock.close()
 
 
-def test_at_the_cap_requests_in_progress_are_kept_and_a_new_connection_gets_503(guarded):
+def test_at_the_cap_requests_in_progress_are_kept_and_a_new_connection_gets_503(guarded, read_answer):
     server = guarded(max_connections=2, max_connections_per_client=2, body_timeout_s=WAIT_S)
     table = server.server.table
     body = b'{"model": "base", "prompt": 7}'

@@ -45,21 +45,17 @@ def limited(tokenizer, start_server, stub_state):
     running.stop()
 
 
-def raw_request(port: int, head: bytes, body_parts=()) -> tuple[int, dict]:
-    """Send a request head and body parts over one connection; the status and the JSON body of the answer."""
-    with socket.create_connection(("127.0.0.1", port), timeout=60) as sock:
-        sock.sendall(head)
-        for part in body_parts:
-            sock.sendall(part)
-        answer = b""
-        while b"\r\n\r\n" not in answer:
-            answer += sock.recv(65536)
-        headers, _, body = answer.partition(b"\r\n\r\n")
-        length = int(next(line.split(b":")[1] for line in headers.split(b"\r\n")
-                          if line.lower().startswith(b"content-length:")))
-        while len(body) < length:
-            body += sock.recv(65536)
-    return int(headers.split()[1]), json.loads(body)
+@pytest.fixture(name="raw_request")
+def raw_request_fixture(read_answer):
+    """The function `raw_request(port, head, body_parts=()) -> (status, JSON body)`: a request head
+    and body parts sent over one connection, and its answer."""
+    def raw_request(port: int, head: bytes, body_parts=()) -> tuple[int, dict]:
+        with socket.create_connection(("127.0.0.1", port), timeout=60) as sock:
+            sock.sendall(head)
+            for part in body_parts:
+                sock.sendall(part)
+            return read_answer(sock)
+    return raw_request
 
 
 def assert_too_large(status: int, body: dict) -> None:
@@ -69,7 +65,7 @@ def assert_too_large(status: int, body: dict) -> None:
     assert f"limit of {LIMIT} bytes" in error["message"]
 
 
-def test_content_length_over_the_limit_is_413_before_the_body_is_sent(limited):
+def test_content_length_over_the_limit_is_413_before_the_body_is_sent(limited, raw_request):
     server, _ = limited
     head = (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
             b"Content-Length: %d\r\n\r\n" % (50 * LIMIT))
@@ -77,7 +73,7 @@ def test_content_length_over_the_limit_is_413_before_the_body_is_sent(limited):
     assert httpx.get(server.url + "/health").json() == {"status": "ok"}
 
 
-def test_chunked_body_over_the_limit_is_413(limited):
+def test_chunked_body_over_the_limit_is_413(limited, raw_request):
     server, gated = limited
     head = b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n" \
            b"Transfer-Encoding: chunked\r\n\r\n"
