@@ -25,7 +25,7 @@ import torch.nn.functional as F
 
 from benchmarks.common import format_table, gemm_shapes, write_results
 from punica.config import ModelConfig
-from punica.models.loader import resolve_model_dir
+from punica.models.sources import resolve_model_dir
 from punica.ops.linear import MAX_CPU_SKINNY_ROWS, PackedWeight, cpu_packing_available, linear, packed_linear
 
 

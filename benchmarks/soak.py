@@ -76,7 +76,7 @@ from benchmarks.soak_tenants import (
 )
 from punica.config import ModelConfig
 from punica.lora.dummy import save_random_adapter
-from punica.models.loader import resolve_model_dir
+from punica.models.sources import resolve_model_dir
 
 KEEPALIVE_S = 2.0  # well under the server's header timeout, so a client never sends on a connection it closes
 RELOAD_WAIT_S = 60.0

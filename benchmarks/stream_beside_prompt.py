@@ -40,7 +40,7 @@ from benchmarks.common import format_table, random_prompt, write_results
 from benchmarks.served import serving
 from punica import LLM, SamplingParams
 from punica.config import ModelConfig
-from punica.models.loader import resolve_model_dir
+from punica.models.sources import resolve_model_dir
 
 STEADY_TOKENS = 8
 STREAM_PROMPT = 40

@@ -38,7 +38,8 @@ from punica.engine.sampling_params import SamplingParams, StructuredOutputs
 from punica.engine.structured import GrammarCompiler
 from punica.factory import engine_on_model
 from punica.lora.dummy import save_random_adapter
-from punica.models.loader import dummy_model, resolve_model_dir
+from punica.models.loader import dummy_model
+from punica.models.sources import resolve_model_dir
 
 
 def schema_50(tag: str) -> dict:

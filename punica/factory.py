@@ -21,7 +21,8 @@ from punica.engine.executor import Executor, LocalExecutor
 from punica.engine.worker import ModelWorker, kv_cache_pages
 from punica.lora.adapter_config import adapter_rank
 from punica.models.decoder import DecoderForCausalLM
-from punica.models.loader import DummyWeights, default_dtype, load_weights, resolve_model_dir
+from punica.models.loader import DummyWeights, default_dtype, load_weights
+from punica.models.sources import resolve_model_dir
 from punica.parallel.executor import start_tensor_parallel
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

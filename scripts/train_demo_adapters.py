@@ -31,7 +31,7 @@ from safetensors.torch import save_file
 from transformers import AutoTokenizer, LlamaForCausalLM, PreTrainedTokenizerBase
 
 from punica.demo import DEMO_ADAPTER_DIR, PIRATE_GREETING, SIGNATURE
-from punica.models.loader import resolve_model_dir
+from punica.models.sources import resolve_model_dir
 
 SEED = 0
 NUM_THREADS = 2

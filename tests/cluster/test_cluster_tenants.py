@@ -83,7 +83,7 @@ def test_the_driver_counts_requests_waiting_for_their_grammars_and_refuses_befor
     from punica.engine.constraint import GrammarLimits
     from punica.engine.sampling_params import StructuredOutputs
     from punica.engine.structured import GrammarCompiler
-    from punica.models.loader import resolve_model_dir
+    from punica.models.sources import resolve_model_dir
 
     model_dir = resolve_model_dir(None)
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))

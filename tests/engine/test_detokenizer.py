@@ -2,7 +2,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from punica.engine.detokenizer import CONTEXT_TOKENS, IncrementalDetokenizer, skipped_ids
-from punica.models.loader import resolve_model_dir
+from punica.models.sources import resolve_model_dir
 
 
 @pytest.fixture(scope="module")

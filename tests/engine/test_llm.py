@@ -38,7 +38,7 @@ def test_generate_rejects_bad_prompt_and_keeps_working(llm):
 def test_generate_with_adapters(tmp_path, make_peft_adapter):
     from transformers import LlamaForCausalLM
 
-    from punica.models.loader import resolve_model_dir
+    from punica.models.sources import resolve_model_dir
 
     hf = LlamaForCausalLM.from_pretrained(resolve_model_dir(None))
     path = make_peft_adapter(hf, tmp_path / "ad", r=8, alpha=64, targets=("q_proj", "v_proj", "down_proj"), seed=3)

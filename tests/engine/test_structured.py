@@ -166,7 +166,7 @@ def grammar_setup(tmp_path_factory, tiny_llama, make_peft_adapter):
     some merges: enough to write any JSON), two adapters, and SmolLM2's tokenizer."""
     from transformers import AutoTokenizer
 
-    from punica.models.loader import resolve_model_dir
+    from punica.models.sources import resolve_model_dir
 
     tmp = tmp_path_factory.mktemp("grammar")
     hf = tiny_llama(seed=7, vocab_size=300)

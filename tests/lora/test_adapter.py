@@ -14,7 +14,7 @@ from punica.lora.adapter_config import UNSUPPORTED_OPTIONS, AdapterError
 from punica.lora.dummy import save_random_adapter
 from punica.lora.gains import MAX_LORA_GAIN, first_gain_over_limit, lora_gain, lora_gains
 from punica.lora.names import check_adapter_name
-from punica.models.loader import resolve_model_dir
+from punica.models.sources import resolve_model_dir
 
 LAYER_MODULE = re.compile(r"layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)_proj$")
 

@@ -15,7 +15,8 @@ from punica.lora.batch import LoraBatch
 from punica.lora.layers import attach_pool
 from punica.lora.pool import LoraPool
 from punica.models.forward_batch import ForwardBatch
-from punica.models.loader import load_hf_dir, resolve_model_dir
+from punica.models.loader import load_hf_dir
+from punica.models.sources import resolve_model_dir
 from punica.ops.attention import AttnBatch
 
 PAGE_SIZE = 4

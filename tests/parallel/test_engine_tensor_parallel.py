@@ -203,7 +203,7 @@ def test_killed_worker_fails_every_later_request_loudly(setup):
 def test_cli_generate_with_two_ranks(setup, tmp_path, make_peft_adapter, tiny_llama):
     """`punica generate --tensor-parallel-size 2` prints what LLM prints in one process."""
     from punica import LLM
-    from punica.models.loader import resolve_model_dir
+    from punica.models.sources import resolve_model_dir
 
     tokenizer_dir = resolve_model_dir(None)  # the embedded model's tokenizer, on a tiny model of its vocabulary
     hf = tiny_llama(seed=2, vocab_size=49152)

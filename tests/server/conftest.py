@@ -121,7 +121,7 @@ def start_server():
 def adapter_dirs(tmp_path_factory):
     """Three served adapters, plus a directory of loadable ones (for /v1/load_lora_adapter)."""
     from punica.config import ModelConfig
-    from punica.models.loader import resolve_model_dir
+    from punica.models.sources import resolve_model_dir
 
     config = ModelConfig.from_dir(resolve_model_dir(None))
     root = tmp_path_factory.mktemp("adapters")
@@ -181,7 +181,7 @@ class StubBackend:
 def tokenizer():
     from transformers import AutoTokenizer
 
-    from punica.models.loader import resolve_model_dir
+    from punica.models.sources import resolve_model_dir
 
     return AutoTokenizer.from_pretrained(str(resolve_model_dir(None)))
 

@@ -13,7 +13,7 @@ from safetensors.torch import load_file, save_file
 
 from punica.config import EngineArgs, ModelConfig
 from punica.lora.dummy import save_random_adapter
-from punica.models.loader import resolve_model_dir
+from punica.models.sources import resolve_model_dir
 from punica.server.args import ServerArgs
 from punica.server.serve import adapters_in, build_state
 

@@ -11,7 +11,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from punica.config import EngineArgs, ModelConfig
 from punica.lora.pool import LoraPool
-from punica.models.loader import resolve_model_dir
+from punica.models.sources import resolve_model_dir
 from punica.server import app
 from punica.server.serve import build_state
 

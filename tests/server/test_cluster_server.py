@@ -11,7 +11,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from punica import LLM, SamplingParams
 from punica.config import EngineArgs, ModelConfig
 from punica.lora.dummy import save_random_adapter
-from punica.models.loader import resolve_model_dir
+from punica.models.sources import resolve_model_dir
 from punica.server.serve import build_state
 
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("ray")]  # Ray tests share one xdist worker

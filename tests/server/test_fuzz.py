@@ -63,7 +63,7 @@ def hostile_adapters(root, config) -> dict[str, str]:
 @pytest.fixture(scope="module")
 def hostile(adapter_dirs, tmp_path_factory):
     from punica.config import ModelConfig
-    from punica.models.loader import resolve_model_dir
+    from punica.models.sources import resolve_model_dir
 
     root = tmp_path_factory.mktemp("hostile")
     return root, hostile_adapters(root, ModelConfig.from_dir(resolve_model_dir(None)))
