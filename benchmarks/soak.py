@@ -59,6 +59,7 @@ from safetensors.torch import load_file, save_file
 
 from benchmarks.common import percentile, save_figure, write_results
 from benchmarks.served import free_port, start_server
+from benchmarks.soak_hostile import MAX_REQUEST_BYTES, OPEN_HOSTILE_ADAPTERS, HostileTarget, hostile
 from benchmarks.soak_tenants import (
     BASE,
     CAPPED_CONCURRENCY,
@@ -80,7 +81,6 @@ from punica.models.sources import resolve_model_dir
 
 KEEPALIVE_S = 2.0  # well under the server's header timeout, so a client never sends on a connection it closes
 RELOAD_WAIT_S = 60.0
-MAX_REQUEST_BYTES = 256 << 10
 TENANTS = ("tenant-0", "tenant-1", "tenant-2", "tenant-3")
 PROMPTS = ("The weather today is", "Tell me a story about", "def fibonacci(n):", "My favourite food is")
 # the system prompt of --long-share's requests: every tenant's long requests share it, so their
@@ -89,17 +89,6 @@ SYSTEM_PROMPT = ("You are the support assistant of a company that rents bicycles
                  "plain words, at most two short paragraphs. Never promise refunds; say that a person will "
                  "look at the case within two working days. If the question is not about bicycles, rentals, "
                  "opening hours or prices, say politely that you can only help with those.")
-HOSTILE_BODIES = [
-    {"temperature": 1e-300}, {"temperature": float("nan")}, {"seed": 1 << 70}, {"seed": -(1 << 64)},
-    {"repetition_penalty": 1e-300, "temperature": 1.0}, {"top_p": 0}, {"top_k": -7}, {"max_tokens": 0},
-    {"max_tokens": -1}, {"n": 10 ** 6}, {"logprobs": 99}, {"stop": ["x"] * 1000}, {"foo": "bar"},
-    {"tool_choice": "required"}, {"logit_bias": {"5": 100}}, {"prompt": "\ud800"}, {"prompt": [10 ** 9]},
-    {"model": "../etc/passwd"}, {"stream": "yes"}, {"frequency_penalty": float("inf")},
-]
-# the open soak's hostile adapters: what each changes in a random adapter
-OPEN_HOSTILE_ADAPTERS = {"huge": dict(weights=1e30), "nan-weights": dict(weights=float("nan")),
-                         "nan-alpha": dict(lora_alpha=float("nan")), "big-alpha": dict(lora_alpha=1e300),
-                         "rank-512": dict(r=512), "dora": dict(use_dora=True), "fine": {}}
 
 
 def make_adapters(root: Path, config: ModelConfig, served: list[str], hostile: dict[str, dict]) -> None:
@@ -254,61 +243,6 @@ async def tenant(client: httpx.AsyncClient, rng: random.Random, tally: Tally, un
             tally.fail(f"{path} {type(e).__name__}: {e}")
 
 
-@dataclass(frozen=True)
-class HostileTarget:
-    """What the hostile client's traffic names: its models, the names it loads adapters under, the
-    folder of adapters it loads from and their names, and its key's header."""
-    models: tuple[str, ...]
-    load_names: tuple[str, ...]
-    adapter_dir: Path
-    adapters: tuple[str, ...]
-    headers: dict[str, str] = field(default_factory=dict)
-
-
-async def hostile(client: httpx.AsyncClient, rng: random.Random, tally: Tally, until: float,
-                  target: HostileTarget) -> None:
-    """Malformed, extreme and oversized requests, broken adapters, dropped streams: none answered 5xx."""
-    headers = {"content-type": "application/json"} | target.headers
-    while time.monotonic() < until:
-        choice = rng.randrange(6)
-        if choice == 0:
-            body = {"model": rng.choice(target.models), "prompt": "Hi", "max_tokens": 4} | rng.choice(HOSTILE_BODIES)
-            kind, path, content = "sampling_values", "/v1/completions", json.dumps(body).encode()
-        elif choice == 1:
-            kind, path, content = "chat_messages", "/v1/chat/completions", json.dumps({
-                "model": target.models[0], "messages": [{"role": rng.choice(["user", "wizard"]),
-                                                         "content": rng.choice(["\ud800", [{"type": "image"}], 5])}],
-                "max_completion_tokens": rng.choice([0, -3, 4])}).encode()
-        elif choice == 2:
-            kind, path = "malformed_body", "/v1/completions"
-            content = rng.choice([b"{not json", b"[" * 50_000 + b"]" * 50_000, b"", b"null",
-                                  bytes(rng.randrange(256) for _ in range(200))])
-        elif choice == 3:
-            prompt = "word " * (MAX_REQUEST_BYTES // 5 + rng.randrange(1000))
-            kind, path = "oversized_body", "/v1/completions"
-            content = json.dumps({"model": target.models[1], "prompt": prompt}).encode()
-        elif choice == 4:
-            name = rng.choice(target.load_names)
-            folder = rng.choice([str(target.adapter_dir / rng.choice(target.adapters)), "/etc", "a\x00b"])
-            kind, path = "adapter_load", "/v1/load_lora_adapter"
-            content = json.dumps({"lora_name": name, "lora_path": folder}).encode()
-        else:
-            body = {"model": rng.choice(target.models), "prompt": "Count:", "max_tokens": 300, "stream": True}
-            try:
-                async with client.stream("POST", "/v1/completions", json=body, headers=target.headers,
-                                         timeout=0.5) as r:
-                    async for _ in r.aiter_bytes():
-                        break
-            except httpx.TimeoutException:
-                pass
-            continue
-        r = await client.post(path, content=content, headers=headers)
-        tally.probe(kind, r.status_code, f"answered {r.status_code}: {r.text[:200]}" if r.status_code >= 500 else None)
-        if path == "/v1/load_lora_adapter" and r.status_code == 200:  # "fine": it really was fine
-            await client.post("/v1/unload_lora_adapter", json={"lora_name": json.loads(content)["lora_name"]},
-                              headers=target.headers)
-
-
 async def watch(client: httpx.AsyncClient, pid: int, tally: Tally, until: float, sample_s: float,
                 series: list[dict], start: float, health_s: float) -> None:
     next_sample = time.monotonic()
@@ -393,7 +327,7 @@ async def soak(args: argparse.Namespace, url: str, port: int, pid: int, root: Pa
         if setup is None:
             target = HostileTarget(TENANTS, ("../x", "a" * 300, "", "a b", "ok-name", "tenant-0", "\ud800"),
                                    root / "hostile", tuple(OPEN_HOSTILE_ADAPTERS))
-            jobs += [hostile(client, random.Random(args.seed), tally, until, target)]
+            jobs += [hostile(client, random.Random(args.seed), tally.probe, until, target)]
             jobs += [tenant(client, random.Random(args.seed + 1 + i), tally, until, args.long_share,
                             Traffic(TENANTS + (BASE,))) for i in range(args.tenants)]
             await asyncio.gather(*jobs)
@@ -407,7 +341,7 @@ async def soak(args: argparse.Namespace, url: str, port: int, pid: int, root: Pa
             target = HostileTarget((BASE, "evil-fine"), ("../x", "evil-" + "a" * 300, "", "evil-a b", "evil-ok",
                                                          "good-0-lora", "evil-\ud800"),
                                    root / "hostile", tuple(HOSTILE_ADAPTERS), evil.auth)
-            jobs += [hostile(hostile_client, random.Random(args.seed), tally, until, target),
+            jobs += [hostile(hostile_client, random.Random(args.seed), tally.probe, until, target),
                      evil.probes(random.Random(args.seed + 500), until),
                      evil.flood(random.Random(args.seed + 600), start, until),
                      evil.connections(until)]
