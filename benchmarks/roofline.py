@@ -57,11 +57,12 @@ from benchmarks.common import (
     warm_up,
     write_results,
 )
-from punica.config import EngineArgs, add_arguments, from_arguments, preset_config
+from punica.config import EngineArgs, preset_config
 from punica.engine.engine import Engine
 from punica.engine.runner import kv_bytes_per_token
 from punica.engine.sampling_params import SamplingParams
 from punica.factory import build_engine, engine_on_model
+from punica.flags import add_arguments, from_arguments
 from punica.lora.dummy import save_random_adapter
 from punica.models.loader import dummy_model
 

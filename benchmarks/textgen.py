@@ -83,18 +83,12 @@ from benchmarks.common import (
 )
 from benchmarks.roofline import weight_bytes
 from benchmarks.textgen_hf import HF_BATCH, hf_baseline
-from punica.config import (
-    EngineArgs,
-    EngineConfig,
-    ModelConfig,
-    add_arguments,
-    from_arguments,
-    preset_config,
-)
+from punica.config import EngineArgs, EngineConfig, ModelConfig, preset_config
 from punica.engine.engine import Engine
 from punica.engine.runner import kv_bytes_per_token
 from punica.engine.sampling_params import SamplingParams
 from punica.factory import build_engine, engine_on_model
+from punica.flags import add_arguments, from_arguments
 from punica.lora.dummy import save_random_adapter
 from punica.lora.pool import pool_slots
 from punica.models.loader import dummy_model

@@ -49,9 +49,10 @@ def json_schema_constraint(path: str | None):
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from punica.config import EngineArgs, from_arguments
+    from punica.config import EngineArgs
     from punica.engine.sampling_params import SamplingParams
     from punica.factory import startup_adapters
+    from punica.flags import from_arguments
     from punica.llm import LLM
 
     # every argument is checked before the model loads
@@ -78,7 +79,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     from punica.cluster.policy import PolicyConfig
     from punica.cluster.report import NO_PLOTS, can_plot, simulate, table
     from punica.cluster.step_time import load_model
-    from punica.config import from_arguments
+    from punica.flags import from_arguments
 
     if args.light_load_batch > args.max_batch_size:
         raise ValueError(f"--light-load-batch {args.light_load_batch} is over --max-batch-size {args.max_batch_size}")
@@ -99,7 +100,8 @@ def cmd_simulate(args: argparse.Namespace) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from punica.config import EngineArgs, from_arguments
+    from punica.config import EngineArgs
+    from punica.flags import from_arguments
     from punica.server.args import ServerArgs
     from punica.server.serve import serve
 
@@ -123,7 +125,8 @@ def cmd_hash_key(args: argparse.Namespace) -> int:
 
 
 def add_engine_args(p: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> None:
-    from punica.config import EngineArgs, add_arguments
+    from punica.config import EngineArgs
+    from punica.flags import add_arguments
 
     add_arguments(p, EngineArgs, skip=skip)
     p.add_argument("--adapter", action="append", default=[], metavar="NAME=PATH",
@@ -134,7 +137,7 @@ def build_parser() -> argparse.ArgumentParser:
     from punica.cluster.placement import POLICIES
     from punica.cluster.policy import PolicyConfig
     from punica.cluster.step_time import DEFAULT_MODEL, MODELS
-    from punica.config import add_arguments, bounded
+    from punica.flags import add_arguments, bounded
     from punica.server.args import ServerArgs
 
     parser = argparse.ArgumentParser(prog="punica", description="Multi-tenant LoRA serving")

@@ -11,7 +11,8 @@ import punica.cluster.report
 import punica.llm
 import punica.server.serve
 from punica.cli import main
-from punica.config import EngineArgs, add_arguments
+from punica.config import EngineArgs
+from punica.flags import add_arguments
 
 
 def free_port() -> int:

@@ -27,7 +27,8 @@ import itertools
 from collections.abc import Callable, Hashable, Iterator
 from dataclasses import dataclass, field
 
-from punica.config import EngineConfig, check_bounds, described
+from punica.config import EngineConfig
+from punica.flags import check_bounds, described
 
 RequestId = Hashable  # the serving backend uses strings, the simulator ints
 
@@ -35,7 +36,7 @@ RequestId = Hashable  # the serving backend uses strings, the simulator ints
 @dataclass(frozen=True)
 class PolicyConfig:
     """The cluster scheduler's settings; `punica simulate` makes its flags from these fields, and
-    `punica serve` its --max-packed-kv-tokens (punica.config.add_arguments)."""
+    `punica serve` its --max-packed-kv-tokens (punica.flags.add_arguments)."""
     max_batch_size: int = described(EngineConfig.max_batch_size, "requests a GPU runs at once at most", minimum=1)
     light_load_batch: int = described(EngineConfig.max_batch_size // 2, "ask for a GPU when every batch is this "
                                                                         "large (at most --max-batch-size)", minimum=1)

@@ -1,5 +1,5 @@
 """ServerArgs: how `punica serve` serves (the engine's own settings are punica.config.EngineArgs);
-the command's flags are made from its fields (punica.config.add_arguments)."""
+the command's flags are made from its fields (punica.flags.add_arguments)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import math
 from dataclasses import dataclass
 
 from punica.cluster.policy import PolicyConfig
-from punica.config import check_bounds, described, field_of
+from punica.flags import check_bounds, described, field_of
 
 # 8 MiB holds the longest context punica serves (131,072 tokens) as text at 64 bytes a token
 # (English averages about 4, JSON-escaped non-ASCII text up to about 24) or as token ids

@@ -208,7 +208,7 @@ def test_simulate_has_a_flag_for_every_described_policy_setting_and_serve_shares
     from dataclasses import fields
 
     from punica.cli import build_parser
-    from punica.config import from_arguments
+    from punica.flags import from_arguments
     from punica.server.args import ServerArgs
 
     args = build_parser().parse_args(["simulate", "--out", "x", "--max-batch-size", "16", "--light-load-batch", "4",

@@ -8,11 +8,12 @@ import argparse
 import pytest
 import torch
 
-from punica.config import EngineConfig, add_arguments
+from punica.config import EngineConfig
 from punica.engine.request import PENDING
 from punica.engine.runner import ModelRunner
 from punica.engine.sampling_params import SamplingParams
 from punica.factory import engine_on_model
+from punica.flags import add_arguments
 from punica.models.loader import load_hf_dir
 
 

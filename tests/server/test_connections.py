@@ -18,7 +18,8 @@ import httpx
 import pytest
 import uvicorn
 
-from punica.config import EngineArgs, add_arguments, from_arguments
+from punica.config import EngineArgs
+from punica.flags import add_arguments, from_arguments
 from punica.server.args import NUM_RESERVED_FDS, ConnectionLimits, ServerArgs
 from punica.server.connections import ACCEPT_FAILED, MIN_IDLE_S, EveryInterval, GuardedServer
 from punica.server.serve import build_state
