@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+from on_demand import wait_for_reads
 
 from punica.engine.admission import acquire_adapter, release_adapter
 from punica.engine.request import Request
@@ -32,8 +33,7 @@ def manager(adapter_paths):
 
 def step(manager, demand):
     """What the engine does between two admission attempts: the reads started so far finish, then a poll."""
-    for future, _ in list(manager.reads.values()):
-        future.result()
+    wait_for_reads(manager)
     manager.poll(demand)
 
 
