@@ -24,7 +24,8 @@ from punica.server.backend import Backend
 from punica.server.interrupts import InFlight
 from punica.server.limits import RequestBodyLimit
 from punica.server.metrics import Metrics
-from punica.server.openai_api import CLIENT_CLOSED_REQUEST, OpenAIHandlers, error_body
+from punica.server.openai_api import CLIENT_CLOSED_REQUEST, OpenAIHandlers
+from punica.server.openai_objects import error_body
 from punica.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import itertools
 import json
 import time
 import uuid
@@ -23,6 +22,7 @@ from punica.engine.sampling_params import SamplingParams
 from punica.engine.tenancy import TenantLimitError
 from punica.server.interrupts import DISCONNECT, Interrupt
 from punica.server.limits import PromptBound
+from punica.server.openai_objects import Logprobs, error_body, usage
 from punica.server.protocol import ChatCompletionRequest, CompletionRequest, ProtocolError, SamplingFields
 from punica.server.structured_fields import Constraint
 from punica.server.tenants import Caller
@@ -45,6 +45,7 @@ class OpenAIHandlers:
     def __init__(self, state):
         self.state = state  # punica.server.app.ServerState
         self.prompt_bound = PromptBound(state.tokenizer) if state.tokenizer is not None else None
+        self.logprobs = Logprobs(state.tokenizer)
         self._aborts: set[asyncio.Task] = set()  # the loop holds tasks weakly
 
     # entry points --------------------------------------------------------------------------
@@ -221,12 +222,12 @@ class OpenAIHandlers:
                         message["tool_calls"] = calls
                         reason = "tool_calls" if reason == "stop" else reason
                 items.append({"index": c.index, "message": message, "finish_reason": reason,
-                              "logprobs": self._chat_logprobs(out.token_ids, out.logprobs, out.top_logprobs)})
+                              "logprobs": self.logprobs.chat(out.token_ids, out.logprobs, out.top_logprobs)})
             else:
                 items.append({"index": c.index, "text": c.echo + out.text, "finish_reason": out.finish_reason,
-                              "logprobs": self._completion_logprobs(out.token_ids, out.logprobs, out.top_logprobs,
+                              "logprobs": self.logprobs.completion(out.token_ids, out.logprobs, out.top_logprobs,
                                                                     out)})
-        return {**meta, "object": kind, "choices": items, "usage": _usage(choices, finals)}
+        return {**meta, "object": kind, "choices": items, "usage": usage([c.prompt_ids for c in choices], finals)}
 
     async def _stream(self, kind: str, meta: dict, choices: list[Choice], gens, head: RequestOutput | None,
                       usage_wanted: bool, interrupt: Interrupt) -> AsyncIterator[dict]:
@@ -276,7 +277,8 @@ class OpenAIHandlers:
                         return
                 yield {**meta, "object": chunk_kind, "choices": [self._chunk_choice(kind, deltas[i], out)]}
             if usage_wanted:
-                yield {**meta, "object": chunk_kind, "choices": [], "usage": _usage(choices, finals)}
+                yield {**meta, "object": chunk_kind, "choices": [],
+                       "usage": usage([c.prompt_ids for c in choices], finals)}
         finally:
             for t in tasks:
                 t.cancel()
@@ -295,50 +297,14 @@ class OpenAIHandlers:
                 if deltas.tools.calls and reason == "stop":
                     reason = "tool_calls"
             return {"index": c.index, "delta": delta, "finish_reason": reason,
-                    "logprobs": self._chat_logprobs(out.new_token_ids, new_logprobs, new_tops)}
+                    "logprobs": self.logprobs.chat(out.new_token_ids, new_logprobs, new_tops)}
         echo, deltas.echo = deltas.echo, ""
         first, deltas.first = deltas.first, False
-        logprobs = self._completion_logprobs(out.new_token_ids, new_logprobs, new_tops, out if first else None,
+        logprobs = self.logprobs.completion(out.new_token_ids, new_logprobs, new_tops, out if first else None,
                                              deltas.text_offset)
         if logprobs is not None and logprobs["tokens"]:
             deltas.text_offset = logprobs["text_offset"][-1] + len(logprobs["tokens"][-1])
         return {"index": c.index, "text": echo + out.new_text, "finish_reason": reason, "logprobs": logprobs}
-
-    def _token_text(self, token_id: int) -> str:
-        """A token's text; "token_id:N" (vLLM's form) for a model without a tokenizer."""
-        tokenizer = self.state.tokenizer
-        return tokenizer.decode([token_id]) if tokenizer is not None else f"token_id:{token_id}"
-
-    def _completion_logprobs(self, token_ids: list[int], logprobs: list[float] | None,
-                             tops: list[list[tuple[int, float]]] | None, prompt: RequestOutput | None = None,
-                             offset: int = 0) -> dict | None:
-        """OpenAI's legacy logprobs of these tokens, after those of the prompt when `prompt` (echo)
-        has prompt logprobs (its first token's are null); text_offset: where each token's text starts
-        (vLLM's way: the lengths of the tokens' texts before it, from `offset`)."""
-        if logprobs is None:
-            return None
-        if prompt is not None and prompt.prompt_logprobs is not None:
-            token_ids, logprobs = prompt.prompt_token_ids + token_ids, prompt.prompt_logprobs + logprobs
-            tops = None if tops is None else prompt.prompt_top_logprobs + tops
-        tokens = [self._token_text(t) for t in token_ids]
-        top = None if tops is None else [
-            None if row is None else {self._token_text(t): lp for t, lp in row} for row in tops]
-        offsets = list(itertools.accumulate(map(len, tokens[:-1]), initial=offset)) if tokens else []
-        return {"tokens": tokens, "token_logprobs": logprobs, "top_logprobs": top, "text_offset": offsets}
-
-    def _chat_logprobs(self, token_ids: list[int], logprobs: list[float] | None,
-                       tops: list[list[tuple[int, float]]] | None) -> dict | None:
-        if logprobs is None:
-            return None
-        content = []
-        for i, (t, lp) in enumerate(zip(token_ids, logprobs)):
-            top = [self._logprob_entry(u, ulp) for u, ulp in tops[i]] if tops is not None else []
-            content.append({**self._logprob_entry(t, lp), "top_logprobs": top})
-        return {"content": content}
-
-    def _logprob_entry(self, token_id: int, logprob: float) -> dict:
-        text = self._token_text(token_id)
-        return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
 
 
 class _Deltas:
@@ -352,28 +318,9 @@ class _Deltas:
         self.tools = ToolStream(choice.tools) if choice.tools is not None else None
 
 
-def _usage(choices: list[Choice], finals: list[RequestOutput]) -> dict:
-    """OpenAI's usage; a prompt shared by n choices counts once, with the cached tokens of its first choice."""
-    seen, prompt, cached = set(), 0, 0
-    for c, final in zip(choices, finals):
-        if id(c.prompt_ids) not in seen:
-            seen.add(id(c.prompt_ids))
-            prompt += len(c.prompt_ids)
-            cached += final.num_cached_tokens
-    completion = sum(len(f.token_ids) for f in finals)
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-            "prompt_tokens_details": {"cached_tokens": cached}}
-
-
 def _raise_if_failed(out: RequestOutput) -> None:
     if out.finish_reason == "error":
         raise ProtocolError(out.error or "request failed", status=500, kind="server_error")
-
-
-def error_body(message: str, kind: str, param: str | None = None, code: str | None = None) -> dict[str, Any]:
-    """OpenAI's error object: `kind` is its `type` ("invalid_request_error" for a client's error,
-    "server_error" for ours), `param` the request field at fault, `code` a string or None."""
-    return {"message": message, "type": kind, "param": param, "code": code}
 
 
 async def _unless_interrupted(awaitable, interrupt: Interrupt):
