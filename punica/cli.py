@@ -76,7 +76,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 def cmd_simulate(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from punica.cluster.policy import PolicyConfig
+    from punica.cluster.policy_config import PolicyConfig
     from punica.cluster.report import NO_PLOTS, can_plot, simulate, table
     from punica.cluster.step_time import load_model
     from punica.flags import from_arguments
@@ -135,7 +135,7 @@ def add_engine_args(p: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> N
 
 def build_parser() -> argparse.ArgumentParser:
     from punica.cluster.placement import POLICIES
-    from punica.cluster.policy import PolicyConfig
+    from punica.cluster.policy_config import PolicyConfig
     from punica.cluster.step_time import DEFAULT_MODEL, MODELS
     from punica.flags import add_arguments, bounded
     from punica.server.args import ServerArgs

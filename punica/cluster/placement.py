@@ -19,7 +19,8 @@ import hashlib
 import math
 from collections.abc import Callable, Hashable, Iterator
 
-from punica.cluster.policy import ClusterPolicy, GpuState, PolicyConfig, RequestState
+from punica.cluster.policy import ClusterPolicy, GpuState, RequestState
+from punica.cluster.policy_config import PolicyConfig
 
 
 class PunicaPolicy(ClusterPolicy):

@@ -33,7 +33,8 @@ import ray
 from ray.exceptions import RayActorError
 
 from punica.cluster.placement import POLICIES, PunicaPolicy
-from punica.cluster.policy import ClusterPolicy, PolicyConfig
+from punica.cluster.policy import ClusterPolicy
+from punica.cluster.policy_config import PolicyConfig
 from punica.cluster.worker import EngineWorker, StepResult, WorkerInfo
 from punica.config import EngineArgs, EngineConfig
 from punica.engine.admission import checked_prompt

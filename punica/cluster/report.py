@@ -8,7 +8,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from punica.cluster.placement import POLICIES
-from punica.cluster.policy import PolicyConfig
+from punica.cluster.policy_config import PolicyConfig
 from punica.cluster.simulator import SimConfig, Simulator
 from punica.cluster.step_time import StepTimeModel, load_model
 from punica.cluster.trace import fig13_trace

@@ -32,7 +32,8 @@ from collections import Counter, OrderedDict, deque
 from dataclasses import dataclass, field
 
 from punica.cluster.placement import POLICIES
-from punica.cluster.policy import ClusterPolicy, PolicyConfig
+from punica.cluster.policy import ClusterPolicy
+from punica.cluster.policy_config import PolicyConfig
 from punica.cluster.step_time import StepTimeModel
 from punica.cluster.trace import Trace
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from punica.cluster.policy import PolicyConfig
+from punica.cluster.policy_config import PolicyConfig
 from punica.flags import check_bounds, described, field_of
 
 # 8 MiB holds the longest context punica serves (131,072 tokens) as text at 64 bytes a token

@@ -5,7 +5,7 @@ report; and in the simulator, a request waits exactly its adapter's load time.""
 import pytest
 
 from punica.cluster.placement import AdapterAwarePolicy, PunicaPolicy, rendezvous
-from punica.cluster.policy import PolicyConfig
+from punica.cluster.policy_config import PolicyConfig
 from punica.cluster.simulator import SimConfig, Simulator, ideal_cache_loads
 from punica.cluster.step_time import StepTimeModel
 from punica.cluster.trace import Trace, fig13_trace

@@ -6,7 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from punica.cluster.placement import POLICIES, LeastLoadedPolicy, PunicaPolicy, RoundRobinPolicy
-from punica.cluster.policy import PolicyConfig
+from punica.cluster.policy_config import PolicyConfig
 
 
 def cluster(policy_class=PunicaPolicy, num_gpus=3, kv=100, **config):

@@ -10,7 +10,7 @@ import ray
 import torch
 
 from punica.cluster.placement import rendezvous
-from punica.cluster.policy import PolicyConfig
+from punica.cluster.policy_config import PolicyConfig
 from punica.cluster.ray_backend import ClusterEngine, Tracked, build_cluster_engine
 from punica.config import EngineArgs, EngineConfig
 from punica.engine.outputs import RequestOutput

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from punica.cli import build_parser, main
-from punica.cluster.policy import PolicyConfig
+from punica.cluster.policy_config import PolicyConfig
 from punica.cluster.simulator import SimConfig, Simulator
 from punica.cluster.step_time import Sample, StepTimeModel, fit
 from punica.cluster.trace import Trace, fig13_trace
