@@ -27,7 +27,7 @@ import asyncio
 import time
 from collections import Counter
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 
 import ray
 from ray.exceptions import RayActorError
@@ -35,6 +35,7 @@ from ray.exceptions import RayActorError
 from punica.cluster.placement import POLICIES, PunicaPolicy
 from punica.cluster.policy import ClusterPolicy
 from punica.cluster.policy_config import PolicyConfig
+from punica.cluster.tracked import Tracked
 from punica.cluster.worker import EngineWorker, StepResult, WorkerInfo
 from punica.config import EngineArgs, EngineConfig
 from punica.engine.admission import checked_prompt
@@ -45,29 +46,6 @@ from punica.engine.stats import EngineStats
 from punica.engine.structured import GrammarCompiler
 from punica.engine.tenancy import TenantLimitError, TenantShare, checked_shares, tenant_key
 from punica.lora.adapter import load_adapter
-
-
-@dataclass(eq=False)
-class Tracked:
-    """The driver's copy of one request: enough to resume it anywhere."""
-    request_id: str
-    prompt: str | None
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    adapter: str | None
-    tenant: str | None = None
-    cache_salt: str | None = None
-    output_token_ids: list[int] = field(default_factory=list)
-    outputs: asyncio.Queue = field(default_factory=asyncio.Queue)
-    gpu_id: int | None = None
-    num_migrations: int = 0
-    arrival_time: float = field(default_factory=time.monotonic)  # the driver's clock, as below
-    first_token_time: float | None = None
-    # the logprobs (and top logprobs) of the output tokens made on earlier workers: a worker's
-    # outputs hold those of the tokens it made itself
-    logprobs: list[float] = field(default_factory=list)
-    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
-    last_output: RequestOutput | None = None  # the latest output passed on, earlier workers' logprobs in
 
 
 class ClusterEngine:
@@ -163,7 +141,7 @@ class ClusterEngine:
         self.policy.finish(request_id)
         if tracked.gpu_id in self.workers:
             self.workers[tracked.gpu_id].abort.remote(request_id)
-        out = self._output(tracked, finished=True, finish_reason="abort")
+        out = tracked.output(finished=True, finish_reason="abort")
         tracked.outputs.put_nowait(out)
         self._place()
         return out
@@ -258,33 +236,6 @@ class ClusterEngine:
         if num_tracked + self._num_compiling[key] >= limit:
             raise TenantLimitError(key, limit)
 
-    @staticmethod
-    def _record_output(tracked: Tracked, out: RequestOutput, now: float) -> RequestOutput:
-        """A worker's output with the driver's prompt and latencies, and the logprobs of the tokens
-        earlier workers made before its own, kept as the request's last output and returned. The
-        worker only saw the request since it was last placed, so after a migration its own clock
-        starts late and its logprobs start short."""
-        if tracked.first_token_time is None and out.new_token_ids:
-            tracked.first_token_time = now
-        ttft = tpot = None
-        if tracked.first_token_time is not None:
-            ttft = tracked.first_token_time - tracked.arrival_time
-            if out.finished and len(tracked.output_token_ids) > 1:
-                tpot = (now - tracked.first_token_time) / (len(tracked.output_token_ids) - 1)
-        logprobs = {}
-        if out.logprobs is not None:
-            logprobs["logprobs"] = tracked.logprobs + out.logprobs
-        if out.top_logprobs is not None:
-            logprobs["top_logprobs"] = tracked.top_logprobs + out.top_logprobs
-        tracked.last_output = replace(out, prompt=tracked.prompt, prompt_token_ids=tracked.prompt_token_ids,
-                                      time_to_first_token=ttft, time_per_output_token=tpot, **logprobs)
-        return tracked.last_output
-
-    def _output(self, tracked: Tracked, **fields) -> RequestOutput:
-        return RequestOutput(request_id=tracked.request_id, prompt=tracked.prompt,
-                             prompt_token_ids=tracked.prompt_token_ids, adapter=tracked.adapter,
-                             token_ids=list(tracked.output_token_ids), tenant=tracked.tenant, **fields)
-
     def _place(self) -> None:
         for request_id, gpu_id in self.policy.schedule(time.monotonic()):
             tracked = self.requests[request_id]
@@ -305,8 +256,8 @@ class ClusterEngine:
         except Exception as e:  # the worker's ValueError, wrapped by Ray
             if self.requests.pop(tracked.request_id, None) is not None:
                 self.policy.finish(tracked.request_id)
-                tracked.outputs.put_nowait(self._output(tracked, finished=True, finish_reason="error",
-                                                        error=str(e.__cause__ or e)))
+                tracked.outputs.put_nowait(tracked.output(finished=True, finish_reason="error",
+                                                          error=str(e.__cause__ or e)))
 
     def _requeue(self, gpu_id: int, evicted: list[tuple[str, list[int]]]) -> None:
         """Requests a worker handed back wait to be placed again, with the tokens they have."""
@@ -368,7 +319,7 @@ class ClusterEngine:
             if tracked is None or tracked.gpu_id != gpu_id:
                 continue  # aborted, or handed back meanwhile
             tracked.output_token_ids.extend(out.new_token_ids)
-            tracked.outputs.put_nowait(self._record_output(tracked, out, now))
+            tracked.outputs.put_nowait(tracked.record(out, now))
             if out.finished:
                 del self.requests[out.request_id]
                 self.policy.finish(out.request_id, now)
@@ -389,12 +340,7 @@ class ClusterEngine:
         self._place()
 
     def _moved(self, tracked: Tracked) -> None:
-        last = tracked.last_output
-        if last is not None:  # what its next worker's outputs are to follow
-            tracked.logprobs = list(last.logprobs or [])
-            tracked.top_logprobs = list(last.top_logprobs or [])
-        tracked.gpu_id = None
-        tracked.num_migrations += 1
+        tracked.moved()
         self.num_migrations += 1
 
     def _scale(self) -> None:

@@ -11,7 +11,8 @@ import torch
 
 from punica.cluster.placement import rendezvous
 from punica.cluster.policy_config import PolicyConfig
-from punica.cluster.ray_backend import ClusterEngine, Tracked, build_cluster_engine
+from punica.cluster.ray_backend import build_cluster_engine
+from punica.cluster.tracked import Tracked
 from punica.config import EngineArgs, EngineConfig
 from punica.engine.outputs import RequestOutput
 from punica.engine.sampling_params import SamplingParams
@@ -228,8 +229,8 @@ def test_latencies_are_the_drivers_whichever_worker_ran_the_request():
     stale = dict(request_id="r", prompt=None, prompt_token_ids=[1, 2], adapter=None,
                  time_to_first_token=0.5, time_per_output_token=0.01)  # a worker's own clock
     tracked.output_token_ids = [7]
-    first = ClusterEngine._record_output(tracked, RequestOutput(**stale, new_token_ids=[7]), now=103.0)
+    first = tracked.record(RequestOutput(**stale, new_token_ids=[7]), now=103.0)
     assert first.time_to_first_token == 3.0 and first.time_per_output_token is None
     tracked.output_token_ids = list(range(8))  # migrated meanwhile, finished on another worker
-    last = ClusterEngine._record_output(tracked, RequestOutput(**stale, new_token_ids=[7], finished=True), now=110.0)
+    last = tracked.record(RequestOutput(**stale, new_token_ids=[7], finished=True), now=110.0)
     assert last.time_to_first_token == 3.0 and last.time_per_output_token == 1.0
