@@ -58,6 +58,7 @@ from safetensors.torch import load_file, save_file
 from benchmarks.common import save_figure, write_results
 from benchmarks.served import free_port, start_server
 from benchmarks.soak_clients import SYSTEM_PROMPT, Tally, Traffic, tenant
+from benchmarks.soak_connections import RawConnections
 from benchmarks.soak_hostile import MAX_REQUEST_BYTES, OPEN_HOSTILE_ADAPTERS, HostileTarget, hostile
 from benchmarks.soak_tenants import (
     BASE,
@@ -197,14 +198,14 @@ async def soak(args: argparse.Namespace, url: str, port: int, pid: int, root: Pa
         transport = httpx.AsyncHTTPTransport(local_address=HOSTILE_ADDRESS, limits=httpx.Limits(
             max_connections=64, keepalive_expiry=KEEPALIVE_S))
         async with httpx.AsyncClient(base_url=url, timeout=300, transport=transport) as hostile_client:
-            evil = HostileTenant(hostile_client, port, setup, root / "served", root / "hostile", secrets, tally.probe)
+            evil = HostileTenant(hostile_client, setup, root / "served", root / "hostile", secrets, tally.probe)
             target = HostileTarget((BASE, "evil-fine"), ("../x", "evil-" + "a" * 300, "", "evil-a b", "evil-ok",
                                                          "good-0-lora", "evil-\ud800"),
                                    root / "hostile", tuple(HOSTILE_ADAPTERS), evil.auth)
             jobs += [hostile(hostile_client, random.Random(args.seed), tally.probe, until, target),
                      evil.probes(random.Random(args.seed + 500), until),
                      evil.flood(random.Random(args.seed + 600), start, until),
-                     evil.connections(until)]
+                     RawConnections(port, setup.hostile.key, evil.record).connections(until)]
             for i, plan in enumerate(setup.good):
                 capped = plan.max_concurrent_requests is not None
                 for j in range(plan.max_concurrent_requests or 1):

@@ -14,14 +14,13 @@ endpoints, no key and wrong keys, JSON schemas and `choice` lists past the gramm
 costly one within them), bad `cache_salt`s, its /v1/models listing, and the exact prompts the good
 tenants sent on the base model (their `cached_tokens` must be 0: the prefix cache is private). It
 floods past its max_concurrent_requests in the second half of every FLOOD_PERIOD_S, and, from an
-address of its own, holds connections the ways a slowloris does: idle ones past its per-client cap,
-a head that never ends, a body shorter than its Content-Length.
+address of its own, holds connections the ways a slowloris does (benchmarks.soak_connections): idle
+ones past its per-client cap, a head that never ends, a body shorter than its Content-Length.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 import secrets
 import string
 import time
@@ -35,11 +34,9 @@ from punica.server.tenants import hash_key
 
 BASE = "base"  # --served-model-name
 HOSTILE_ADDRESS = "127.0.0.2"  # the hostile tenant's HTTP requests (the good tenants' come from 127.0.0.1)
-RAW_ADDRESS = "127.0.0.3"      # its raw connections, counted against their own per-client cap
 MAX_CONNECTIONS_PER_CLIENT = 64
 HEADER_TIMEOUT_S = 6.0  # over httpx's keep-alive expiry (5 s): a client never sends on a connection the server closes
 BODY_TIMEOUT_S = 3.0
-CLOSE_SLACK_S = 10.0    # a connection the server must close may take this much longer on a busy machine
 MAX_GRAMMAR_CHARS = 1 << 16
 MAX_GRAMMAR_DEPTH = 64
 CAPPED_CONCURRENCY = 2  # good-0's max_concurrent_requests, and the requests its client keeps in flight
@@ -196,12 +193,12 @@ def small_schema(rng) -> dict:
 
 
 class HostileTenant:
-    """The hostile tenant's probes, flood and raw connections. `record(kind, outcome, problem)`
-    counts one probe and its outcome, a failure when `problem` is not None."""
+    """The hostile tenant's HTTP probes and flood (its raw connections: benchmarks.soak_connections).
+    `record(kind, outcome, problem)` counts one probe and its outcome, a failure when `problem` is not None."""
 
-    def __init__(self, client: httpx.AsyncClient, port: int, setup: TenantsSetup, served_dir: Path,
-                 hostile_dir: Path, secret_prompts: Secrets, record: Callable[[str, object, str | None], None]):
-        self.client, self.port, self.setup = client, port, setup
+    def __init__(self, client: httpx.AsyncClient, setup: TenantsSetup, served_dir: Path, hostile_dir: Path,
+                 secret_prompts: Secrets, record: Callable[[str, object, str | None], None]):
+        self.client, self.setup = client, setup
         self.served_dir, self.hostile_dir = served_dir, hostile_dir
         self.secrets, self._record = secret_prompts, record
         self.auth = auth(setup.hostile.key)
@@ -218,8 +215,7 @@ class HostileTenant:
 
     # HTTP probes ------------------------------------------------------------------------------
     async def probes(self, rng, until: float) -> None:
-        kinds = [k for k in EXPECTED if hasattr(self, k) and k not in ("flood", "idle_connections", "slowloris",
-                                                                         "short_body")]
+        kinds = [k for k in EXPECTED if hasattr(self, k) and k != "flood"]
         while time.monotonic() < until:
             kind = rng.choice(kinds)
             await getattr(self, kind)(rng)
@@ -341,63 +337,3 @@ class HostileTenant:
                 await self.costly_schema(rng, "flood_grammar")
             else:
                 self.check("flood", await self._completion({"max_tokens": 24, "ignore_eos": True}))
-
-    # raw connections ------------------------------------------------------------------------
-    async def _open(self) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
-        return await asyncio.open_connection("127.0.0.1", self.port, local_addr=(RAW_ADDRESS, 0))
-
-    @staticmethod
-    async def _answer(reader: asyncio.StreamReader, deadline: float, writer: asyncio.StreamWriter | None = None,
-                      drip: bytes = b"") -> str | int:
-        """What the server does with a connection by `deadline`: the status of its answer, "closed"
-        (closed without one) or "open after N s". With `drip`, those bytes are sent every second meanwhile."""
-        data = b""
-        while (left := deadline - time.monotonic()) > 0:
-            try:
-                chunk = await asyncio.wait_for(reader.read(65536), timeout=min(left, 1.0) if drip else left)
-            except TimeoutError:
-                if drip:
-                    try:
-                        writer.write(drip)
-                        await writer.drain()
-                    except ConnectionError:
-                        return "closed"
-                continue
-            except ConnectionError:
-                chunk = b""
-            if not chunk:
-                return int(data.split(b" ", 2)[1]) if data.startswith(b"HTTP/1.1 ") else "closed"
-            data += chunk
-        return f"open after {CLOSE_SLACK_S:g} s past the timeout"
-
-    async def connections(self, until: float) -> None:
-        while time.monotonic() < until:
-            await self.idle_connections()
-            await self.slowloris()
-            await self.short_body()
-
-    async def idle_connections(self) -> None:
-        """Idle connections (nothing sent) past its per-client cap: each closed, at the header timeout or
-        for a newer connection, or refused with 503 while every other one is newer than a second."""
-        opened = [await self._open() for _ in range(MAX_CONNECTIONS_PER_CLIENT + 8)]
-        deadline = time.monotonic() + HEADER_TIMEOUT_S + CLOSE_SLACK_S
-        outcomes = await asyncio.gather(*(self._answer(reader, deadline) for reader, _ in opened))
-        for (_, writer), outcome in zip(opened, outcomes):
-            writer.close()
-            self.record("idle_connections", outcome)
-
-    async def slowloris(self) -> None:
-        reader, writer = await self._open()
-        writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: soak\r\n")
-        deadline = time.monotonic() + HEADER_TIMEOUT_S + CLOSE_SLACK_S
-        self.record("slowloris", await self._answer(reader, deadline, writer, drip=b"X-Slow: 1\r\n"))
-        writer.close()
-
-    async def short_body(self) -> None:
-        reader, writer = await self._open()
-        body = json.dumps({"model": BASE, "prompt": "Hi"}).encode()
-        writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: soak\r\nContent-Type: application/json\r\n"
-                     + f"Authorization: Bearer {self.setup.hostile.key}\r\n".encode()
-                     + f"Content-Length: {len(body) + 1000}\r\n\r\n".encode() + body)
-        self.record("short_body", await self._answer(reader, time.monotonic() + BODY_TIMEOUT_S + CLOSE_SLACK_S))
-        writer.close()
