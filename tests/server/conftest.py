@@ -132,6 +132,12 @@ def adapter_dirs(tmp_path_factory):
     return served, root / "loadable"
 
 
+@pytest.fixture(scope="module")
+def private_dir(tmp_path_factory):
+    """An adapter directory of one test module's own server alone, for the broken adapters its tests write."""
+    return tmp_path_factory.mktemp("private-adapters")
+
+
 @pytest.fixture(scope="session")
 def server(adapter_dirs, start_server):
     """The server of the session, shared by every module that asks for it: a test that changes

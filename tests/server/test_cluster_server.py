@@ -18,12 +18,6 @@ pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("ray")]  # Ray tests sha
 
 
 @pytest.fixture(scope="module")
-def private_dir(tmp_path_factory):
-    """An adapter directory of this server alone, for the broken adapter a test writes."""
-    return tmp_path_factory.mktemp("cluster-adapters")
-
-
-@pytest.fixture(scope="module")
 def cluster_server(adapter_dirs, private_dir, start_server):
     served, loadable = adapter_dirs
     state = build_state(EngineArgs(max_batch_size=4, workers=2), adapters=served)

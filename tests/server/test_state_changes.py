@@ -16,12 +16,6 @@ pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def private_dir(tmp_path_factory):
-    """An adapter directory of this server alone, for the broken adapters the tests write."""
-    return tmp_path_factory.mktemp("private-adapters")
-
-
-@pytest.fixture(scope="module")
 def own(adapter_dirs, private_dir, start_server):
     served, loadable = adapter_dirs
     state = build_state(EngineArgs(max_batch_size=8, max_loras=2), adapters={"tenant-0": served["tenant-0"]})
