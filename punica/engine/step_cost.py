@@ -28,7 +28,9 @@ overrun, stays within `max_itl_ratio` times the decode-only step of the same dec
 never fewer than MIN_CHUNK (the floor), so a prompt keeps advancing where a step's cost beside a long
 cached context leaves room for few tokens, unless the floor's step would pass FLOOR_HEADROOM times
 that bound: then the most tokens within it, one at least. (On a 2-core CPU far into a 4k-token
-prompt, an 8-token chunk's step took 2.8-3.1x the decode-only step.) The steady step is the median of what
+prompt, an 8-token chunk's step took 2.8-3.1x the decode-only step; with a headroom of 1.1 the
+stream beside it kept its largest gap within 2.46-2.75x its steady gap, 2.82-3.38x at 1.25, for a
+first token 20-35% later: docs/benchmarks.md.) The steady step is the median of what
 the decodes' last STEADY_STEPS decode-only steps took, as measured, each moved to these decodes by
 what the model gives for the change from that step's decodes to these. Not a model's prediction
 for those steps: one fitted to decode-only steps alone, with forgetting, over steps of other
@@ -83,7 +85,7 @@ from punica.engine.scheduler_output import SchedulerOutput
 FORGETTING = 0.995          # a step's weight in the fit shrinks by this factor per later step
 RIDGE = 1e-6                # on the scaled features but c0: solvable before every feature has varied
 MIN_CHUNK = 8               # prompt tokens a step beside decodes computes at least, within FLOOR_HEADROOM
-FLOOR_HEADROOM = 1.25       # how far past the ratio's bound the floor's step may go (module docstring)
+FLOOR_HEADROOM = 1.1        # how far past the ratio's bound the floor's step may go (module docstring)
 NUM_FEATURES = 5
 OVERRUN_WINDOW = 32         # steps with prompt tokens whose overrun is kept
 OVERRUN_QUANTILE = 0.9
