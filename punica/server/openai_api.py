@@ -226,7 +226,7 @@ class OpenAIHandlers:
             else:
                 items.append({"index": c.index, "text": c.echo + out.text, "finish_reason": out.finish_reason,
                               "logprobs": self.logprobs.completion(out.token_ids, out.logprobs, out.top_logprobs,
-                                                                    out)})
+                                                                   out)})
         return {**meta, "object": kind, "choices": items, "usage": usage([c.prompt_ids for c in choices], finals)}
 
     async def _stream(self, kind: str, meta: dict, choices: list[Choice], gens, head: RequestOutput | None,
@@ -301,7 +301,7 @@ class OpenAIHandlers:
         echo, deltas.echo = deltas.echo, ""
         first, deltas.first = deltas.first, False
         logprobs = self.logprobs.completion(out.new_token_ids, new_logprobs, new_tops, out if first else None,
-                                             deltas.text_offset)
+                                            deltas.text_offset)
         if logprobs is not None and logprobs["tokens"]:
             deltas.text_offset = logprobs["text_offset"][-1] + len(logprobs["tokens"][-1])
         return {"index": c.index, "text": echo + out.new_text, "finish_reason": reason, "logprobs": logprobs}
